@@ -1,0 +1,176 @@
+"""The paged KV pool's bookkeeping: block allocation, reference counts and the prefix cache.
+
+Prefix caching hashes each *full* block of a sequence's tokens, chained through its parent's hash and seeded
+by the model's identity, with blake2b (stable across processes; never Python's `hash()`). A block whose last
+reference is dropped keeps its hash and stays matchable until it is evicted for reuse, least recently freed
+first. Only full, computed blocks are ever shared, so a sequence writes only into blocks it owns alone.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from array import array
+from collections import OrderedDict
+from collections.abc import Sequence as Seq
+from dataclasses import dataclass
+
+from trillm.kernels.layout import RESERVED_BLOCK
+from trillm.engine.sequence import Sequence
+
+
+def hash_block(parent: bytes, token_ids: Seq[int]) -> bytes:
+    """Chained block hash: blake2b(parent || int32 token ids)."""
+    return hashlib.blake2b(parent + array("i", token_ids).tobytes(), digest_size=16).digest()
+
+
+def root_hash(model_id: str) -> bytes:
+    return hashlib.blake2b(b"trillm-prefix-v1:" + model_id.encode(), digest_size=16).digest()
+
+
+@dataclass(slots=True)
+class Block:
+    block_id: int
+    ref_count: int = 0
+    hash: bytes | None = None  # set once the block is full and computed
+
+
+class BlockManager:
+    def __init__(self, num_blocks: int, block_size: int, *, model_id: str = "", enable_prefix_caching: bool = True) -> None:
+        assert num_blocks >= 2
+        self.block_size = block_size
+        self.num_blocks = num_blocks
+        self.enable_prefix_caching = enable_prefix_caching
+        self._root = root_hash(model_id)
+        self.blocks = [Block(i) for i in range(num_blocks)]
+        # ref_count == 0 blocks, least recently freed first; RESERVED_BLOCK is never handed out.
+        self._free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks) if i != RESERVED_BLOCK)
+        self._cached: dict[bytes, int] = {}  # block hash -> block id
+        self.num_queried_tokens = 0
+        self.num_hit_tokens = 0
+
+    # ---- sizes -------------------------------------------------------------------------------------------
+    @property
+    def num_usable_blocks(self) -> int:
+        return self.num_blocks - 1
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self._free)
+
+    @property
+    def num_used_blocks(self) -> int:
+        return self.num_usable_blocks - len(self._free)
+
+    @property
+    def num_cached_free_blocks(self) -> int:
+        return sum(1 for b in self._free if self.blocks[b].hash is not None)
+
+    def blocks_needed(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    # ---- prefix cache ------------------------------------------------------------------------------------
+    def _extend_hashes(self, seq: Sequence) -> None:
+        """Compute the chained hash of every full block of seq.token_ids not hashed yet."""
+        bs = self.block_size
+        for i in range(len(seq.block_hashes), seq.num_tokens // bs):
+            parent = seq.block_hashes[i - 1] if i else self._root
+            seq.block_hashes.append(hash_block(parent, seq.token_ids[i * bs : (i + 1) * bs]))
+
+    def _match(self, seq: Sequence) -> list[int]:
+        """Cached blocks for the longest prefix of seq's tokens, leaving at least its last token to compute
+        (its logits are needed, so a full-prompt hit recomputes the last block)."""
+        if not self.enable_prefix_caching:
+            return []
+        self._extend_hashes(seq)
+        hits: list[int] = []
+        max_blocks = (seq.num_tokens - 1) // self.block_size
+        for h in seq.block_hashes[:max_blocks]:
+            block_id = self._cached.get(h)
+            if block_id is None:
+                break
+            hits.append(block_id)
+        return hits
+
+    # ---- allocation --------------------------------------------------------------------------------------
+    def can_allocate(self, seq: Sequence) -> bool:
+        hits = self._match(seq)
+        need = self.blocks_needed(seq.num_tokens) - len(hits)
+        # Hit blocks that are free now stop being free once taken.
+        reclaimed = sum(1 for b in hits if self.blocks[b].ref_count == 0)
+        return need + reclaimed <= self.num_free_blocks
+
+    def allocate(self, seq: Sequence) -> None:
+        """Give seq blocks for all its current tokens, reusing cached prefix blocks."""
+        assert not seq.block_table
+        hits = self._match(seq)
+        for block_id in hits:
+            block = self.blocks[block_id]
+            if block.ref_count == 0:
+                del self._free[block_id]
+            block.ref_count += 1
+        seq.block_table = hits + [self._take_free() for _ in range(self.blocks_needed(seq.num_tokens) - len(hits))]
+        seq.num_computed_tokens = len(hits) * self.block_size
+        seq.num_hashed_blocks = len(hits)
+        self.num_queried_tokens += seq.num_tokens
+        self.num_hit_tokens += seq.num_computed_tokens
+
+    def _take_free(self) -> int:
+        block_id, _ = self._free.popitem(last=False)
+        block = self.blocks[block_id]
+        assert block.ref_count == 0
+        if block.hash is not None:  # evict its prefix-cache entry
+            if self._cached.get(block.hash) == block_id:
+                del self._cached[block.hash]
+            block.hash = None
+        block.ref_count = 1
+        return block_id
+
+    def deallocate(self, seq: Sequence) -> None:
+        # Tail blocks first, so a prefix's head outlives its tail in the LRU order.
+        for block_id in reversed(seq.block_table):
+            block = self.blocks[block_id]
+            block.ref_count -= 1
+            assert block.ref_count >= 0
+            if block.ref_count == 0:
+                self._free[block_id] = None
+        seq.block_table = []
+        seq.num_computed_tokens = 0
+        seq.num_hashed_blocks = 0
+
+    def can_append(self, seq: Sequence, num_new_tokens: int = 1) -> bool:
+        return self.blocks_needed(seq.num_computed_tokens + num_new_tokens) - len(seq.block_table) <= self.num_free_blocks
+
+    def may_append(self, seq: Sequence, num_new_tokens: int = 1) -> None:
+        """Make sure seq has slots for its next num_new_tokens computed tokens."""
+        for _ in range(self.blocks_needed(seq.num_computed_tokens + num_new_tokens) - len(seq.block_table)):
+            seq.block_table.append(self._take_free())
+
+    def register_computed(self, seq: Sequence) -> None:
+        """Publish seq's newly full, computed blocks to the prefix cache."""
+        if not self.enable_prefix_caching:
+            return
+        full = seq.num_computed_tokens // self.block_size
+        if full <= seq.num_hashed_blocks:
+            return
+        self._extend_hashes(seq)
+        for i in range(seq.num_hashed_blocks, full):
+            block = self.blocks[seq.block_table[i]]
+            h = seq.block_hashes[i]
+            if block.hash is None and h not in self._cached:
+                block.hash = h
+                self._cached[h] = block.block_id
+        seq.num_hashed_blocks = full
+
+    def check_invariants(self, live: list[Sequence]) -> None:
+        """Blocks are conserved: each live reference is counted once, and free means unreferenced."""
+        refs = [0] * self.num_blocks
+        for seq in live:
+            for b in seq.block_table:
+                refs[b] += 1
+        for block in self.blocks:
+            if block.block_id == RESERVED_BLOCK:
+                continue
+            assert block.ref_count == refs[block.block_id], (block, refs[block.block_id])
+            assert (block.ref_count == 0) == (block.block_id in self._free), block
+        for h, b in self._cached.items():
+            assert self.blocks[b].hash == h

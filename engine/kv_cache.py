@@ -1,0 +1,159 @@
+"""A paged KV cache that mlx-lm's model code drives unmodified, backed by the shared block pool.
+
+mlx-lm's attention layers call `cache.update_and_fetch(keys, values)`, read `cache.offset` for RoPE and ask
+`cache.make_mask(...)` (through `create_attention_mask`). `PagedKVCache` answers all three for a ragged
+batch: per-row offsets, writes through `trillm.kernels.kv_write`, and a dense view through `kv_gather`.
+
+THE attention seam (the only one): `install_paged_attention(model)` rebinds `scaled_dot_product_attention`
+in the model's own modules to `paged_sdpa`, which sends paged caches to `trillm.kernels.paged_attention`
+(Metal/CUDA kernels, or the pure-mx reference on CPU) and everything else to mlx-lm's original. Without the
+seam the model still runs correctly on the gathered K/V and the mask; MLX's laziness means the unused
+gather costs nothing when the seam is in place.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from trillm.kernels.kv_cache import kv_gather, kv_write
+from trillm.kernels.paged_attention import paged_attention
+
+
+@dataclass(frozen=True, slots=True)
+class BatchLayout:
+    """Where one forward's new tokens go and what they attend to. Shapes per kernels/layout.py."""
+
+    block_tables: mx.array  # int32 [B, max_blocks]
+    context_lens: mx.array  # int32 [B], including this forward's tokens
+    slot_mapping: mx.array  # int32 [B * L]
+    offsets: mx.array  # int32 [B]: absolute position of each row's first new token (RoPE offset)
+    max_context_len: int  # host copy of max(context_lens)
+    num_new_tokens: int  # L
+
+
+class KVPool:
+    """Per-layer K and V pools, [num_blocks, block_size, num_kv_heads, head_dim] each."""
+
+    def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: mx.Dtype) -> None:
+        shape = (num_blocks, block_size, num_kv_heads, head_dim)
+        self.block_size = block_size
+        self.keys = [mx.zeros(shape, dtype) for _ in range(num_layers)]
+        self.values = [mx.zeros(shape, dtype) for _ in range(num_layers)]
+        mx.eval(self.keys, self.values)
+        self.layout: BatchLayout | None = None
+
+    @property
+    def nbytes(self) -> int:
+        return sum(a.nbytes for a in self.keys) + sum(a.nbytes for a in self.values)
+
+    @staticmethod
+    def bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: mx.Dtype) -> int:
+        return 2 * num_layers * block_size * num_kv_heads * head_dim * dtype.size
+
+    def caches(self) -> list[PagedKVCache]:
+        return [PagedKVCache(self, i) for i in range(len(self.keys))]
+
+    def arrays(self) -> list[mx.array]:
+        return self.keys + self.values
+
+
+class PagedKVCache:
+    """One layer's view of the pool, for the forward described by `pool.layout`."""
+
+    def __init__(self, pool: KVPool, layer: int) -> None:
+        self.pool = pool
+        self.layer = layer
+
+    @property
+    def _layout(self) -> BatchLayout:
+        assert self.pool.layout is not None, "set pool.layout before the forward"
+        return self.pool.layout
+
+    @property
+    def offset(self) -> mx.array:
+        return self._layout.offsets
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+        # keys, values: [B, Hkv, L, D] -> pool slots
+        B, H, L, D = keys.shape
+        lay = self._layout
+        flat_k = keys.transpose(0, 2, 1, 3).reshape(B * L, H, D)
+        flat_v = values.transpose(0, 2, 1, 3).reshape(B * L, H, values.shape[-1])
+        pool = self.pool
+        pool.keys[self.layer], pool.values[self.layer] = kv_write(
+            pool.keys[self.layer], pool.values[self.layer], flat_k, flat_v, lay.slot_mapping)
+        # Dense view for models that bypass the seam; lazy, so free when unused.
+        max_len = self._padded_len()
+        return (kv_gather(pool.keys[self.layer], lay.block_tables, max_len),
+                kv_gather(pool.values[self.layer], lay.block_tables, max_len))
+
+    def _padded_len(self) -> int:
+        bs = self.pool.block_size
+        return -(-self._layout.max_context_len // bs) * bs
+
+    def make_mask(self, N: int, return_array: bool = False, window_size: int | None = None, **_: Any) -> mx.array:
+        # Bool [B, 1, N, Lk]: query i of row b (position ctx_b - N + i) sees keys at positions <= its own.
+        lay = self._layout
+        k_pos = mx.arange(self._padded_len())[None, None, :]
+        q_pos = (lay.context_lens[:, None] - N + mx.arange(N)[None, :])[:, :, None]
+        mask = k_pos <= q_pos
+        if window_size is not None:
+            mask = mask & (k_pos > q_pos - window_size)
+        return mask[:, None]
+
+    def attend(self, queries: mx.array, *, scale: float, sinks: mx.array | None = None) -> mx.array:
+        lay = self._layout
+        return paged_attention(queries, self.pool.keys[self.layer], self.pool.values[self.layer],
+                               lay.block_tables, lay.context_lens, scale=scale, sinks=sinks)
+
+    # mlx-lm's cache protocol, for code that inspects caches.
+    def is_trimmable(self) -> bool:
+        return False
+
+    @property
+    def state(self) -> tuple[mx.array, mx.array]:
+        return self.pool.keys[self.layer], self.pool.values[self.layer]
+
+    def empty(self) -> bool:
+        return False
+
+    @property
+    def nbytes(self) -> int:
+        return self.pool.keys[self.layer].nbytes + self.pool.values[self.layer].nbytes
+
+
+_SDPA = "scaled_dot_product_attention"
+
+
+def _make_paged_sdpa(original: Callable[..., mx.array]) -> Callable[..., mx.array]:
+    def paged_sdpa(queries: mx.array, keys: mx.array, values: mx.array, cache: Any, scale: float,
+                   mask: Any = None, sinks: mx.array | None = None, **kwargs: Any) -> mx.array:
+        if isinstance(cache, PagedKVCache):
+            return cache.attend(queries, scale=scale, sinks=sinks)
+        return original(queries, keys, values, cache=cache, scale=scale, mask=mask, sinks=sinks, **kwargs)
+
+    paged_sdpa.__trillm_original__ = original  # type: ignore[attr-defined]
+    return paged_sdpa
+
+
+def install_paged_attention(model: nn.Module) -> list[str]:
+    """Route the model's attention through trillm.kernels.paged_attention. Returns the patched modules.
+
+    Non-paged caches keep mlx-lm's behaviour, so the rebinding is harmless to other users of the module.
+    """
+    patched = []
+    for name in sorted({type(m).__module__ for _, m in model.named_modules()} | {type(model).__module__}):
+        mod = sys.modules.get(name)
+        fn = getattr(mod, _SDPA, None)
+        if fn is None:
+            continue
+        if not hasattr(fn, "__trillm_original__"):
+            setattr(mod, _SDPA, _make_paged_sdpa(fn))
+        patched.append(name)
+    return patched

@@ -1,0 +1,167 @@
+"""Vectorized sampling over a batch of rows, each with its own parameters.
+
+Greedy rows take the argmax. Other rows use the Gumbel-max trick on filtered, temperature-scaled logits.
+A seeded row draws its noise from a key derived from (seed, output index) only, so the same seed gives the
+same text whatever else shares the batch.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+
+import mlx.core as mx
+
+from trillm.engine.sampling_params import SamplingParams
+
+_NEG_INF = float("-inf")
+
+
+@dataclass(slots=True)
+class SampleRow:
+    """What the sampler needs to know about one row."""
+
+    params: SamplingParams
+    output_index: int  # how many tokens this request has generated so far
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+    banned_token_ids: tuple[int, ...] = ()  # e.g. EOS before min_tokens
+
+
+@dataclass(slots=True)
+class SampleResult:
+    token_ids: list[int]
+    logprobs: list[float] | None  # chosen tokens' logprobs, when any row asked
+    top_logprobs: list[list[tuple[int, float]]] | None
+
+
+def _row_key(seed: int, index: int) -> mx.array:
+    digest = hashlib.blake2b(f"{seed}:{index}".encode(), digest_size=8).digest()
+    return mx.random.key(int.from_bytes(digest, "little") & ((1 << 63) - 1))
+
+
+class Sampler:
+    def __init__(self, seed: int = 0) -> None:
+        self._seed = seed
+        self._draws = 0  # unseeded rows still get a reproducible stream per engine
+
+    def __call__(self, logits: mx.array, rows: list[SampleRow]) -> SampleResult:
+        # logits: [N, V]
+        logits = logits.astype(mx.float32)
+        N, V = logits.shape
+        logits = self._apply_biases(logits, rows, V)
+
+        want_lp = any(r.params.logprobs or r.params.top_logprobs for r in rows)
+        greedy = mx.argmax(logits, axis=-1)
+        sampled_rows = [i for i, r in enumerate(rows) if not r.params.greedy]
+        if sampled_rows:
+            tokens = self._sample(logits, rows, sampled_rows, greedy)
+        else:
+            tokens = greedy
+
+        to_eval: list[mx.array] = [tokens]
+        lp_chosen = top_ids = top_vals = None
+        if want_lp:
+            logp = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+            lp_chosen = mx.take_along_axis(logp, tokens[:, None], axis=-1)[:, 0]
+            to_eval.append(lp_chosen)
+            k = max(r.params.top_logprobs for r in rows)
+            if k:
+                top_ids = mx.argsort(-logp, axis=-1)[:, :k]
+                top_vals = mx.take_along_axis(logp, top_ids, axis=-1)
+                to_eval += [top_ids, top_vals]
+        mx.eval(*to_eval)
+        token_list = tokens.tolist()
+        if not want_lp:
+            return SampleResult(token_list, None, None)
+        assert lp_chosen is not None
+        top: list[list[tuple[int, float]]] = [[] for _ in rows]
+        if top_ids is not None and top_vals is not None:
+            ids, vals = top_ids.tolist(), top_vals.tolist()
+            for i, r in enumerate(rows):
+                top[i] = list(zip(ids[i][: r.params.top_logprobs], vals[i][: r.params.top_logprobs]))
+        return SampleResult(token_list, lp_chosen.tolist(), top)
+
+    def _apply_biases(self, logits: mx.array, rows: list[SampleRow], V: int) -> mx.array:
+        """Penalties, logit_bias and banned tokens; built only for rows that need them."""
+        r_idx: list[int] = []
+        c_idx: list[int] = []
+        vals: list[float] = []
+        for i, r in enumerate(rows):
+            for tok, bias in r.params.logit_bias:
+                if 0 <= tok < V:
+                    r_idx.append(i), c_idx.append(tok), vals.append(bias)
+            for tok in r.banned_token_ids:
+                if 0 <= tok < V:
+                    r_idx.append(i), c_idx.append(tok), vals.append(_NEG_INF)
+        if r_idx:
+            add = mx.zeros(logits.shape, mx.float32)
+            add = add.at[mx.array(r_idx), mx.array(c_idx)].add(mx.array(vals, mx.float32))
+            logits = logits + add
+
+        pen_rows = [i for i, r in enumerate(rows) if r.params.needs_penalties]
+        if pen_rows:
+            counts = mx.zeros(logits.shape, mx.float32)  # generated-token counts
+            seen = mx.zeros(logits.shape, mx.float32)  # prompt or generated
+            cr: list[int] = []
+            cc: list[int] = []
+            sr: list[int] = []
+            sc: list[int] = []
+            rep = [1.0] * len(rows)
+            pres = [0.0] * len(rows)
+            freq = [0.0] * len(rows)
+            for i in pen_rows:
+                p = rows[i].params
+                rep[i], pres[i], freq[i] = p.repetition_penalty, p.presence_penalty, p.frequency_penalty
+                cr += [i] * len(rows[i].output_token_ids)
+                cc += rows[i].output_token_ids
+                if p.repetition_penalty != 1.0:
+                    uniq = set(rows[i].prompt_token_ids) | set(rows[i].output_token_ids)
+                    sr += [i] * len(uniq)
+                    sc += list(uniq)
+            if cr:
+                counts = counts.at[mx.array(cr), mx.array(cc)].add(1.0)
+            if sr:
+                seen = seen.at[mx.array(sr), mx.array(sc)].add(1.0)
+            rep_a = mx.array(rep)[:, None]
+            penalized = mx.where(logits > 0, logits / rep_a, logits * rep_a)
+            logits = mx.where(seen > 0, penalized, logits)
+            logits = logits - mx.array(freq)[:, None] * counts - mx.array(pres)[:, None] * (counts > 0)
+        return logits
+
+    def _sample(self, logits: mx.array, rows: list[SampleRow], idx: list[int], greedy: mx.array) -> mx.array:
+        sub = logits[mx.array(idx)]
+        ps = [rows[i].params for i in idx]
+        temp = mx.array([p.temperature for p in ps], mx.float32)[:, None]
+        sub = sub / temp
+        if any(p.top_k > 0 or p.top_p < 1.0 for p in ps):
+            sorted_desc = -mx.sort(-sub, axis=-1)
+            V = sub.shape[-1]
+            if any(p.top_k > 0 for p in ps):
+                kth = mx.array([min(p.top_k, V) - 1 if p.top_k > 0 else V - 1 for p in ps])
+                thresh = mx.take_along_axis(sorted_desc, kth[:, None], axis=-1)
+                sub = mx.where(sub < thresh, _NEG_INF, sub)
+                sorted_desc = mx.where(mx.arange(V)[None] > kth[:, None], _NEG_INF, sorted_desc)
+            if any(p.top_p < 1.0 for p in ps):
+                top_p = mx.array([p.top_p for p in ps], mx.float32)[:, None]
+                probs = mx.softmax(sorted_desc, axis=-1)
+                before = mx.cumsum(probs, axis=-1) - probs  # mass strictly above each candidate
+                keep = before < top_p
+                thresh = mx.min(mx.where(keep, sorted_desc, float("inf")), axis=-1, keepdims=True)
+                sub = mx.where(sub < thresh, _NEG_INF, sub)
+        if any(p.min_p > 0.0 for p in ps):
+            min_p = mx.array([p.min_p for p in ps], mx.float32)[:, None]
+            logp = sub - mx.logsumexp(sub, axis=-1, keepdims=True)
+            top = mx.max(logp, axis=-1, keepdims=True)
+            sub = mx.where(logp < top + mx.log(mx.maximum(min_p, 1e-30)), _NEG_INF, sub)
+        noise = mx.stack([self._noise(rows[i], sub.shape[-1]) for i in idx])
+        picked = mx.argmax(sub + noise, axis=-1)
+        return greedy.at[mx.array(idx)].add(picked - greedy[mx.array(idx)])
+
+    def _noise(self, row: SampleRow, V: int) -> mx.array:
+        if row.params.seed is not None:
+            key = _row_key(row.params.seed, row.output_index)
+        else:
+            self._draws += 1
+            key = _row_key(self._seed, -self._draws)
+        return mx.random.gumbel(shape=(V,), key=key)
