@@ -7,15 +7,13 @@ from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
-import mlx.core as mx
-
 from trillm.engine.block_manager import BlockManager
 from trillm.engine.config import EngineConfig
 from trillm.engine.detokenizer import IncrementalDetokenizer, StopStringMatcher
 from trillm.engine.errors import InvalidRequest, UnknownRequest
 from trillm.engine.kv_cache import KVPool
 from trillm.engine.loader import LoadedModel, load_model
-from trillm.engine.model_runner import ModelRunner
+from trillm.engine.model_runner import ModelRunner, Runner
 from trillm.engine.outputs import EngineStatistics, FinishReason, RequestOutput, TokenLogprob, Usage
 from trillm.engine.sampler import SampleRow, Sampler
 from trillm.engine.sampling_params import SamplingParams
@@ -41,7 +39,13 @@ class _Delta:
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig | None = None, *, loaded: LoadedModel | None = None) -> None:
+    def __init__(self, config: EngineConfig | None = None, *, loaded: LoadedModel | None = None,
+                 runner_factory: Callable[[int], Runner] | None = None) -> None:
+        """Load config.model (unless `loaded` is given) and size the KV pool.
+
+        runner_factory(num_blocks) replaces the MLX ModelRunner (the mock engine's timing-model runner);
+        `loaded` then only needs the tokenizer and the model's facts, not weights.
+        """
         self.config = config = config or EngineConfig()
         self.loaded = loaded or load_model(config.model, dtype=config.dtype)
         lm = self.loaded
@@ -61,8 +65,11 @@ class LLMEngine:
         self.block_manager = BlockManager(num_blocks, bs, model_id=lm.model_id,
                                           enable_prefix_caching=config.enable_prefix_caching)
         self.scheduler = Scheduler(config, self.block_manager, self.max_model_len)
-        pool = KVPool(lm.num_layers, num_blocks, bs, lm.num_kv_heads, lm.head_dim, lm.dtype)
-        self.runner = ModelRunner(lm.model, pool, Sampler(config.seed))
+        if runner_factory is not None:
+            self.runner: Runner = runner_factory(num_blocks)
+        else:
+            pool = KVPool(lm.num_layers, num_blocks, bs, lm.num_kv_heads, lm.head_dim, lm.dtype)
+            self.runner = ModelRunner(lm.model, pool, Sampler(config.seed))
         self._requests: dict[str, _Request] = {}
         self._num_steps = 0
         self._num_prompt_tokens = 0

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Protocol
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -38,6 +39,16 @@ def _layout(seqs: list[Sequence], starts: list[int], num_new: int, block_size: i
         max_context_len=max(ctx),
         num_new_tokens=num_new,
     )
+
+
+SampledToken = tuple[Sequence, int, SampleResult, int]  # (seq, token id, the batch's result, its row there)
+
+
+class Runner(Protocol):
+    """What LLMEngine needs from a runner: run one scheduled step, return a token per sampled sequence."""
+
+    def run(self, batch: ScheduledBatch, rows: Callable[[Sequence], SampleRow],
+            check_abort: Callable[[], None] | None = None) -> list[SampledToken]: ...
 
 
 class ModelRunner:
@@ -82,7 +93,7 @@ class ModelRunner:
         return self._inner.embed_tokens.as_linear(h)
 
     def run(self, batch: ScheduledBatch, rows: Callable[[Sequence], SampleRow],
-            check_abort: Callable[[], None] | None = None) -> list[tuple[Sequence, int, SampleResult, int]]:
+            check_abort: Callable[[], None] | None = None) -> list[SampledToken]:
         """Run every forward of the step and sample. Returns (seq, token, result, row index) per sampled seq."""
         logits: list[mx.array] = []
         sampled: list[Sequence] = []
