@@ -1,0 +1,34 @@
+import trillm.kernels  # BLAS first  # noqa: F401, I001
+
+"""Shared session fixtures: a tiny random llama folder, it loaded, and the real default model (SmolLM2)."""
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tiny_model import build_tiny_model
+from trillm.engine.errors import ModelNotFound
+from trillm.engine.loader import LoadedModel, default_model_path, load_model
+
+
+@pytest.fixture(scope="session")
+def tiny_model_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """An HF-style MLX llama folder (2 layers, hidden 128, GQA 4/2, vocab ~512, fp32), built once."""
+    return build_tiny_model(tmp_path_factory.mktemp("models") / "tiny-llama", seed=0)
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tiny_model_path: Path) -> LoadedModel:
+    """The tiny model loaded through trillm's loader (float32 on CPU)."""
+    return load_model(str(tiny_model_path))
+
+
+@pytest.fixture(scope="session")
+def default_model() -> Iterator[LoadedModel]:
+    """The real SmolLM2-135M-Instruct (fp32 on CPU), loaded once per session; skipped if not installed."""
+    try:
+        path = default_model_path()
+    except ModelNotFound as exc:
+        pytest.skip(f"default model unavailable: {exc}")
+    yield load_model(path)

@@ -1,0 +1,136 @@
+"""Tokenizer: lossless round trips, token bytes, special tokens and chat templates (tiny and SmolLM2)."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from trillm.engine.errors import InvalidRequest
+from trillm.engine.loader import LoadedModel
+from trillm.engine.tokenizer import Tokenizer, bytes_to_unicode
+
+SAMPLES = [
+    "Hello world",
+    "Hello world 12345",
+    "0123456789 3.14159 -42 1e-9",
+    "東京は日本の首都です。北京是中国的首都。",
+    "emoji 😀🚀👍🏽 family 👨‍👩‍👧 flags 🇫🇷",
+    "   leading, trailing   ",
+    "tabs\t\tand\nnew\n\n\nlines  \r\n  runs       of spaces",
+    "Ünïcödé çàfé naïve — “quotes” ‘single’ …",
+    "",
+]
+
+
+def _round_trip(tok: Tokenizer, text: str) -> None:
+    ids = tok.encode(text)
+    assert tok.decode(ids) == text
+    # token_bytes is an independent path: the bytes of the pieces must concatenate to the UTF-8 text.
+    assert b"".join(tok.token_bytes(i) for i in ids) == text.encode("utf-8")
+
+
+@pytest.mark.parametrize("text", SAMPLES)
+def test_tiny_round_trip(tiny_model: LoadedModel, text: str) -> None:
+    _round_trip(tiny_model.tokenizer, text)
+
+
+@settings(max_examples=150, deadline=None)
+@given(text=st.text(max_size=60))
+def test_tiny_round_trip_any_unicode(tiny_model: LoadedModel, text: str) -> None:
+    if "<|" in text:  # special-token strings are meant to map to their ids
+        return
+    _round_trip(tiny_model.tokenizer, text)
+
+
+def test_tiny_special_tokens(tiny_model: LoadedModel) -> None:
+    tok = tiny_model.tokenizer
+    im_end = tok.hf.convert_tokens_to_ids("<|im_end|>")
+    assert tok.encode("<|im_end|>") == [im_end]
+    assert tok.eos_token_ids == frozenset({im_end})
+    assert im_end in tok.all_special_ids
+    assert tok.token_bytes(im_end) == b"<|im_end|>"
+    assert tok.decode([im_end]) == ""
+    assert tok.decode([im_end], skip_special_tokens=False) == "<|im_end|>"
+    with pytest.raises(InvalidRequest):
+        tok.token_bytes(tok.vocab_size + 10)
+
+
+def test_tiny_chat_template(tiny_model: LoadedModel) -> None:
+    tok = tiny_model.tokenizer
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi!"}]
+    want = "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nHi!<|im_end|>\n<|im_start|>assistant\n"
+    assert tok.render_chat_template(messages) == want
+    assert tok.apply_chat_template(messages) == tok.encode(want)
+    no_prompt = tok.render_chat_template(messages, add_generation_prompt=False)
+    assert no_prompt == want.removesuffix("<|im_start|>assistant\n")
+
+
+def test_chat_template_bad_messages(tiny_model: LoadedModel) -> None:
+    tok = tiny_model.tokenizer
+    with pytest.raises(InvalidRequest):
+        tok.apply_chat_template([])
+    with pytest.raises(InvalidRequest):
+        tok.apply_chat_template([{"role": "user"}])  # no content
+
+
+def _bare_byte_level_tokenizer(specials: list[str]) -> Tokenizer:
+    from tokenizers import Tokenizer as RustTokenizer
+    from tokenizers import decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    alphabet = list(bytes_to_unicode().values())
+    rust = RustTokenizer(models.BPE(vocab={c: i for i, c in enumerate(alphabet)}, merges=[]))
+    rust.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    rust.decoder = decoders.ByteLevel()
+    rust.add_special_tokens(specials)
+    return Tokenizer(PreTrainedTokenizerFast(tokenizer_object=rust))
+
+
+def test_no_template_chatml_fallback_or_clear_error() -> None:
+    messages = [{"role": "user", "content": "Hi"}]
+    chatml = _bare_byte_level_tokenizer(["<|im_start|>", "<|im_end|>"])
+    assert chatml.render_chat_template(messages) == "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"
+    plain = _bare_byte_level_tokenizer([])
+    assert not plain.has_chat_template
+    with pytest.raises(InvalidRequest, match="no chat template"):
+        plain.apply_chat_template(messages)
+    _round_trip(plain, "bytes only: é 😀")
+
+
+# --- the real default model's tokenizer (SmolLM2, rebuilt from GGUF metadata) ------------------------
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("text", SAMPLES)
+def test_smollm2_round_trip(default_model: LoadedModel, text: str) -> None:
+    _round_trip(default_model.tokenizer, text)
+
+
+@pytest.mark.slow
+def test_smollm2_pre_tokenizer_pieces(default_model: LoadedModel) -> None:
+    tok = default_model.tokenizer
+    pieces = [tok.token_bytes(i).decode() for i in tok.encode("Hello world 12345")]
+    assert pieces == ["Hello", " world", " ", "1", "2", "3", "4", "5"]
+
+
+@pytest.mark.slow
+def test_smollm2_special_tokens(default_model: LoadedModel) -> None:
+    tok = default_model.tokenizer
+    assert tok.encode("<|endoftext|>") == [0]
+    assert tok.encode("<|im_start|>") == [1]
+    assert tok.encode("<|im_end|>") == [2]
+    assert tok.bos_token_id == 1
+    assert tok.eos_token_ids == frozenset({2})
+    assert tok.vocab_size == 49152
+    assert {0, 1, 2} <= tok.all_special_ids
+    assert tok.encode("hi", add_special_tokens=True) == tok.encode("hi")  # add_bos_token is false in the GGUF
+
+
+@pytest.mark.slow
+def test_smollm2_chat_template_is_chatml(default_model: LoadedModel) -> None:
+    text = default_model.tokenizer.render_chat_template([{"role": "user", "content": "What is 2+2?"}])
+    assert text == (
+        "<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n"
+        "<|im_start|>user\nWhat is 2+2?<|im_end|>\n<|im_start|>assistant\n"
+    )
