@@ -11,7 +11,7 @@ from __future__ import annotations
 import hashlib
 from array import array
 from collections import OrderedDict
-from collections.abc import Sequence as Seq
+from collections.abc import Callable, Sequence as Seq
 from dataclasses import dataclass
 
 from trillm.kernels.layout import RESERVED_BLOCK
@@ -47,6 +47,9 @@ class BlockManager:
         self._cached: dict[bytes, int] = {}  # block hash -> block id
         self.num_queried_tokens = 0
         self.num_hit_tokens = 0
+        # Optional KV-event hook for a KV-aware router: ("stored", hash, parent hash or None) when a full block
+        # enters the prefix cache, ("removed", hash, None) when it is evicted. Called on the engine's thread.
+        self.on_kv_event: Callable[[str, bytes, bytes | None], None] | None = None
 
     # ---- sizes -------------------------------------------------------------------------------------------
     @property
@@ -121,6 +124,8 @@ class BlockManager:
         if block.hash is not None:  # evict its prefix-cache entry
             if self._cached.get(block.hash) == block_id:
                 del self._cached[block.hash]
+                if self.on_kv_event is not None:
+                    self.on_kv_event("removed", block.hash, None)
             block.hash = None
         block.ref_count = 1
         return block_id
@@ -159,6 +164,8 @@ class BlockManager:
             if block.hash is None and h not in self._cached:
                 block.hash = h
                 self._cached[h] = block.block_id
+                if self.on_kv_event is not None:
+                    self.on_kv_event("stored", h, seq.block_hashes[i - 1] if i else None)
         seq.num_hashed_blocks = full
 
     def check_invariants(self, live: list[Sequence]) -> None:
