@@ -1,0 +1,216 @@
+"""`trillm bench peers`: trillm and mlx_lm.server side by side on one model folder, dtype and BLAS.
+
+Both (plus a trillm with its prefix cache off, for the multi-turn target) run on loopback; every workload
+runs against each in turn, alternating the order, and the ratios are checked against issue 5's targets.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import shlex
+import sys
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import trio
+
+from trillm.bench import report
+from trillm.bench.arrival import Arrival
+from trillm.bench.client import GenerationOptions, Target
+from trillm.bench.metrics import Summary
+from trillm.bench.results import new_results_dir, write_meta
+from trillm.bench.runner import RunResult
+from trillm.bench.serve import run_matrix
+from trillm.bench.servers import ServerProcess, free_port, mlx_lm_command, trillm_command
+from trillm.bench.workloads import Workload, multi_turn, random_lengths
+
+TRILLM, MLX_LM, NO_CACHE = "trillm", "mlx_lm.server", "trillm-no-cache"
+
+
+@dataclass(frozen=True, slots=True)
+class TargetCheck:
+    """One of issue 5's targets, as measured."""
+
+    workload: str
+    metric: str
+    ours: float
+    theirs: float
+    ratio: float | None
+    target: str
+    passed: bool | None  # None: not measured
+
+
+def _ratio(a: float, b: float) -> float | None:
+    return a / b if b else None
+
+
+def check_targets(summaries: dict[tuple[str, str], Summary]) -> list[TargetCheck]:
+    """The three targets from the runs keyed by (workload label, server)."""
+    out: list[TargetCheck] = []
+
+    def add(wl: str, metric: str, ours: Summary | None, theirs: Summary | None, attr: str,
+            target: str, ok: object) -> None:
+        if ours is None or theirs is None:
+            out.append(TargetCheck(wl, metric, float("nan"), float("nan"), None, target, None))
+            return
+        a, b = _get(ours, attr), _get(theirs, attr)
+        r = _ratio(a, b)
+        out.append(TargetCheck(wl, metric, a, b, r, target, None if r is None else bool(ok(r))))  # type: ignore[operator]
+
+    hi, single, mt = "concurrency-32", "single-stream", "multi-turn"
+    add(hi, "output tok/s, trillm / mlx_lm.server", summaries.get((hi, TRILLM)), summaries.get((hi, MLX_LM)),
+        "output_throughput", ">= 1.5", lambda r: r >= 1.5)
+    add(hi, "TTFT p90 ms, trillm / mlx_lm.server", summaries.get((hi, TRILLM)), summaries.get((hi, MLX_LM)),
+        "ttft.p90", "<= 0.5", lambda r: r <= 0.5)
+    add(single, "output tok/s, trillm / mlx_lm.server", summaries.get((single, TRILLM)),
+        summaries.get((single, MLX_LM)), "output_throughput", ">= 1.0", lambda r: r >= 1.0)
+    # "TTFT 3x better": cache-off TTFT over cache-on TTFT, so the ratio reads as the speed-up.
+    add(mt, "TTFT mean ms, trillm-no-cache / trillm", summaries.get((mt, NO_CACHE)), summaries.get((mt, TRILLM)),
+        "ttft.mean", ">= 3.0", lambda r: r >= 3.0)
+    return out
+
+
+def _get(s: Summary, attr: str) -> float:
+    obj: object = s
+    for part in attr.split("."):
+        obj = getattr(obj, part)
+    return float(obj)  # type: ignore[arg-type]
+
+
+def targets_markdown(checks: list[TargetCheck]) -> str:
+    rows = ["| workload | metric | numerator | denominator | ratio | target | result |", "|---|---|---|---|---|---|---|"]
+    for c in checks:
+        verdict = "not measured" if c.passed is None else ("met" if c.passed else "**MISSED**")
+        ratio = "-" if c.ratio is None else f"{c.ratio:.2f}x"
+        rows.append(f"| {c.workload} | {c.metric} | {c.ours:.1f} | {c.theirs:.1f} | {ratio} | {c.target} | {verdict} |")
+    missed = [c for c in checks if c.passed is False]
+    if missed:
+        rows.append("")
+        rows += [
+            f"Target missed: {c.workload} {c.metric} = {c.ours:.1f} / {c.theirs:.1f} = {c.ratio:.2f}x, "
+            f"target {c.target}."
+            for c in missed
+        ]
+    return "\n".join(rows) + "\n"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="trillm bench peers", description=__doc__)
+    p.add_argument("--model", default=None, help="HF-style MLX model folder (default: the bundled SmolLM2 "
+                   "exported to fp32 under ~/.cache/trillm/mlx)")
+    p.add_argument("--high-concurrency", type=int, default=32)
+    p.add_argument("--high-prompts", type=int, default=64, help="requests in the high-concurrency run")
+    p.add_argument("--single-prompts", type=int, default=4, help="requests in the single-stream run")
+    p.add_argument("--input-len", type=int, default=128)
+    p.add_argument("--output-len", type=int, default=64)
+    p.add_argument("--conversations", type=int, default=4, help="multi-turn: conversations (run concurrently)")
+    p.add_argument("--turns", type=int, default=4)
+    p.add_argument("--system-len", type=int, default=256, help="multi-turn: system prompt words")
+    p.add_argument("--turn-len", type=int, default=64, help="multi-turn: words per user and assistant turn")
+    p.add_argument("--turn-output-len", type=int, default=32)
+    p.add_argument("--only", action="append", choices=("concurrency", "single", "multi-turn"), default=None)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--timeout", type=float, default=900.0)
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--trillm-args", default="", help="extra `trillm serve` flags (one string)")
+    p.add_argument("--no-cache-args", default="--no-prefix-caching",
+                   help="the `trillm serve` flags that turn its prefix cache off")
+    p.add_argument("--mlx-lm-args", default="", help="extra `mlx_lm server` flags (one string)")
+    p.add_argument("--skip-mlx-lm", action="store_true")
+    p.add_argument("--skip-no-cache", action="store_true")
+    p.add_argument("--startup-timeout", type=float, default=600.0)
+    p.add_argument("--results-dir", default="results")
+    p.add_argument("--no-progress", action="store_true")
+    return p
+
+
+def _plan(args: argparse.Namespace) -> list[tuple[str, Workload, Arrival, tuple[str, ...]]]:
+    """(label, workload, arrival, servers) for every comparison the targets need."""
+    only = set(args.only or ("concurrency", "single", "multi-turn"))
+    plan = []
+    if "concurrency" in only:
+        wl = random_lengths(args.high_prompts, args.input_len, args.output_len, 0.0, args.seed)
+        plan.append((f"concurrency-{args.high_concurrency}", wl, Arrival("concurrency", args.high_concurrency),
+                     (TRILLM, MLX_LM)))
+    if "single" in only:
+        wl = random_lengths(args.single_prompts, args.input_len, args.output_len, 0.0, args.seed + 1)
+        plan.append(("single-stream", wl, Arrival("concurrency", 1), (TRILLM, MLX_LM)))
+    if "multi-turn" in only:
+        wl = multi_turn(args.conversations, args.turns, args.turn_len, args.turn_len, args.turn_output_len,
+                        args.system_len, args.seed + 2)
+        plan.append(("multi-turn", wl, Arrival("concurrency", args.conversations), (TRILLM, NO_CACHE, MLX_LM)))
+    return plan
+
+
+async def _run_plan(
+    plan: list[tuple[str, Workload, Arrival, tuple[str, ...]]], targets: dict[str, Target], opts: GenerationOptions,
+    args: argparse.Namespace,
+) -> tuple[list[RunResult], dict[tuple[str, str], Summary]]:
+    runs: list[RunResult] = []
+    summaries: dict[tuple[str, str], Summary] = {}
+    await run_matrix(list(targets.values()), [], [], opts, warmup=args.warmup, log=False)
+    for i, (label, wl, arrival, names) in enumerate(plan):
+        present = [targets[n] for n in names if n in targets]
+        present = present[i % len(present):] + present[: i % len(present)]  # alternate who goes first
+        for res in await run_matrix(present, [wl], [arrival], opts, seed=args.seed, progress=not args.no_progress,
+                                    warmup=0):
+            runs.append(res)
+            summaries[(label, res.target.name)] = res.summary
+    return runs, summaries
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Start the servers, run the plan, print the table and the targets; results under results/<timestamp>/."""
+    args = build_parser().parse_args(argv)
+    out = new_results_dir(args.results_dir)
+    if args.model is None:
+        from trillm.bench.export_mlx import export_gguf
+
+        print("exporting the default model to an fp32 MLX folder (cached) ...", file=sys.stderr)
+        args.model = str(export_gguf())
+    model = str(Path(args.model).expanduser().resolve())
+    write_meta(out, "bench peers", list(sys.argv[1:] if argv is None else argv), vars(args))
+    plan = _plan(args)
+    wanted = {n for *_, names in plan for n in names}
+    procs = {TRILLM: ServerProcess(TRILLM, trillm_command(model, free_port(), shlex.split(args.trillm_args)),
+                                   0, out / "trillm.log")}
+    if NO_CACHE in wanted and not args.skip_no_cache:
+        extra = shlex.split(args.trillm_args) + shlex.split(args.no_cache_args)
+        procs[NO_CACHE] = ServerProcess(NO_CACHE, trillm_command(model, 0, extra), 0, out / "trillm-no-cache.log")
+    if not args.skip_mlx_lm:
+        procs[MLX_LM] = ServerProcess(MLX_LM, mlx_lm_command(model, 0, shlex.split(args.mlx_lm_args)), 0,
+                                      out / "mlx_lm_server.log")
+    for sp in procs.values():  # the port goes after "--port" in the command
+        sp.port = free_port()
+        sp.command[sp.command.index("--port") + 1] = str(sp.port)
+    opts = GenerationOptions(temperature=0.0, timeout_s=args.timeout)
+    with contextlib.ExitStack() as stack:
+        for sp in procs.values():
+            stack.enter_context(sp)
+        for sp in procs.values():  # started together, waited on in turn
+            waited = sp.wait_ready(args.startup_timeout)
+            print(f"{sp.name} ready at {sp.url} after {waited:.1f}s", file=sys.stderr)
+        targets = {name: Target(name, sp.url) for name, sp in procs.items()}
+        runs, summaries = trio.run(_run_plan, plan, targets, opts, args)
+    checks = check_targets(summaries)
+    table, tmd = report.markdown_table(runs), targets_markdown(checks)
+    extra = {
+        "model": model,
+        "commands": {n: sp.command for n, sp in procs.items()},
+        "targets": [asdict(c) for c in checks],
+        "workloads": {label: wl.params for label, wl, *_ in plan},
+    }
+    written = report.write_all(out, runs, "peers", extra)
+    cmd = "trillm bench peers " + " ".join(shlex.quote(a) for a in (sys.argv[1:] if argv is None else argv))
+    (out / "peers.md").write_text(f"Command: `{cmd}`\n\n{table}\n## Targets\n\n{tmd}")
+    print(table)
+    print(tmd)
+    print(f"results: {out}  ({', '.join(p.name for p in written.values())}, meta.json, *.log)")
+    (out / "targets.json").write_text(json.dumps([asdict(c) for c in checks], indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
