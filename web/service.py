@@ -1,0 +1,282 @@
+"""EngineService: one model's engine on one long-lived thread, driven from trio.
+
+Concurrency invariants (trio style):
+- The engine is created and used only on its own thread (`_engine_thread`), because MLX streams are bound
+  to the thread that made them. That thread never touches trio-side state directly.
+- Everything else here (the inbox, the live-request map, handles, metrics) is touched only on the trio
+  thread. The engine thread reaches it through `trio.from_thread`: one hop per engine step delivers every
+  request's delta and, in the same hop, takes the new submissions and aborts. When the engine is idle the
+  thread parks in `trio.from_thread.run(self._wait_for_work)`, which a submission or abort wakes.
+- `EngineService.run` owns the thread: it restarts the engine after a failure, and cancelling it stops the
+  thread at its next hop or prefill chunk (`check_cancelled`).
+"""
+
+from __future__ import annotations
+
+import enum
+import itertools
+import logging
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Protocol
+
+import trio
+
+from trillm.engine.errors import EngineError, InvalidRequest, Overloaded, UnknownRequest
+from trillm.engine.outputs import EngineStatistics, RequestOutput
+from trillm.engine.sampling_params import SamplingParams
+from trillm.web.metrics import ModelMetrics
+from trillm.web.stream import GenerationHandle
+
+log = logging.getLogger("trillm.web.service")
+
+
+class EngineUnavailable(EngineError):
+    """The model is loading or restarting after a failure; retry shortly. HTTP 503."""
+
+
+class Tokenizer(Protocol):
+    eos_token_ids: tuple[int, ...] | list[int] | set[int] | frozenset[int]
+    vocab_size: int
+
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]: ...
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str: ...
+    def apply_chat_template(self, messages: list[dict[str, object]], tools: object = None,
+                            add_generation_prompt: bool = True, **kw: object) -> list[int]: ...
+    def token_bytes(self, token_id: int) -> bytes: ...
+
+
+class Engine(Protocol):
+    """The part of `trillm.engine.llm_engine.LLMEngine` the service uses."""
+
+    tokenizer: Tokenizer
+    model_name: str
+    max_model_len: int
+
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                    *, priority: int = 0) -> None: ...
+    def abort(self, request_id: str) -> None: ...
+    def has_unfinished_requests(self) -> bool: ...
+    def step(self, *, check_abort: Callable[[], None] | None = None) -> list[RequestOutput]: ...
+    def statistics(self) -> EngineStatistics: ...
+
+
+class ServiceState(enum.Enum):
+    LOADING = "loading"
+    READY = "ready"
+    UNHEALTHY = "unhealthy"  # failed; restarting
+
+
+@dataclass(frozen=True, slots=True)
+class ServiceConfig:
+    """Knobs of one EngineService."""
+
+    channel_size: int = 64  # deltas buffered per submission before coalescing starts
+    max_buffered_bytes: int = 4 << 20  # text buffered for a slow client before its request is aborted
+    restart_backoff_s: float = 0.5  # first wait before restarting a failed engine; doubles up to 30 s
+    max_restart_backoff_s: float = 30.0
+
+    def __post_init__(self) -> None:
+        if self.channel_size < 1 or self.max_buffered_bytes < 1:
+            raise ValueError("channel_size and max_buffered_bytes must be >= 1")
+
+
+@dataclass(frozen=True, slots=True)
+class _Submit:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    priority: int
+
+
+@dataclass(frozen=True, slots=True)
+class _Abort:
+    request_id: str
+
+
+class EngineService:
+    """Serves one model: `submit` requests from any trio task; `run` must be running in a nursery."""
+
+    def __init__(self, engine_factory: Callable[[], Engine], *, name: str | None = None,
+                 config: ServiceConfig = ServiceConfig()) -> None:
+        self._factory = engine_factory
+        self._config = config
+        self._served_name = name
+        self.model_name = name or "loading"
+        self.state = ServiceState.LOADING
+        self.last_error: str | None = None
+        self.metrics = ModelMetrics()
+        self.tokenizer: Tokenizer | None = None
+        self.max_model_len = 0
+        self._stats: EngineStatistics | None = None
+        self._inbox: list[_Submit | _Abort] = []
+        self._wakeup = trio.Event()
+        self._live: dict[str, GenerationHandle] = {}
+        self._ids = itertools.count()
+        self._num_restarts = 0
+        self._started: trio.TaskStatus[EngineService] | None = None
+
+    # ---- lifecycle (trio thread) ----
+
+    async def run(self, *, task_status: trio.TaskStatus[EngineService] = trio.TASK_STATUS_IGNORED) -> None:
+        """Run the engine thread until cancelled, restarting it after failures.
+
+        Reports readiness (the loaded service) through `task_status`. A failure to load the model the first
+        time propagates; later failures restart the engine with exponential backoff.
+        """
+        self._started = task_status
+        backoff = self._config.restart_backoff_s
+        while True:
+            self.state = ServiceState.LOADING if self._started is not None else ServiceState.UNHEALTHY
+            try:
+                await trio.to_thread.run_sync(
+                    self._engine_thread, thread_name=f"trillm-engine-{self.model_name}"
+                )
+                raise RuntimeError("the engine thread returned")  # it only ends by raising
+            except Exception as exc:
+                if self._started is not None:  # never came up: the caller gets the load error
+                    raise
+                self._on_engine_failure(exc)
+            await trio.sleep(backoff)
+            backoff = min(backoff * 2, self._config.max_restart_backoff_s)
+            self._num_restarts += 1
+            log.warning("restarting the engine of %s (restart %d)", self.model_name, self._num_restarts)
+
+    def _on_engine_failure(self, exc: BaseException) -> None:
+        message = f"the engine failed: {type(exc).__name__}: {exc}"
+        log.error("model %s: %s", self.model_name, message, exc_info=exc)
+        self.state = ServiceState.UNHEALTHY
+        self.last_error = message
+        self._fail_all(message)
+
+    def _fail_all(self, message: str) -> None:
+        live, self._live = self._live, {}
+        self._inbox.clear()  # the new engine starts empty: queued submissions and aborts are void
+        for handle in {id(h): h for h in live.values()}.values():
+            handle.fail(message)
+
+    @property
+    def healthy(self) -> bool:
+        return self.state is ServiceState.READY
+
+    @property
+    def num_restarts(self) -> int:
+        return self._num_restarts
+
+    def statistics(self) -> EngineStatistics | None:
+        """The engine's statistics as of its latest step (None before the first)."""
+        return self._stats
+
+    # ---- requests (trio thread) ----
+
+    def submit(self, prompt_token_ids: list[int], params: SamplingParams | list[SamplingParams],
+               *, priority: int = 0) -> GenerationHandle:
+        """Queue one prompt for n = len(params) generations; the caller must `close()` the handle.
+
+        Raises EngineUnavailable while the model loads or restarts. The engine's own refusals
+        (InvalidRequest, Overloaded) arrive from `handle.wait_admitted()`.
+        """
+        if self.state is not ServiceState.READY:
+            raise EngineUnavailable(f"model {self.model_name} is {self.state.value}; retry shortly")
+        all_params = params if isinstance(params, list) else [params]
+        rids = tuple(f"req-{next(self._ids)}" for _ in all_params)
+        handle = GenerationHandle(rids, abort=self._abort, channel_size=self._config.channel_size,
+                                  max_buffered_bytes=self._config.max_buffered_bytes, metrics=self.metrics)
+        for rid, p in zip(rids, all_params):
+            self._live[rid] = handle
+            self._inbox.append(_Submit(rid, list(prompt_token_ids), p, priority))
+        self._wakeup.set()
+        return handle
+
+    def _abort(self, request_id: str) -> None:
+        if self._live.pop(request_id, None) is not None:
+            self._inbox.append(_Abort(request_id))
+            self._wakeup.set()
+
+    # ---- hops from the engine thread (run on the trio thread) ----
+
+    def _on_engine_started(self, engine: Engine) -> list[_Submit | _Abort]:
+        self.tokenizer = engine.tokenizer
+        self.max_model_len = engine.max_model_len
+        self.model_name = self._served_name or engine.model_name
+        self.state = ServiceState.READY
+        self.last_error = None
+        if self._started is not None:
+            started, self._started = self._started, None
+            started.started(self)
+        return self._take_work()
+
+    def _take_work(self) -> list[_Submit | _Abort]:
+        work, self._inbox = self._inbox, []
+        self._wakeup = trio.Event()
+        return work
+
+    async def _wait_for_work(self) -> list[_Submit | _Abort]:
+        while not self._inbox:
+            await self._wakeup.wait()
+            self._wakeup = trio.Event()
+        return self._take_work()
+
+    def _on_admissions(self, results: list[tuple[str, EngineError | None]]) -> None:
+        for rid, error in results:
+            handle = self._live.get(rid)
+            if handle is None:
+                continue
+            if error is not None:
+                del self._live[rid]
+            handle.on_admitted(rid, error)
+
+    def _on_step(self, outputs: list[RequestOutput], stats: EngineStatistics) -> list[_Submit | _Abort]:
+        self._stats = stats
+        for out in outputs:
+            handle = self._live.get(out.request_id)
+            if handle is None:
+                continue  # aborted meanwhile: its abort is in the inbox
+            if out.finished:
+                del self._live[out.request_id]
+            handle.feed(out)
+        return self._take_work()
+
+    # ---- the engine thread ----
+
+    def _engine_thread(self) -> None:
+        engine = self._factory()  # here, so its MLX streams belong to this thread
+        work = trio.from_thread.run_sync(self._on_engine_started, engine)
+        while True:
+            trio.from_thread.check_cancelled()
+            if not work and not engine.has_unfinished_requests():
+                work = trio.from_thread.run(self._wait_for_work)
+            admissions = _apply(engine, work)
+            if admissions:
+                trio.from_thread.run_sync(self._on_admissions, admissions)
+            outputs: list[RequestOutput] = []
+            if engine.has_unfinished_requests():
+                outputs = engine.step(check_abort=trio.from_thread.check_cancelled)
+            work = trio.from_thread.run_sync(self._on_step, outputs, engine.statistics())
+
+
+def _apply(engine: Engine, work: list[_Submit | _Abort]) -> list[tuple[str, EngineError | None]]:
+    """Hand the inbox to the engine (engine thread). Returns each submission's admission result."""
+    results: list[tuple[str, EngineError | None]] = []
+    for item in work:
+        if isinstance(item, _Abort):
+            try:
+                engine.abort(item.request_id)
+            except UnknownRequest:
+                pass  # it finished, or was refused, before the abort arrived
+            continue
+        try:
+            engine.add_request(item.request_id, item.prompt_token_ids, item.params, priority=item.priority)
+        except (InvalidRequest, Overloaded) as exc:
+            results.append((item.request_id, exc))
+        else:
+            results.append((item.request_id, None))
+    return results
+
+
+def retry_after_seconds(service: EngineService) -> int:
+    """A Retry-After hint for a 503: longer while the model (re)loads than when merely overloaded."""
+    if service.state is ServiceState.READY:
+        return 1
+    return max(1, math.ceil(service._config.restart_backoff_s))

@@ -1,0 +1,190 @@
+"""One generation's output stream: a memory channel fed with `send_nowait`, coalescing when the client lags.
+
+Concurrency invariant: every method here runs on the trio thread. The engine thread never touches a
+`GenerationHandle`; the service hands it whole `RequestOutput`s during its one hop per engine step.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+import trio
+
+from trillm.engine.outputs import FinishReason, RequestOutput
+
+if TYPE_CHECKING:
+    from trillm.web.metrics import ModelMetrics
+
+
+class GenerationFailed(Exception):
+    """The generation ended with an error: the engine failed, or the client fell too far behind."""
+
+
+def merge_outputs(old: RequestOutput, new: RequestOutput) -> RequestOutput:
+    """Coalesce two consecutive deltas of one request into one."""
+    logprobs = None
+    if old.logprobs is not None or new.logprobs is not None:
+        logprobs = (old.logprobs or ()) + (new.logprobs or ())
+    return dataclasses.replace(
+        new,
+        new_token_ids=old.new_token_ids + new.new_token_ids,
+        new_text=old.new_text + new.new_text,
+        logprobs=logprobs,
+    )
+
+
+class GenerationHandle:
+    """The client side of one submission of n >= 1 engine requests that share one prompt.
+
+    Deltas arrive through `feed` (one engine step at a time) and leave through `receive`. The channel has a
+    small fixed buffer; when it is full a request's newer deltas are merged into one pending delta, so a slow
+    client never blocks the engine and memory grows only with text. Past `max_buffered_bytes` of text the
+    handle fails with a clear error and its requests are aborted.
+    """
+
+    def __init__(
+        self,
+        request_ids: tuple[str, ...],
+        *,
+        abort: Callable[[str], None],
+        channel_size: int,
+        max_buffered_bytes: int,
+        metrics: ModelMetrics | None = None,
+    ) -> None:
+        self.request_ids = request_ids
+        self.index = {rid: i for i, rid in enumerate(request_ids)}
+        self._abort = abort
+        self._max_buffered_bytes = max_buffered_bytes
+        self._metrics = metrics
+        self._send, self._recv = trio.open_memory_channel[RequestOutput](channel_size)
+        self._pending: dict[str, RequestOutput] = {}
+        self._buffered_bytes = 0
+        self._unfinished = set(request_ids)
+        self._unadmitted = set(request_ids)
+        self._admitted = trio.Event()
+        self._admission_error: BaseException | None = None
+        self._failure: str | None = None
+        self._closed = False
+        self._t_submit = time.perf_counter()
+        self._t_last: dict[str, float] = {}
+
+    # ---- engine side (called by EngineService on the trio thread) ----
+
+    def on_admitted(self, request_id: str, error: BaseException | None) -> None:
+        self._unadmitted.discard(request_id)
+        if error is not None and self._admission_error is None:
+            self._admission_error = error
+            self._unfinished.discard(request_id)
+            self.close()  # abort its siblings
+        if not self._unadmitted or error is not None:
+            self._admitted.set()
+
+    def feed(self, output: RequestOutput) -> None:
+        rid = output.request_id
+        if self._closed or rid not in self._unfinished:
+            return
+        self._observe(output)
+        if output.finish_reason is FinishReason.ERROR:
+            self.fail(output.error or "the engine failed while serving this request")
+            return
+        if output.finished:
+            self._unfinished.discard(rid)
+        size = len(output.new_text.encode())
+        self._buffered_bytes += size
+        if rid in self._pending:
+            self._pending[rid] = merge_outputs(self._pending[rid], output)
+        else:
+            try:
+                self._send.send_nowait(output)
+            except trio.WouldBlock:
+                self._pending[rid] = output
+        if self._buffered_bytes > self._max_buffered_bytes:
+            self.fail(
+                f"the client read too slowly: more than {self._max_buffered_bytes} bytes of output were "
+                "buffered, so the request was aborted"
+            )
+            return
+        if not self._unfinished:
+            self._send.close()
+
+    def fail(self, message: str) -> None:
+        """End the stream with `GenerationFailed(message)` and abort what is still running."""
+        if self._failure is None and not self._closed:
+            self._failure = message
+            if self._metrics is not None:
+                self._metrics.on_outcome("error")
+        self._admitted.set()
+        self.close()
+
+    # ---- client side ----
+
+    async def wait_admitted(self) -> None:
+        """Wait until the engine accepted every request; raise its typed error if it refused one."""
+        await self._admitted.wait()
+        if self._admission_error is not None:
+            raise self._admission_error
+        if self._failure is not None:
+            raise GenerationFailed(self._failure)
+
+    async def receive(self) -> RequestOutput:
+        """The next delta of any of the n requests; `trio.EndOfChannel` after the last one."""
+        self._raise_if_failed()
+        try:
+            output = self._recv.receive_nowait()
+        except (trio.WouldBlock, trio.EndOfChannel) as exc:
+            if self._pending:
+                output = self._pending.pop(next(iter(self._pending)))
+            else:
+                try:
+                    if isinstance(exc, trio.EndOfChannel):
+                        raise
+                    output = await self._recv.receive()
+                except trio.EndOfChannel:
+                    self._raise_if_failed()
+                    raise
+        self._raise_if_failed()  # it may have failed while we waited
+        self._buffered_bytes -= len(output.new_text.encode())
+        return output
+
+    def _raise_if_failed(self) -> None:
+        if self._failure is not None:
+            raise GenerationFailed(self._failure)
+
+    def close(self) -> None:
+        """Abort every unfinished request (synchronous, so it is safe in a cancelled `finally`)."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._unfinished and self._failure is None and self._metrics is not None:
+            self._metrics.on_outcome("abort")
+        for rid in self.request_ids:
+            if rid in self._unfinished:
+                self._abort(rid)
+        self._unfinished.clear()
+        self._pending.clear()
+        self._send.close()
+
+    def __enter__(self) -> GenerationHandle:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _observe(self, output: RequestOutput) -> None:
+        if self._metrics is None:
+            return
+        now = time.perf_counter()
+        n = len(output.new_token_ids)
+        last = self._t_last.get(output.request_id)
+        if n:
+            if last is None:
+                self._metrics.ttft.observe(now - self._t_submit)
+            else:
+                self._metrics.inter_token.observe((now - last) / n)
+            self._t_last[output.request_id] = now
+        if output.finished and output.finish_reason is not FinishReason.ERROR:
+            self._metrics.e2e.observe(now - self._t_submit)
+            self._metrics.on_finished(output)
