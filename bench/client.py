@@ -26,6 +26,11 @@ class Target:
     transport: str = "sse"
     model: str | None = None  # sent as "model" when set; mlx_lm.server reloads on a model it does not know
     api: str = "auto"  # "auto" (chat for chat workloads), "chat" or "completions"
+    api_key: str | None = None  # sent as a Bearer token
+
+    @property
+    def headers(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
 
     @property
     def ws_url(self) -> str:
@@ -165,7 +170,7 @@ async def send_sse(
     try:
         body = _body(req, chat, target, opts)
         with trio.fail_after(opts.timeout_s):
-            async with client.stream("POST", target.url.rstrip("/") + path, json=body) as resp:
+            async with client.stream("POST", target.url.rstrip("/") + path, json=body, headers=target.headers) as resp:
                 if resp.status_code >= 400:
                     await resp.aread()
                     raise StreamError(f"http_{resp.status_code}", resp.text[:300])
@@ -199,7 +204,8 @@ async def send_ws(target: Target, req: BenchRequest, opts: GenerationOptions, ru
         msg.pop(key, None)
     try:
         with trio.fail_after(opts.timeout_s):
-            async with trio_websocket.open_websocket_url(target.ws_url) as ws:
+            headers = [(k.encode(), v.encode()) for k, v in target.headers.items()]
+            async with trio_websocket.open_websocket_url(target.ws_url, extra_headers=headers) as ws:
                 await ws.send_message(json.dumps(msg))
                 while True:
                     event = json.loads(await ws.get_message())

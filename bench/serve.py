@@ -133,6 +133,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--url", action="append", required=True, help="server base URL; repeat for several")
     p.add_argument("--name", action="append", default=None, help="label per --url (default host:port)")
     p.add_argument("--model", default=None, help="model name to send (default: none; servers use their own)")
+    p.add_argument("--api-key", default=None, help="Bearer token for servers that require one")
     p.add_argument("--transport", choices=TRANSPORTS, default="sse", help="ws: trillm's /v1/ws API")
     p.add_argument("--api", choices=("auto", "chat", "completions"), default="auto",
                    help="auto: chat for chat workloads, /v1/completions otherwise")
@@ -149,7 +150,7 @@ def targets_from_args(args: argparse.Namespace) -> list[Target]:
     out = []
     for i, url in enumerate(args.url):
         name = names[i] if names else httpx.URL(url).netloc.decode()
-        out.append(Target(name, url, args.transport, args.model, args.api))
+        out.append(Target(name, url, args.transport, args.model, args.api, args.api_key))
     return out
 
 
