@@ -218,7 +218,10 @@ async def send_ws(target: Target, req: BenchRequest, opts: GenerationOptions, ru
                         timer.usage = event.get("usage")
                         break
                     elif kind == "error":
-                        raise StreamError("server_error", str(event.get("message"))[:300])
+                        detail = event.get("error") or event.get("message")
+                        raise StreamError("server_error", json.dumps(detail)[:300])
+                    elif kind == "cancelled":
+                        raise StreamError("cancelled", "the server cancelled the generation")
     except Exception as exc:
         return timer.record(req, run_t0, exc)
     return timer.record(req, run_t0)

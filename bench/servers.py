@@ -35,8 +35,14 @@ def blas_env() -> dict[str, str]:
 
 
 def trillm_command(model: str, port: int, extra: list[str] = ()) -> list[str]:  # type: ignore[assignment]
-    return [sys.executable, "-m", "trillm.web.cli", "serve", "--model", model, "--host", "127.0.0.1",
-            "--port", str(port), *extra]
+    """`trillm serve`, or bench's minimal launcher where trillm.web.cli is not in this checkout."""
+    import importlib.util
+
+    if importlib.util.find_spec("trillm.web.cli") is not None:
+        head = [sys.executable, "-m", "trillm.web.cli", "serve"]
+    else:
+        head = [sys.executable, "-m", "trillm.bench.trillm_launch"]
+    return [*head, "--model", model, "--host", "127.0.0.1", "--port", str(port), *extra]
 
 
 def mlx_lm_command(model: str, port: int, extra: list[str] = ()) -> list[str]:  # type: ignore[assignment]

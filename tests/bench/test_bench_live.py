@@ -1,7 +1,7 @@
 """`bench serve` and `bench peers` against live servers on the tiny random model (tests/conftest.py).
 
 Each test starts real server processes (a few seconds each on 2 cores): trillm via `python -m trillm.web.cli
-serve`, and mlx_lm.server. They skip while trillm's `serve` command is not in this checkout.
+serve` (or bench's launcher until that lands), and mlx_lm.server. They skip without trillm's web server.
 """
 
 from __future__ import annotations
@@ -17,8 +17,8 @@ from trillm.bench.servers import ServerProcess, free_port, trillm_command
 
 
 pytestmark = pytest.mark.skipif(
-    importlib.util.find_spec("trillm.web.cli") is None,
-    reason="trillm.web.cli (the `trillm serve` command) is not in this checkout yet",
+    importlib.util.find_spec("trillm.web.server") is None,
+    reason="trillm's web server is not in this checkout yet",
 )
 
 
