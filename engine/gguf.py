@@ -409,12 +409,29 @@ def load_gguf(
 ) -> GGUFModel:
     """Build mlx-lm's llama model from a GGUF file. Weights are dequantized to `dtype` unless keep_quantized;
     dtype None takes the checkpoint's own float dtype."""
-    from mlx_lm.models import llama
-
     report = on_progress or (lambda stage, fraction: None)
     path = str(path)
     report("reading", 0.05)
     weights, meta = read_gguf(path)
+    try:
+        return _build(path, weights, meta, keep_quantized=keep_quantized, dtype=dtype, report=report)
+    except CorruptModelFile:
+        raise
+    except Exception as exc:  # any failure to interpret the file's contents means the file is bad
+        raise CorruptModelFile(f"{path}: invalid llama GGUF contents: {type(exc).__name__}: {exc}") from exc
+
+
+def _build(
+    path: str,
+    weights: dict[str, mx.array],
+    meta: dict[str, Any],
+    *,
+    keep_quantized: bool,
+    dtype: mx.Dtype | None,
+    report: Callable[[str, float], None],
+) -> GGUFModel:
+    from mlx_lm.models import llama
+
     config = gguf_model_config(meta, weights, path)
     weights, rope_freqs = gguf_to_mlx_names(weights, path)
     report("tokenizer", 0.15)

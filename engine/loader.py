@@ -139,13 +139,13 @@ def _load_folder(path: Path, name: str, target: mx.Dtype | None, keep_quantized:
         target = _checkpoint_dtype(model)
     model.set_dtype(target)
     report("tokenizer", 0.15)
-    eos = config.get("eos_token_id")  # mlx-lm merged generation_config.json's eos into this
-    eos_ids = [eos] if isinstance(eos, int) else list(eos or [])
+    # mlx-lm lets generation_config.json's eos replace config.json's; keep the union of both files.
+    eos_ids = _eos_ids(path / "config.json") + _eos_ids(path / "generation_config.json")
     try:
         hf = load_tokenizer(path, eos_token_ids=eos_ids)._tokenizer
     except Exception as exc:
         raise CorruptModelFile(f"{path}: cannot load the tokenizer: {exc}") from exc
-    tokenizer = Tokenizer(hf, eos_token_ids=eos_ids + _generation_config_eos(path))
+    tokenizer = Tokenizer(hf, eos_token_ids=eos_ids)
     return _loaded(model, tokenizer, config, f"folder:{_folder_fingerprint(path)}", name, target)
 
 
@@ -178,12 +178,14 @@ def _loaded(
     )
 
 
-def _generation_config_eos(path: Path) -> list[int]:
+def _eos_ids(config_file: Path) -> list[int]:
     try:
-        eos = json.loads((path / "generation_config.json").read_text()).get("eos_token_id")
+        eos = json.loads(config_file.read_text()).get("eos_token_id")
     except (OSError, json.JSONDecodeError, AttributeError):
         return []
-    return [eos] if isinstance(eos, int) else [int(e) for e in eos or []]
+    if isinstance(eos, int):
+        return [eos]
+    return [int(e) for e in eos] if isinstance(eos, list) else []
 
 
 def _checkpoint_dtype(model: nn.Module) -> mx.Dtype:
