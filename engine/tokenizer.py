@@ -85,12 +85,15 @@ class Tokenizer:
         return self._bytes_table[token_id]
 
     @cached_property
+    def _decoder_types(self) -> set[str]:
+        decoder = self._backend.decoder
+        return _component_types(json.loads(decoder.__getstate__())) if decoder is not None else set()
+
+    @cached_property
     def _bytes_table(self) -> list[bytes]:
-        spec = json.loads(self._backend.to_str())
-        decoder_types = _component_types(spec.get("decoder"))
-        byte_level = "ByteLevel" in decoder_types
-        spm = bool(decoder_types & {"ByteFallback", "Metaspace"})
-        added = {t["id"] for t in spec.get("added_tokens", [])}
+        byte_level = "ByteLevel" in self._decoder_types
+        spm = bool(self._decoder_types & {"ByteFallback", "Metaspace"})
+        added = set(self._backend.get_added_tokens_decoder())
         size = max(self._backend.get_vocab_size(with_added_tokens=True), self.vocab_size)
         table: list[bytes] = []
         for token_id in range(size):
@@ -160,9 +163,7 @@ class Tokenizer:
         """An mlx-lm TokenizerWrapper over the same tokenizer and EOS set (for mlx-lm's generate)."""
         from mlx_lm.tokenizer_utils import BPEStreamingDetokenizer, NaiveStreamingDetokenizer, TokenizerWrapper
 
-        spec = json.loads(self._backend.to_str())
-        byte_level = "ByteLevel" in _component_types(spec.get("decoder"))
-        detok = BPEStreamingDetokenizer if byte_level else NaiveStreamingDetokenizer
+        detok = BPEStreamingDetokenizer if "ByteLevel" in self._decoder_types else NaiveStreamingDetokenizer
         return TokenizerWrapper(self.hf, detok, eos_token_ids=sorted(self.eos_token_ids))
 
 

@@ -134,3 +134,17 @@ def test_smollm2_chat_template_is_chatml(default_model: LoadedModel) -> None:
         "<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n"
         "<|im_start|>user\nWhat is 2+2?<|im_end|>\n<|im_start|>assistant\n"
     )
+
+
+def test_sentencepiece_style_token_bytes() -> None:
+    from tokenizers import Tokenizer as RustTokenizer
+    from tokenizers import decoders, models
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<unk>": 0, "\u2581hi": 1, "<0xE2>": 2, "<0x82>": 3, "<0xAC>": 4, "x": 5}
+    rust = RustTokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>", byte_fallback=True))
+    rust.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()])
+    tok = Tokenizer(PreTrainedTokenizerFast(tokenizer_object=rust))
+    assert tok.token_bytes(1) == b" hi"
+    assert b"".join(tok.token_bytes(i) for i in (2, 3, 4)) == "€".encode()
+    assert tok.decode([1, 2, 3, 4]) == " hi€"
