@@ -12,33 +12,55 @@ import mlx.nn as nn
 
 from trillm.engine.kv_cache import BatchLayout, KVPool, install_paged_attention
 from trillm.engine.sampler import SampleResult, Sampler, SampleRow
-from trillm.engine.scheduler import ScheduledBatch
+from trillm.engine.scheduler import PrefillChunk, ScheduledBatch
 from trillm.engine.sequence import Sequence
 from trillm.kernels.layout import RESERVED_BLOCK
 
 
 @dataclass(slots=True)
 class ForwardInputs:
-    tokens: mx.array  # int32 [B, L]
+    tokens: mx.array  # int32 [B, L], rows right-padded to the longest
     layout: BatchLayout
+    last_index: mx.array  # int32 [B]: each row's last real position in tokens
 
 
-def _layout(seqs: list[Sequence], starts: list[int], num_new: int, block_size: int) -> BatchLayout:
-    max_blocks = max(len(s.block_table) for s in seqs)
-    tables = [s.block_table + [RESERVED_BLOCK] * (max_blocks - len(s.block_table)) for s in seqs]
-    slots = []
-    for s, start in zip(seqs, starts):
-        for pos in range(start, start + num_new):
+def prepare_inputs(seqs: list[Sequence], starts: list[int], lengths: list[int], block_size: int) -> ForwardInputs:
+    """Rows of new tokens, right-padded to a common L. Padding writes its K/V to the reserved block and sits
+    after every real token, so causal attention never lets a real query see it."""
+    L = max(lengths)
+    trash = RESERVED_BLOCK * block_size
+    width = max(max(len(s.block_table) for s in seqs), max(-(-(st + L) // block_size) for st in starts))
+    tables, slots, tokens = [], [], []
+    for s, st, n in zip(seqs, starts, lengths):
+        tables.append(s.block_table + [RESERVED_BLOCK] * (width - len(s.block_table)))
+        tokens.append(s.token_ids[st : st + n] + [0] * (L - n))
+        for pos in range(st, st + n):
             slots.append(s.block_table[pos // block_size] * block_size + pos % block_size)
-    ctx = [start + num_new for start in starts]
-    return BatchLayout(
+        slots.extend([trash] * (L - n))
+    ctx = [st + L for st in starts]
+    layout = BatchLayout(
         block_tables=mx.array(tables, mx.int32),
         context_lens=mx.array(ctx, mx.int32),
         slot_mapping=mx.array(slots, mx.int32),
         offsets=mx.array(starts, mx.int32),
         max_context_len=max(ctx),
-        num_new_tokens=num_new,
+        num_new_tokens=L,
     )
+    return ForwardInputs(mx.array(tokens, mx.int32), layout, mx.array([n - 1 for n in lengths], mx.int32))
+
+
+def group_chunks(chunks: list[PrefillChunk], max_waste: float = 1.5) -> list[list[PrefillChunk]]:
+    """Batch prefill chunks of similar length into one forward each, padding at most max_waste x the work."""
+    groups: list[list[PrefillChunk]] = []
+    real = 0
+    for c in sorted(chunks, key=lambda c: -c.num_tokens):
+        if groups and (len(groups[-1]) + 1) * groups[-1][0].num_tokens <= max_waste * (real + c.num_tokens):
+            groups[-1].append(c)
+            real += c.num_tokens
+        else:
+            groups.append([c])
+            real = c.num_tokens
+    return groups
 
 
 SampledToken = tuple[Sequence, int, SampleResult, int]  # (seq, token id, the batch's result, its row there)
@@ -62,24 +84,22 @@ class ModelRunner:
 
     def prepare_decode(self, seqs: list[Sequence]) -> ForwardInputs:
         # tokens: [B, 1], each row's one pending token
-        starts = [s.num_computed_tokens for s in seqs]
-        tokens = mx.array([[s.token_ids[p]] for s, p in zip(seqs, starts)], mx.int32)
-        return ForwardInputs(tokens, _layout(seqs, starts, 1, self.pool.block_size))
+        return prepare_inputs(seqs, [s.num_computed_tokens for s in seqs], [1] * len(seqs), self.pool.block_size)
 
-    def prepare_prefill(self, seq: Sequence, start: int, num_tokens: int) -> ForwardInputs:
-        # tokens: [1, L], one chunk of one sequence
-        tokens = mx.array([seq.token_ids[start : start + num_tokens]], mx.int32)
-        return ForwardInputs(tokens, _layout([seq], [start], num_tokens, self.pool.block_size))
+    def prepare_prefill(self, chunks: list[PrefillChunk]) -> ForwardInputs:
+        # tokens: [B, L], one chunk per row
+        return prepare_inputs([c.seq for c in chunks], [c.start for c in chunks], [c.num_tokens for c in chunks],
+                              self.pool.block_size)
 
-    def forward(self, inputs: ForwardInputs, *, last_only: bool) -> mx.array:
-        """Logits [B, V] of each row's last position (or [B, L, V] when last_only is False)."""
+    def forward(self, inputs: ForwardInputs) -> mx.array:
+        """Logits [B, V] at each row's last real position."""
         self.pool.layout = inputs.layout
+        rows = mx.arange(inputs.tokens.shape[0])
         try:
-            if last_only and self._can_split_head():
+            if self._can_split_head():
                 h = self._inner(inputs.tokens, cache=self.caches)
-                return self._head(h[:, -1, :])
-            logits = self.model(inputs.tokens, cache=self.caches)
-            return logits[:, -1, :] if last_only else logits
+                return self._head(h[rows, inputs.last_index])
+            return self.model(inputs.tokens, cache=self.caches)[rows, inputs.last_index]
         finally:
             self.pool.layout = None
 
@@ -98,17 +118,19 @@ class ModelRunner:
         logits: list[mx.array] = []
         sampled: list[Sequence] = []
         if batch.decodes:
-            out = self.forward(self.prepare_decode(batch.decodes), last_only=True)
+            out = self.forward(self.prepare_decode(batch.decodes))
             mx.async_eval(out, *self.pool.arrays())
             logits.append(out)
             sampled += batch.decodes
-        for chunk in batch.prefills:
+        for group in group_chunks(batch.prefills):
             if check_abort is not None:
                 check_abort()
-            out = self.forward(self.prepare_prefill(chunk.seq, chunk.start, chunk.num_tokens), last_only=True)
-            if chunk.completes_prompt:
+            out = self.forward(self.prepare_prefill(group))
+            keep = [i for i, c in enumerate(group) if c.completes_prompt]
+            if keep:
+                out = out[mx.array(keep)] if len(keep) < len(group) else out
                 logits.append(out)
-                sampled.append(chunk.seq)
+                sampled += [group[i].seq for i in keep]
                 mx.async_eval(out, *self.pool.arrays())
             else:
                 mx.async_eval(*self.pool.arrays())
