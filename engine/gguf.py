@@ -20,6 +20,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from trillm.engine.errors import CorruptModelFile
+from trillm.engine.gguf_tokenizer import build_gguf_tokenizer
 from trillm.engine.tokenizer import Tokenizer
 
 # ggml tensor type -> (name, elements per block, bytes per block); from ggml.h / gguf docs.
@@ -295,95 +296,6 @@ def prepare_weights(
     return {
         k: v.astype(dtype) if mx.issubdtype(v.dtype, mx.floating) else v for k, v in weights.items()
     }
-
-
-# --- tokenizer ----------------------------------------------------------------------------------------
-
-_LLAMA3_SPLIT = (
-    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|"
-    r"\s+(?!\S)|\s+"
-)
-_QWEN2_SPLIT = _LLAMA3_SPLIT.replace(r"\p{N}{1,3}", r"\p{N}")
-_TOKEN_CONTROL, _TOKEN_USER_DEFINED = 3, 4
-
-
-def _pre_tokenizer(pre: str, path: str) -> Any:
-    from tokenizers import Regex, pre_tokenizers
-
-    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
-    if pre in ("gpt2", "default", "gpt-2"):
-        return byte_level
-    if pre == "smollm":  # SmolLM/StarCoder: every digit alone, then GPT-2's byte-level split
-        return pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level])
-    if pre in ("llama-bpe", "llama3", "qwen2"):
-        pattern = _QWEN2_SPLIT if pre == "qwen2" else _LLAMA3_SPLIT
-        return pre_tokenizers.Sequence(
-            [
-                pre_tokenizers.Split(Regex(pattern), behavior="isolated", invert=False),
-                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-            ]
-        )
-    raise CorruptModelFile(f"{path}: unsupported GGUF pre-tokenizer {pre!r} (supported: gpt2, smollm, llama-bpe, qwen2)")
-
-
-def gguf_eos_ids(meta: dict[str, Any]) -> frozenset[int]:
-    """EOS plus end-of-turn / end-of-message ids named in the metadata."""
-    keys = ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id")
-    return frozenset(int(meta[k]) for k in keys if meta.get(k) is not None)
-
-
-def build_gguf_tokenizer(meta: dict[str, Any], path: str = "") -> Tokenizer:
-    """Rebuild the byte-level BPE tokenizer stored in `tokenizer.ggml.*` losslessly."""
-    from tokenizers import AddedToken, decoders, models, processors
-    from tokenizers import Tokenizer as RustTokenizer
-    from transformers import PreTrainedTokenizerFast
-
-    kind = meta.get("tokenizer.ggml.model")
-    if kind != "gpt2":
-        raise CorruptModelFile(
-            f"{path}: unsupported GGUF tokenizer model {kind!r}; only byte-level BPE ('gpt2') is supported"
-        )
-    tokens: list[str] = meta["tokenizer.ggml.tokens"]
-    merges = [tuple(m.split(" ", 1)) for m in meta.get("tokenizer.ggml.merges", [])]
-    types: list[int] = meta.get("tokenizer.ggml.token_type") or [1] * len(tokens)
-    pre = meta.get("tokenizer.ggml.pre", "gpt2")
-    bpe = models.BPE(
-        vocab={t: i for i, t in enumerate(tokens)},
-        merges=merges,
-        fuse_unk=False,
-        byte_fallback=False,
-        ignore_merges=pre in ("llama-bpe", "llama3"),
-    )
-    tok = RustTokenizer(bpe)
-    tok.pre_tokenizer = _pre_tokenizer(pre, path)
-    tok.decoder = decoders.ByteLevel()
-    specials = [AddedToken(tokens[i], special=True, normalized=False) for i, t in enumerate(types) if t == _TOKEN_CONTROL]
-    user = [AddedToken(tokens[i], special=False, normalized=False) for i, t in enumerate(types) if t == _TOKEN_USER_DEFINED]
-    tok.add_special_tokens(specials)
-    tok.add_tokens(user)
-
-    def token(key: str) -> str | None:
-        i = meta.get(f"tokenizer.ggml.{key}_token_id")
-        return tokens[int(i)] if i is not None and 0 <= int(i) < len(tokens) else None
-
-    bos = token("bos")
-    if meta.get("tokenizer.ggml.add_bos_token") and bos is not None:
-        bos_id = tokens.index(bos)
-        tok.post_processor = processors.TemplateProcessing(
-            single=f"{bos}:0 $A:0", pair=f"{bos}:0 $A:0 {bos}:1 $B:1", special_tokens=[(bos, bos_id)]
-        )
-    else:
-        tok.post_processor = processors.ByteLevel(trim_offsets=False)
-    hf = PreTrainedTokenizerFast(
-        tokenizer_object=tok,
-        bos_token=bos,
-        eos_token=token("eos"),
-        unk_token=token("unknown"),
-        pad_token=token("padding"),
-        chat_template=meta.get("tokenizer.chat_template"),
-        clean_up_tokenization_spaces=False,
-    )
-    return Tokenizer(hf, eos_token_ids=gguf_eos_ids(meta))
 
 
 # --- the model ----------------------------------------------------------------------------------------

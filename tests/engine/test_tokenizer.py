@@ -148,3 +148,37 @@ def test_sentencepiece_style_token_bytes() -> None:
     assert tok.token_bytes(1) == b" hi"
     assert b"".join(tok.token_bytes(i) for i in (2, 3, 4)) == "€".encode()
     assert tok.decode([1, 2, 3, 4]) == " hi€"
+
+
+def _spm_gguf_metadata() -> dict[str, object]:
+    """A hand-made SentencePiece (GGUF tokenizer model "llama") vocabulary: pieces, scores, byte tokens."""
+    pieces = ["\u2581", "h", "e", "l", "o", "w", "r", "d", "\u2581h", "he", "ll", "llo", "\u2581he", "\u2581hello",
+              "\u2581w", "or", "ld", "\u2581wor", "\u2581world"]
+    tokens = ["<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)] + pieces
+    scores = [0.0, 0.0, 0.0] + [0.0] * 256 + [-float(i) for i in range(len(pieces))]
+    types = [2, 3, 3] + [6] * 256 + [1] * len(pieces)
+    return {
+        "tokenizer.ggml.model": "llama",
+        "tokenizer.ggml.tokens": tokens,
+        "tokenizer.ggml.scores": scores,
+        "tokenizer.ggml.token_type": types,
+        "tokenizer.ggml.bos_token_id": 1,
+        "tokenizer.ggml.eos_token_id": 2,
+        "tokenizer.ggml.unknown_token_id": 0,
+    }
+
+
+def test_gguf_sentencepiece_tokenizer() -> None:
+    from trillm.engine.gguf_tokenizer import build_gguf_tokenizer
+
+    tok = build_gguf_tokenizer(_spm_gguf_metadata())
+    pieces = lambda text: [tok.hf.convert_ids_to_tokens(i) for i in tok.encode(text)]  # noqa: E731
+    assert pieces("hello world") == ["\u2581hello", "\u2581world"]
+    assert pieces("hello é") == ["\u2581hello", "\u2581", "<0xC3>", "<0xA9>"]  # byte fallback
+    assert tok.encode("hello", add_special_tokens=True)[0] == 1  # llama GGUFs add BOS by default
+    assert tok.eos_token_ids == frozenset({2}) and tok.bos_token_id == 1
+    for text in ["hello world", "hello é 😀", " leading and  double  spaces ", "line\nbreak", ""]:
+        ids = tok.encode(text)
+        assert tok.decode(ids) == text
+        # SentencePiece pieces carry the space prepended to the text (llama.cpp's add_space_prefix).
+        assert b"".join(tok.token_bytes(i) for i in ids) == (" " + text if text else "").encode()
