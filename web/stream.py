@@ -129,25 +129,42 @@ class GenerationHandle:
         if self._failure is not None:
             raise GenerationFailed(self._failure)
 
-    async def receive(self) -> RequestOutput:
-        """The next delta of any of the n requests; `trio.EndOfChannel` after the last one."""
+    def receive_nowait(self) -> RequestOutput:
+        """The next delta if one is ready: `trio.WouldBlock` if none, `trio.EndOfChannel` after the last."""
         self._raise_if_failed()
         try:
             output = self._recv.receive_nowait()
-        except (trio.WouldBlock, trio.EndOfChannel) as exc:
-            if self._pending:
-                output = self._pending.pop(next(iter(self._pending)))
-            else:
-                try:
-                    if isinstance(exc, trio.EndOfChannel):
-                        raise
-                    output = await self._recv.receive()
-                except trio.EndOfChannel:
-                    self._raise_if_failed()
-                    raise
+        except (trio.WouldBlock, trio.EndOfChannel):
+            if not self._pending:
+                raise
+            output = self._pending.pop(next(iter(self._pending)))
+        self._buffered_bytes -= len(output.new_text.encode())
+        return output
+
+    async def receive(self) -> RequestOutput:
+        """The next delta of any of the n requests; `trio.EndOfChannel` after the last one."""
+        try:
+            return self.receive_nowait()
+        except trio.WouldBlock:
+            pass
+        try:
+            output = await self._recv.receive()
+        except trio.EndOfChannel:
+            self._raise_if_failed()
+            raise
         self._raise_if_failed()  # it may have failed while we waited
         self._buffered_bytes -= len(output.new_text.encode())
         return output
+
+    async def receive_batch(self, max_items: int = 256) -> list[RequestOutput]:
+        """Wait for at least one delta, then take every one already there (one write for all of them)."""
+        batch = [await self.receive()]
+        while len(batch) < max_items:
+            try:
+                batch.append(self.receive_nowait())
+            except (trio.WouldBlock, trio.EndOfChannel):
+                break
+        return batch
 
     def _raise_if_failed(self) -> None:
         if self._failure is not None:

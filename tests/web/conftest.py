@@ -35,3 +35,28 @@ async def running_service(factory: Callable[[], Any], **config: Any) -> AsyncIte
         service = await nursery.start(EngineService(factory, config=ServiceConfig(**config)).run)
         yield service
         nursery.cancel_scope.cancel()
+
+
+@asynccontextmanager
+async def running_app(factory: Callable[[], Any], *, service_config: dict[str, Any] | None = None,
+                      **server: Any) -> AsyncIterator[Any]:
+    """A quart test client on an app around one running fake service."""
+    from trillm.web.app import create_app
+    from trillm.web.config import ServerConfig
+
+    async with running_service(factory, **(service_config or {})) as service:
+        app = create_app([service], ServerConfig(**server))
+        yield app.test_client()
+
+
+def parse_sse(data: bytes) -> list[Any]:
+    """The `data:` payloads of an SSE body (JSON-decoded, except the final "[DONE]")."""
+    import json
+
+    events = []
+    for block in data.decode().split("\n\n"):
+        for line in block.splitlines():
+            if line.startswith("data: "):
+                payload = line[len("data: "):]
+                events.append(payload if payload == "[DONE]" else json.loads(payload))
+    return events

@@ -1,0 +1,247 @@
+"""The HTTP API through quart's test client, against the fake engine: formats, parameters, errors."""
+
+from __future__ import annotations
+
+import json
+from functools import partial
+from typing import Any
+
+import trio
+
+from trillm.web.app import create_app
+from trillm.web.config import ServerConfig
+from trillm.web.service import EngineService
+from trillm.engine.config import EngineConfig
+
+from conftest import FakeFactory, parse_sse, running_app, running_service
+from fake_engine import FakeTokenizer, reference_greedy_text
+
+MESSAGES = [{"role": "user", "content": "Hello there"}]
+CHAT_IDS = FakeTokenizer().apply_chat_template(MESSAGES)
+
+
+async def test_chat_completion_non_streaming() -> None:
+    async with running_app(FakeFactory()) as client:
+        r = await client.post("/v1/chat/completions", json={"messages": MESSAGES, "max_tokens": 9, "temperature": 0})
+        assert r.status_code == 200
+        body = await r.get_json()
+    assert body["object"] == "chat.completion" and body["model"] == "fake-model"
+    choice = body["choices"][0]
+    assert choice["message"] == {"role": "assistant", "content": reference_greedy_text(CHAT_IDS, 9)}
+    assert choice["finish_reason"] == "length"
+    assert body["usage"] == {"prompt_tokens": len(CHAT_IDS), "completion_tokens": 9,
+                             "total_tokens": len(CHAT_IDS) + 9, "prompt_tokens_details": {"cached_tokens": 0}}
+
+
+async def test_chat_stream_format_and_usage_with_cached_tokens() -> None:
+    long_messages = [{"role": "user", "content": "x" * 40}]
+    ids = FakeTokenizer().apply_chat_template(long_messages)
+    req = {"messages": long_messages, "max_tokens": 6, "temperature": 0, "stream": True,
+           "stream_options": {"include_usage": True}}
+    async with running_app(FakeFactory()) as client:
+        await client.post("/v1/chat/completions", json={**req, "stream": False})  # warms the prefix cache
+        r = await client.post("/v1/chat/completions", json=req)
+        assert r.headers["Content-Type"].startswith("text/event-stream")
+        events = parse_sse(await r.get_data())
+    assert events[-1] == "[DONE]"
+    chunks = events[:-1]
+    assert all(c["object"] == "chat.completion.chunk" for c in chunks)
+    assert chunks[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    text = "".join(c["choices"][0]["delta"].get("content", "") for c in chunks if c["choices"])
+    assert text == reference_greedy_text(ids, 6)
+    finish = [c for c in chunks if c["choices"] and c["choices"][0]["finish_reason"]]
+    assert len(finish) == 1 and finish[0]["choices"][0]["delta"] == {}
+    assert finish[0]["choices"][0]["finish_reason"] == "length"
+    assert all(c["usage"] is None for c in chunks[:-1])
+    usage = chunks[-1]["usage"]
+    assert chunks[-1]["choices"] == []
+    assert usage["completion_tokens"] == 6 and usage["prompt_tokens"] == len(ids)
+    assert usage["prompt_tokens_details"]["cached_tokens"] == (len(ids) // 16) * 16
+
+
+async def test_completions_logprobs_stop_and_n() -> None:
+    async with running_app(FakeFactory()) as client:
+        r = await client.post("/v1/completions", json={"prompt": "abc", "max_tokens": 5, "temperature": 0,
+                                                       "logprobs": 2})
+        body = await r.get_json()
+        prompt_ids = FakeTokenizer().encode("abc", add_special_tokens=True)
+        text = reference_greedy_text(prompt_ids, 5)
+        choice = body["choices"][0]
+        assert body["object"] == "text_completion" and choice["text"] == text
+        lp = choice["logprobs"]
+        assert lp["tokens"] == list(text) and lp["token_logprobs"] == [-0.5] * 5
+        assert [len(t) for t in lp["top_logprobs"]] == [2] * 5 and lp["text_offset"] == list(range(5))
+
+        stop = text[3]
+        r = await client.post("/v1/completions", json={"prompt": "abc", "max_tokens": 5, "temperature": 0,
+                                                       "stop": stop})
+        choice = (await r.get_json())["choices"][0]
+        assert choice["text"] == text[: text.index(stop)] and choice["finish_reason"] == "stop"
+
+        r = await client.post("/v1/completions", json={"prompt": "abc", "max_tokens": 7, "n": 3, "seed": 5})
+        body = await r.get_json()
+        assert [c["index"] for c in body["choices"]] == [0, 1, 2]
+        assert body["usage"]["completion_tokens"] == 21
+        r2 = await client.post("/v1/completions", json={"prompt": "abc", "max_tokens": 7, "n": 3, "seed": 5})
+        assert [c["text"] for c in (await r2.get_json())["choices"]] == [c["text"] for c in body["choices"]]
+
+
+async def test_chat_logprobs_and_tools_reach_the_template() -> None:
+    async with running_app(FakeFactory()) as client:
+        r = await client.post("/v1/chat/completions", json={
+            "messages": MESSAGES, "max_tokens": 3, "temperature": 0, "logprobs": True, "top_logprobs": 2,
+            "tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]})
+        body = await r.get_json()
+    ids = FakeTokenizer().apply_chat_template(MESSAGES, tools=[{}])
+    content = body["choices"][0]["logprobs"]["content"]
+    assert "".join(c["token"] for c in content) == reference_greedy_text(ids, 3)
+    assert body["usage"]["prompt_tokens"] == len(ids)
+    assert all(len(c["top_logprobs"]) == 2 and c["bytes"] == list(c["token"].encode()) for c in content)
+
+
+async def error_of(r: Any) -> dict[str, Any]:
+    body = await r.get_json()
+    assert set(body) == {"error"} and {"message", "type", "param", "code"} <= set(body["error"])
+    assert "Traceback" not in body["error"]["message"]
+    return body["error"]
+
+
+async def test_errors_use_openai_shape_and_status() -> None:
+    async with running_app(FakeFactory(max_model_len=64), max_tokens_limit=100, max_request_bytes=2048) as client:
+        r = await client.post("/v1/chat/completions", data=b"{not json", headers={"Content-Type": "application/json"})
+        assert r.status_code == 400
+        await error_of(r)
+        r = await client.post("/v1/chat/completions", json={"model": "nope", "messages": MESSAGES})
+        assert r.status_code == 404 and (await error_of(r))["code"] == "model_not_found"
+        r = await client.post("/v1/chat/completions", json={"messages": MESSAGES, "max_tokens": 101})
+        assert r.status_code == 400 and "at most 100" in (await error_of(r))["message"]
+        r = await client.post("/v1/completions", json={"prompt": "y" * 80})
+        assert r.status_code == 400 and "context" in (await error_of(r))["message"]  # the engine's refusal
+        r = await client.post("/v1/chat/completions", json={"messages": MESSAGES, "temperature": -1})
+        assert r.status_code == 400 and "temperature" in (await error_of(r))["message"]
+        r = await client.post("/v1/chat/completions", json={"messages": "hi"})
+        assert r.status_code == 400
+        r = await client.post("/v1/completions", json={"prompt": "z" * 5000})
+        assert r.status_code == 413
+        await error_of(r)
+        r = await client.get("/v1/nowhere")
+        assert r.status_code == 404
+        await error_of(r)
+
+
+async def test_overloaded_is_503_with_retry_after() -> None:
+    cfg = EngineConfig(num_kv_blocks=256, max_num_seqs=1, max_num_batched_tokens=64, max_waiting=0)
+    async with running_app(FakeFactory(config=cfg, step_delay=0.01)) as client:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(partial(client.post, "/v1/completions", json={"prompt": "a", "max_tokens": 30}))
+            await trio.sleep(0.1)
+            r = await client.post("/v1/completions", json={"prompt": "b", "max_tokens": 3})
+            assert r.status_code == 503 and r.headers["Retry-After"] == "1"
+            assert (await error_of(r))["code"] == "overloaded"
+
+
+async def test_internal_errors_hide_the_traceback() -> None:
+    class BrokenTokenizer(FakeTokenizer):
+        def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+            raise RuntimeError("secret detail")
+
+        def apply_chat_template(self, *a: Any, **kw: Any) -> list[int]:
+            raise RuntimeError("no system role")
+
+    async with running_service(FakeFactory()) as service:
+        service.tokenizer = BrokenTokenizer()
+        client = create_app([service]).test_client()
+        r = await client.post("/v1/completions", json={"prompt": "a"})
+        assert r.status_code == 500
+        err = await error_of(r)
+        assert err["message"] == "internal server error" and "secret" not in json.dumps(err)
+        r = await client.post("/v1/chat/completions", json={"messages": MESSAGES})
+        assert r.status_code == 400 and "no system role" in (await error_of(r))["message"]  # the request's fault
+
+
+async def test_api_key_guards_v1_but_not_health() -> None:
+    async with running_app(FakeFactory(), api_key="sekrit") as client:
+        assert (await client.get("/v1/models")).status_code == 401
+        r = await client.get("/v1/models", headers={"Authorization": "Bearer wrong"})
+        assert r.status_code == 401 and (await error_of(r))["type"] == "authentication_error"
+        r = await client.get("/v1/models", headers={"Authorization": "Bearer sekrit"})
+        assert r.status_code == 200 and (await r.get_json())["data"][0]["id"] == "fake-model"
+        assert (await client.get("/health")).status_code == 200
+        assert (await client.post("/tokenize", json={"prompt": "a"})).status_code == 401
+
+
+async def test_health_is_503_while_loading() -> None:
+    async with trio.open_nursery() as nursery:
+        service = EngineService(FakeFactory(load_delay=0.5))
+        nursery.start_soon(service.run)
+        client = create_app([service], ServerConfig()).test_client()
+        r = await client.get("/health")
+        assert r.status_code == 503 and (await r.get_json())["models"]["loading"]["state"] == "loading"
+        r = await client.post("/v1/completions", json={"prompt": "a"})
+        assert r.status_code == 503 and "Retry-After" in r.headers
+        with trio.fail_after(5):
+            while (await client.get("/health")).status_code != 200:
+                await trio.sleep(0.05)
+        nursery.cancel_scope.cancel()
+
+
+async def test_metrics_tokenize_detokenize() -> None:
+    async with running_app(FakeFactory()) as client:
+        await client.post("/v1/completions", json={"prompt": "abc", "max_tokens": 4})
+        await client.post("/v1/completions", json={"prompt": "q" * 3000})
+        text = await (await client.get("/metrics")).get_data(as_text=True)
+        assert 'trillm_requests_total{model="fake-model",outcome="length"} 1' in text
+        assert 'trillm_requests_total{model="fake-model",outcome="rejected"} 1' in text
+        assert 'trillm_time_to_first_token_seconds_count{model="fake-model"} 1' in text
+        assert 'trillm_inter_token_latency_seconds_count{model="fake-model"} 3' in text
+        assert 'trillm_generation_tokens_total{model="fake-model"} 4' in text
+        for family in ("trillm_e2e_request_latency_seconds_bucket", "trillm_kv_blocks_used",
+                       "trillm_num_requests_waiting", "trillm_prefix_cache_hit_rate", "trillm_prompt_tokens_total"):
+            assert family in text
+        r = await client.post("/tokenize", json={"prompt": "hé"})
+        tok = await r.get_json()
+        assert tok["count"] == len(tok["tokens"]) == 4  # bos + 3 bytes
+        r = await client.post("/detokenize", json={"tokens": tok["tokens"]})
+        assert (await r.get_json())["prompt"] == "hé"
+        r = await client.post("/tokenize", json={"messages": MESSAGES})
+        assert (await r.get_json())["tokens"] == CHAT_IDS
+
+
+async def test_sse_keepalive_while_prefilling() -> None:
+    cfg = EngineConfig(num_kv_blocks=4096, max_num_seqs=4, max_num_batched_tokens=4)
+    async with running_app(FakeFactory(config=cfg, step_delay=0.01), sse_keepalive_s=0.05) as client:
+        r = await client.post("/v1/completions", json={"prompt": "p" * 60, "max_tokens": 2, "stream": True})
+        data = await r.get_data()
+    assert data.count(b": keepalive") >= 2
+    events = parse_sse(data)
+    assert events[-1] == "[DONE]" and events[-2]["choices"][0]["finish_reason"] == "length"
+
+
+async def test_websocket_multiplexes_cancels_and_survives_bad_input() -> None:
+    async with running_app(FakeFactory(step_delay=0.002)) as client:
+        async with client.websocket("/v1/ws") as ws:
+            await ws.send("not json")
+            assert json.loads(await ws.receive())["type"] == "error"
+            await ws.send(json.dumps({"type": "generate", "id": "long", "prompt": "a", "max_tokens": 400}))
+            await ws.send(json.dumps({"type": "generate", "id": "b", "messages": MESSAGES, "max_tokens": 5,
+                                      "temperature": 0}))
+            await ws.send(json.dumps({"type": "generate", "id": "c", "prompt": "abc", "max_tokens": 4,
+                                      "temperature": 0}))
+            await ws.send(json.dumps({"type": "wat", "id": "d"}))
+            texts: dict[str, str] = {"b": "", "c": "", "long": ""}
+            finals: dict[str, dict[str, Any]] = {}
+            while len(finals) < 3:
+                msg = json.loads(await ws.receive())
+                if msg["type"] == "delta":
+                    texts[msg["id"]] += msg["text"]
+                    if msg["id"] == "long" and len(texts["long"]) == 3:
+                        await ws.send(json.dumps({"type": "cancel", "id": "long"}))
+                elif msg["type"] == "error":
+                    assert msg["id"] == "d"
+                else:
+                    finals[msg["id"]] = msg
+            assert finals["long"]["type"] == "cancelled"
+            assert finals["b"]["type"] == "done" and finals["b"]["usage"]["completion_tokens"] == 5
+            assert texts["b"] == reference_greedy_text(CHAT_IDS, 5)
+            assert texts["c"] == reference_greedy_text(FakeTokenizer().encode("abc", True), 4)
+            assert len(texts["long"]) < 400

@@ -1,0 +1,71 @@
+"""Serving: start each model's EngineService, then hypercorn's trio worker; readiness via task_status."""
+
+from __future__ import annotations
+
+import ipaddress
+import json
+import logging
+import shlex
+from collections.abc import Callable, Sequence
+from functools import partial
+
+import trio
+from hypercorn.config import Config as HypercornConfig
+from hypercorn.trio import serve as hypercorn_serve
+
+from trillm.web.app import create_app
+from trillm.web.asgi import ShieldedFinalSend
+from trillm.web.config import ServerConfig
+from trillm.web.service import Engine, EngineService, ServiceConfig
+
+log = logging.getLogger("trillm.web.server")
+
+
+def hypercorn_config(config: ServerConfig) -> HypercornConfig:
+    hc = HypercornConfig()
+    host = f"[{config.host}]" if ":" in config.host else config.host
+    hc.bind = [f"{host}:{config.port}"]
+    hc.backlog = config.backlog
+    hc.keep_alive_timeout = config.keep_alive_timeout_s
+    hc.graceful_timeout = config.graceful_timeout_s
+    hc.accesslog = None
+    hc.errorlog = logging.getLogger("hypercorn.error")
+    return hc
+
+
+def startup_message(url: str, model: str, api_key_set: bool) -> str:
+    """Where to send requests, with a copy-paste curl example."""
+    body = json.dumps({"model": model, "messages": [{"role": "user", "content": "Say hello in one sentence."}]})
+    auth = ' -H "Authorization: Bearer $TRILLM_API_KEY"' if api_key_set else ""
+    return (f"trillm is serving {model} at {url}/v1 (OpenAI-compatible; websocket {url.replace('http', 'ws', 1)}/v1/ws)\n"
+            f"  try: curl {url}/v1/chat/completions -H 'Content-Type: application/json'{auth} -d {shlex.quote(body)}")
+
+
+def _is_loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return host == "localhost"
+
+
+async def serve(engines: Sequence[tuple[str | None, Callable[[], Engine]]], config: ServerConfig = ServerConfig(),
+                *, service_config: ServiceConfig = ServiceConfig(),
+                task_status: trio.TaskStatus[str] = trio.TASK_STATUS_IGNORED) -> None:
+    """Load every model (each on its own engine thread), then serve until cancelled.
+
+    `engines` pairs a served name (None: the model's own) with a factory that builds the engine; the
+    factory runs on the engine thread. Reports the base URL through `task_status` once requests are accepted.
+    """
+    async with trio.open_nursery() as nursery:
+        services = []
+        for name, factory in engines:
+            service: EngineService = await nursery.start(EngineService(factory, name=name, config=service_config).run)
+            log.info("loaded %s", service.model_name)
+            services.append(service)
+        app = ShieldedFinalSend(create_app(services, config))
+        binds = await nursery.start(partial(hypercorn_serve, app, hypercorn_config(config), mode="asgi"))
+        url = binds[0]
+        if not _is_loopback(config.host) and config.api_key is None:
+            log.warning("listening on %s without --api-key: anyone who can reach it can use it", config.host)
+        log.info("%s", startup_message(url, services[0].model_name, config.api_key is not None))
+        task_status.started(url)

@@ -1,0 +1,136 @@
+"""The websocket API, /v1/ws: many generations multiplexed on one socket, each cancellable.
+
+Client -> server: {"type": "generate", "id": ..., <chat or completion params>} and {"type": "cancel", "id"}.
+Server -> client: {"type": "delta", "id", "index", "text", "token_ids", "logprobs", "finish_reason"} ...,
+then {"type": "done", "id", "usage", "finish_reasons"}; or {"type": "cancelled", "id"}; or
+{"type": "error", "id", "error": {...}}. A malformed message gets an error and the socket stays open.
+Closing the socket cancels the handler (quart-trio), which aborts every generation it started.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from typing import Any
+
+import trio
+from quart import websocket
+from quart_trio import QuartTrio
+
+from trillm.engine.errors import EngineError
+from trillm.web.config import ServerConfig
+from trillm.web.errors import APIError, to_api_error
+from trillm.web.generation import ModelRegistry, ready_tokenizer, start_generation
+from trillm.web.protocol import ResponseBuilder, usage_dict
+from trillm.web.stream import GenerationFailed
+
+log = logging.getLogger("trillm.web.ws")
+
+
+class _Session:
+    """One socket: its generations run in the handler's nursery; one writer task owns the socket's sends."""
+
+    def __init__(self, nursery: trio.Nursery, out: trio.MemorySendChannel[str], registry: ModelRegistry,
+                 config: ServerConfig) -> None:
+        self.nursery = nursery
+        self.out = out
+        self.registry = registry
+        self.config = config
+        self.active: dict[str, trio.CancelScope] = {}
+
+    async def send(self, msg: dict[str, Any]) -> None:
+        await self.out.send(json.dumps(msg, separators=(",", ":"), ensure_ascii=False))
+
+    async def error(self, gid: object, exc: BaseException) -> None:
+        await self.send({"type": "error", "id": gid, "error": to_api_error(exc).body()["error"]})
+
+    async def on_message(self, raw: str | bytes) -> None:
+        try:
+            msg = json.loads(raw)
+        except (ValueError, UnicodeDecodeError):
+            await self.error(None, APIError(400, "the message is not valid JSON"))
+            return
+        if not isinstance(msg, dict):
+            await self.error(None, APIError(400, "a message must be a JSON object"))
+            return
+        gid = msg.get("id")
+        if not isinstance(gid, (str, int)) or isinstance(gid, bool):
+            await self.error(gid, APIError(400, "a message needs an 'id' (string or integer)"))
+            return
+        key = str(gid)
+        kind = msg.get("type")
+        if kind == "cancel":
+            scope = self.active.get(key)
+            if scope is None:
+                await self.error(gid, APIError(404, f"no running generation has id {gid!r}"))
+            else:
+                scope.cancel()
+        elif kind == "generate":
+            if key in self.active:
+                await self.error(gid, APIError(400, f"a generation with id {gid!r} is already running"))
+            elif len(self.active) >= self.config.max_ws_generations:
+                await self.error(gid, APIError(429, "too many concurrent generations on this socket"))
+            else:
+                await self.nursery.start(self.generate, gid, key, msg)
+        else:
+            await self.error(gid, APIError(400, "'type' must be 'generate' or 'cancel'"))
+
+    async def generate(self, gid: str | int, key: str, msg: dict[str, Any],
+                       task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        with trio.CancelScope() as scope:
+            self.active[key] = scope
+            task_status.started()
+            try:
+                await self._generate(gid, msg)
+            except (EngineError, APIError, GenerationFailed) as exc:
+                await self.error(gid, exc)
+            except Exception as exc:  # one bad generation must not take the socket down
+                log.exception("websocket generation %r failed", gid, exc_info=exc)
+                await self.error(gid, exc)
+            finally:
+                del self.active[key]
+        if scope.cancelled_caught:
+            await self.send({"type": "cancelled", "id": gid})
+
+    async def _generate(self, gid: str | int, msg: dict[str, Any]) -> None:
+        body = {k: v for k, v in msg.items() if k not in ("type", "id")}
+        endpoint = body.pop("endpoint", None)
+        kind = "chat" if endpoint == "chat" or (endpoint is None and "messages" in body) else "completion"
+        service = self.registry.select(body.get("model"))
+        req, handle = await start_generation(service, body, kind, self.config)
+        builder = ResponseBuilder(req, handle.request_ids, ready_tokenizer(service))
+        with handle:
+            while True:
+                try:
+                    outputs = await handle.receive_batch()
+                except trio.EndOfChannel:
+                    break
+                for out in outputs:
+                    i = builder.add(out)
+                    await self.send({
+                        "type": "delta", "id": gid, "index": i, "text": out.new_text,
+                        "token_ids": list(out.new_token_ids), "logprobs": builder.logprobs_for(i, out.logprobs),
+                        "finish_reason": None if out.finish_reason is None else out.finish_reason.value,
+                    })
+        await self.send({
+            "type": "done", "id": gid, "usage": usage_dict(builder.total_usage()),
+            "finish_reasons": [None if c.finish_reason is None else c.finish_reason.value for c in builder.choices],
+        })
+
+
+async def _writer(out: trio.MemoryReceiveChannel[str]) -> None:
+    async with out:
+        async for text in out:
+            await websocket.send(text)
+
+
+def register_websocket(app: QuartTrio, registry: ModelRegistry, config: ServerConfig) -> None:
+    @app.websocket("/v1/ws")
+    async def ws() -> None:
+        await websocket.accept()
+        send, recv = trio.open_memory_channel[str](256)
+        async with trio.open_nursery() as nursery, send:
+            nursery.start_soon(_writer, recv)
+            session = _Session(nursery, send, registry, config)
+            while True:  # ends when quart-trio cancels us on disconnect
+                await session.on_message(await websocket.receive())
