@@ -261,11 +261,16 @@ def _quant_params(module: nn.Module, weight: mx.array, scales: mx.array) -> tupl
 
 
 def checkpoint_dtype(weights: dict[str, mx.array]) -> mx.Dtype:
-    """The float dtype the checkpoint computes in: its quantization scales', else its matrices' majority."""
+    """The float dtype to compute a GGUF checkpoint in, when kept as stored (the GPU default).
+
+    Quantized files compute in float32, as llama.cpp does: GGUF's fp16 scales are a storage format, and
+    fp16 activations are not safe (SmolLM2's residual stream reaches ~25k, where fp16's step is 16, and an
+    fp16 forward flipped a near-tie top-1 token). Float files compute in their matrices' majority dtype.
+    """
     counts: dict[mx.Dtype, int] = {}
     for key, value in weights.items():
         if key.endswith(".scales"):
-            return value.dtype
+            return mx.float32
         if value.ndim == 2 and mx.issubdtype(value.dtype, mx.floating):
             counts[value.dtype] = counts.get(value.dtype, 0) + value.size
     return max(counts, key=lambda d: counts[d]) if counts else mx.float32
