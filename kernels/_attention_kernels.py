@@ -196,6 +196,15 @@ ATTN_REDUCE = KernelSpec("paged_attn_reduce", ("o_part", "m_part", "l_part", "si
 SPECS = (ATTN_FINAL, ATTN_PARTIAL, ATTN_REDUCE)
 
 
+def kernel_supports(q: mx.array, k_pool: mx.array) -> bool:
+    """Shapes and dtypes the kernels handle; anything else runs the reference."""
+    d = q.shape[-1]
+    return (
+        d % 32 == 0 and d <= MAX_ROWS_X_D and q.dtype in (mx.float32, mx.float16, mx.bfloat16)
+        and k_pool.dtype == q.dtype and q.shape[1] % k_pool.shape[2] == 0
+    )  # fmt: skip
+
+
 def heads_per_group(rep: int, head_dim: int) -> int:
     """Largest divisor of the GQA ratio that keeps HPG <= 8 and HPG * D within MAX_ROWS_X_D."""
     return max(h for h in range(1, min(rep, 8) + 1) if rep % h == 0 and h * head_dim <= MAX_ROWS_X_D)

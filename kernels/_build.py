@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import cache
-from typing import Any
+from typing import Any, Callable
 
 import mlx.core as mx
 
@@ -80,19 +80,29 @@ def header_for(backend: Backend, spec: KernelSpec) -> str:
     return PRELUDES[backend] + spec.header
 
 
+def _metal_factory(**kwargs: Any) -> Any:
+    return mx.fast.metal_kernel(**kwargs)
+
+
+def _cuda_factory(**kwargs: Any) -> Any:
+    return mx.fast.cuda_kernel(**kwargs)
+
+
+# Back-end -> kernel constructor taking (name, input_names, output_names, source, header). Tests register
+# a CPU emulator here (tests/kernels/kernel_emulator.py) to run the shared bodies without a GPU.
+FACTORIES: dict[str, Callable[..., Any]] = {"metal": _metal_factory, "cuda": _cuda_factory}
+
+
 @cache
 def build(backend: Backend, spec: KernelSpec) -> Any:
     """Construct the `mx.fast` kernel for `spec` once per back-end and cache it.
 
     Lazy: `mx.fast.cuda_kernel` raises at construction on a build without CUDA.
     """
-    common = dict(
+    return FACTORIES[backend](
         name=f"trillm_{spec.name}",
         input_names=list(spec.input_names),
         output_names=list(spec.output_names),
         source=spec.body,
         header=header_for(backend, spec),
     )
-    if backend == "metal":
-        return mx.fast.metal_kernel(**common)
-    return mx.fast.cuda_kernel(**common)

@@ -102,7 +102,7 @@ def paged_attention(
     the reference (TRILLM_KERNELS=ref forces it).
     """
     backend = kernel_backend()
-    if backend is None:
+    if backend is None or not _k.kernel_supports(q, k_pool):
         return paged_attention_ref(
             q, k_pool, v_pool, block_tables, context_lens, scale=scale, window=window, sinks=sinks
         )
