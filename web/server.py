@@ -7,6 +7,7 @@ import json
 import logging
 import shlex
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from functools import partial
 
 import trio
@@ -19,6 +20,14 @@ from trillm.web.config import ServerConfig
 from trillm.web.service import Engine, EngineService, ServiceConfig
 
 log = logging.getLogger("trillm.web.server")
+
+
+@dataclass(frozen=True, slots=True)
+class Serving:
+    """What `serve` reports once it accepts requests."""
+
+    url: str  # e.g. http://127.0.0.1:8000
+    services: tuple[EngineService, ...]
 
 
 def hypercorn_config(config: ServerConfig) -> HypercornConfig:
@@ -50,11 +59,11 @@ def _is_loopback(host: str) -> bool:
 
 async def serve(engines: Sequence[tuple[str | None, Callable[[], Engine]]], config: ServerConfig = ServerConfig(),
                 *, service_config: ServiceConfig = ServiceConfig(),
-                task_status: trio.TaskStatus[str] = trio.TASK_STATUS_IGNORED) -> None:
+                task_status: trio.TaskStatus[Serving] = trio.TASK_STATUS_IGNORED) -> None:
     """Load every model (each on its own engine thread), then serve until cancelled.
 
     `engines` pairs a served name (None: the model's own) with a factory that builds the engine; the
-    factory runs on the engine thread. Reports the base URL through `task_status` once requests are accepted.
+    factory runs on the engine thread. Reports a `Serving` through `task_status` once requests are accepted.
     """
     async with trio.open_nursery() as nursery:
         services = []
@@ -68,4 +77,4 @@ async def serve(engines: Sequence[tuple[str | None, Callable[[], Engine]]], conf
         if not _is_loopback(config.host) and config.api_key is None:
             log.warning("listening on %s without --api-key: anyone who can reach it can use it", config.host)
         log.info("%s", startup_message(url, services[0].model_name, config.api_key is not None))
-        task_status.started(url)
+        task_status.started(Serving(url, tuple(services)))

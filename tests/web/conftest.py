@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
+from functools import partial
 from typing import Any
 
 import trio
@@ -60,3 +61,34 @@ def parse_sse(data: bytes) -> list[Any]:
                 payload = line[len("data: "):]
                 events.append(payload if payload == "[DONE]" else json.loads(payload))
     return events
+
+
+@asynccontextmanager
+async def running_server(*factories: Callable[[], Any], service_config: dict[str, Any] | None = None,
+                         **server: Any) -> AsyncIterator[Any]:
+    """A live hypercorn server on 127.0.0.1 (a free port); yields trillm.web.server.Serving."""
+    from trillm.web.config import ServerConfig
+    from trillm.web.server import serve
+
+    config = ServerConfig(host="127.0.0.1", port=0, **server)
+    async with trio.open_nursery() as nursery:
+        serving = await nursery.start(partial(serve, [(None, f) for f in factories], config,
+                                              service_config=ServiceConfig(**(service_config or {}))))
+        yield serving
+        nursery.cancel_scope.cancel()
+
+
+async def read_to_eof(stream: trio.abc.Stream) -> bytes:
+    chunks = []
+    while data := await stream.receive_some(65536):
+        chunks.append(data)
+    return b"".join(chunks)
+
+
+async def raw_http(url: str, request: bytes) -> bytes:
+    """Send raw bytes to the server and read until it closes the connection."""
+    host, port = url.removeprefix("http://").rsplit(":", 1)
+    stream = await trio.open_tcp_stream(host, int(port))
+    async with stream:
+        await stream.send_all(request)
+        return await read_to_eof(stream)
