@@ -1,0 +1,211 @@
+"""The key live-server tests against the real LLMEngine with the tiny random model (tests/conftest.py)."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+import openai
+import pytest
+import trio
+import trio_websocket
+
+from trillm.engine.config import EngineConfig
+from trillm.engine.llm_engine import LLMEngine
+
+from conftest import parse_sse, running_server
+
+MESSAGES = [{"role": "user", "content": "What is two plus two? Please answer in a short sentence, " * 3}]
+
+
+class RealFactory:
+    """Builds an LLMEngine on the engine thread; `fail` makes its next step raise (injected failure)."""
+
+    def __init__(self, path: Path, **config: Any) -> None:
+        self.config = EngineConfig(model=str(path), **{"max_num_seqs": 32, "num_kv_blocks": 512,
+                                                       "max_num_batched_tokens": 256, **config})
+        self.fail = False
+        self.engines: list[LLMEngine] = []
+
+    def __call__(self) -> LLMEngine:
+        factory = self
+
+        class Engine(LLMEngine):
+            def step(self, **kw: Any) -> Any:
+                if factory.fail:
+                    factory.fail = False
+                    raise RuntimeError("injected engine failure")
+                return super().step(**kw)
+
+        engine = Engine(self.config)
+        self.engines.append(engine)
+        return engine
+
+
+async def stream_text(client: httpx.AsyncClient, req: dict[str, Any]) -> str:
+    r = await client.post("/v1/completions", json={**req, "stream": True})
+    assert r.status_code == 200, r.text
+    events = parse_sse(r.content)
+    assert events[-1] == "[DONE]"
+    return "".join(e["choices"][0]["text"] for e in events[:-1] if e["choices"])
+
+
+async def test_32_concurrent_greedy_streams_equal_sequential(tiny_model_path: Path) -> None:
+    async with running_server(RealFactory(tiny_model_path)) as serving:
+        async with httpx.AsyncClient(base_url=serving.url, timeout=60) as client:
+            reqs = [{"prompt": f"Hello {i} world", "max_tokens": 12, "temperature": 0, "ignore_eos": True}
+                    for i in range(32)]
+            sequential = [await stream_text(client, r) for r in reqs]
+            concurrent: dict[int, str] = {}
+
+            async def one(i: int) -> None:
+                concurrent[i] = await stream_text(client, reqs[i])
+
+            async with trio.open_nursery() as nursery:
+                for i in range(32):
+                    nursery.start_soon(one, i)
+    assert [concurrent[i] for i in range(32)] == sequential
+    assert len(set(sequential)) > 1
+
+
+async def test_disconnect_frees_kv_blocks_within_1s(tiny_model_path: Path) -> None:
+    async with running_server(RealFactory(tiny_model_path)) as serving:
+        service = serving.services[0]
+        async with httpx.AsyncClient(base_url=serving.url, timeout=30) as client:
+            req = {"prompt": "Once upon a time " * 8, "max_tokens": 400, "ignore_eos": True, "stream": True}
+            async with client.stream("POST", "/v1/completions", json=req) as r:
+                n = 0
+                async for line in r.aiter_lines():
+                    n += line.startswith("data: {")
+                    if n >= 4:
+                        break
+                assert service.statistics().num_blocks_used > 0
+            t0 = time.perf_counter()
+            while (s := service.statistics()).num_blocks_used or s.num_running:
+                assert time.perf_counter() - t0 < 1.0
+                await trio.sleep(0.01)
+
+
+def sdk_calls(base_url: str) -> dict[str, Any]:
+    client = openai.OpenAI(base_url=base_url + "/v1", api_key="k", max_retries=0, timeout=30)
+    model = client.models.list().data[0].id
+    out: dict[str, Any] = {"model": model}
+    out["chat"] = client.chat.completions.create(model=model, messages=MESSAGES, max_tokens=6, temperature=0,
+                                                 extra_body={"ignore_eos": True})
+    out["chat_stream"] = list(client.chat.completions.create(
+        model=model, messages=MESSAGES, max_tokens=6, temperature=0, stream=True,
+        stream_options={"include_usage": True}, extra_body={"ignore_eos": True}))
+    out["completion"] = client.completions.create(model=model, prompt="The capital of", max_tokens=5, temperature=0,
+                                                  extra_body={"ignore_eos": True})
+    out["completion_stream"] = list(client.completions.create(
+        model=model, prompt="The capital of", max_tokens=5, temperature=0, stream=True,
+        stream_options={"include_usage": True}, extra_body={"ignore_eos": True}))
+    return out
+
+
+async def test_openai_sdk_against_the_real_engine(tiny_model_path: Path) -> None:
+    async with running_server(RealFactory(tiny_model_path)) as serving:
+        out = await trio.to_thread.run_sync(sdk_calls, serving.url)
+    chat = out["chat"]
+    stream_text = "".join(c.choices[0].delta.content or "" for c in out["chat_stream"] if c.choices)
+    assert chat.choices[0].message.content == stream_text and chat.choices[0].finish_reason == "length"
+    assert chat.usage.completion_tokens == 6
+    usage = out["chat_stream"][-1].usage
+    assert usage.prompt_tokens == chat.usage.prompt_tokens and usage.completion_tokens == 6
+    # the same prompt again: its full blocks come from the prefix cache
+    assert usage.prompt_tokens > 32 and usage.prompt_tokens_details.cached_tokens >= 16
+    assert chat.usage.prompt_tokens_details.cached_tokens == 0
+    comp_stream = "".join(c.choices[0].text for c in out["completion_stream"] if c.choices)
+    assert out["completion"].choices[0].text == comp_stream
+    assert out["completion_stream"][-1].usage.completion_tokens == 5
+
+
+async def test_websocket_multiplex_and_cancel_real(tiny_model_path: Path) -> None:
+    async with running_server(RealFactory(tiny_model_path)) as serving:
+        async with httpx.AsyncClient(base_url=serving.url, timeout=30) as client:
+            solo = await stream_text(client, {"prompt": "two", "max_tokens": 8, "temperature": 0, "ignore_eos": True})
+        ws_url = serving.url.replace("http", "ws", 1) + "/v1/ws"
+        async with trio_websocket.open_websocket_url(ws_url) as ws:
+            await ws.send_message(json.dumps({"type": "generate", "id": 1, "prompt": "one", "max_tokens": 300,
+                                              "ignore_eos": True}))
+            await ws.send_message(json.dumps({"type": "generate", "id": 2, "prompt": "two", "max_tokens": 8,
+                                              "temperature": 0, "ignore_eos": True}))
+            texts = {1: "", 2: ""}
+            final: dict[int, dict[str, Any]] = {}
+            while len(final) < 2:
+                msg = json.loads(await ws.get_message())
+                if msg["type"] == "delta":
+                    texts[msg["id"]] += msg["text"]
+                    if msg["id"] == 2 and msg["finish_reason"]:
+                        await ws.send_message(json.dumps({"type": "cancel", "id": 1}))
+                else:
+                    final[msg["id"]] = msg
+        assert final[1]["type"] == "cancelled" and final[2]["type"] == "done"
+        assert texts[2] == solo and final[2]["usage"]["completion_tokens"] == 8
+        t0 = time.perf_counter()
+        while serving.services[0].statistics().num_blocks_used:
+            assert time.perf_counter() - t0 < 1.0
+            await trio.sleep(0.01)
+
+
+async def test_injected_failure_ends_open_streams_real(tiny_model_path: Path) -> None:
+    factory = RealFactory(tiny_model_path)
+    async with running_server(factory, service_config={"restart_backoff_s": 0.05}) as serving:
+        async with httpx.AsyncClient(base_url=serving.url, timeout=30) as client:
+            started = trio.Semaphore(0)
+            bodies: list[bytes] = []
+
+            async def one(i: int) -> None:
+                req = {"prompt": f"story {i}", "max_tokens": 1000, "ignore_eos": True, "stream": True}
+                async with client.stream("POST", "/v1/completions", json=req) as r:
+                    chunks: list[bytes] = []
+                    async for chunk in r.aiter_bytes():
+                        if not chunks:
+                            started.release()
+                        chunks.append(chunk)
+                    bodies.append(b"".join(chunks))
+
+            with trio.fail_after(20):
+                async with trio.open_nursery() as nursery:
+                    for i in range(4):
+                        nursery.start_soon(one, i)
+                    for _ in range(4):
+                        await started.acquire()
+                    factory.fail = True
+            assert len(bodies) == 4
+            for body in bodies:
+                events = parse_sse(body)
+                assert events[-1] == "[DONE]" and "injected engine failure" in events[-2]["error"]["message"]
+            with trio.fail_after(20):
+                while (await client.get("/health")).status_code != 200:
+                    await trio.sleep(0.05)
+            assert len(factory.engines) == 2
+            assert await stream_text(client, {"prompt": "ok", "max_tokens": 2, "ignore_eos": True})
+
+
+async def test_256_simultaneous_clients_real(tiny_model_path: Path) -> None:
+    from conftest import raw_http
+
+    async with running_server(RealFactory(tiny_model_path)) as serving:
+        gate = trio.Event()
+        results: list[bytes] = []
+        body = json.dumps({"prompt": "hi", "max_tokens": 2, "temperature": 0, "ignore_eos": True}).encode()
+        request = (b"POST /v1/completions HTTP/1.1\r\nHost: t\r\nContent-Type: application/json\r\n"
+                   b"Connection: close\r\nContent-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+
+        async def client() -> None:
+            await gate.wait()
+            results.append(await raw_http(serving.url, request))
+
+        with trio.fail_after(60):
+            async with trio.open_nursery() as nursery:
+                for _ in range(256):
+                    nursery.start_soon(client)
+                await trio.testing.wait_all_tasks_blocked()
+                gate.set()
+    assert len(results) == 256 and all(r.startswith(b"HTTP/1.1 200") for r in results)
+    texts = {json.loads(r.split(b"\r\n\r\n", 1)[1])["choices"][0]["text"] for r in results}
+    assert len(texts) == 1  # same greedy prompt, same answer
