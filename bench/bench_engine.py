@@ -1,0 +1,149 @@
+"""`trillm bench engine`: offline throughput of trillm's engine against mlx-lm's BatchGenerator, side by side.
+
+Both run the same model object, the same prompts and the same BLAS in one process, alternating per batch
+size. Also measures memory bandwidth and reports single-stream decode against its bound (weight bytes per
+token / bandwidth).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import trillm.kernels  # noqa: F401  (BLAS before mlx)
+from trillm.kernels import BLAS
+
+import mlx.core as mx  # noqa: E402
+
+from trillm.engine.config import EngineConfig  # noqa: E402
+from trillm.engine.llm_engine import LLMEngine  # noqa: E402
+from trillm.engine.loader import LoadedModel, load_model  # noqa: E402
+from trillm.engine.sampling_params import SamplingParams  # noqa: E402
+
+QUESTIONS = [
+    "What is the capital of France?", "Write a haiku about the sea.", "Explain photosynthesis briefly.",
+    "Give me three tips for learning Python.", "Why is the sky blue?", "Describe a cat to a child.",
+    "What is 17 times 23?", "Name the planets of the solar system.",
+]
+
+
+@dataclass(frozen=True, slots=True)
+class Row:
+    batch: int
+    trillm_tok_s: float
+    mlx_lm_tok_s: float
+
+    @property
+    def ratio(self) -> float:
+        return self.trillm_tok_s / self.mlx_lm_tok_s if self.mlx_lm_tok_s else float("nan")
+
+
+def make_prompts(model: LoadedModel, n: int) -> list[list[int]]:
+    tok = model.tokenizer
+    return [tok.apply_chat_template([{"role": "user", "content": f"{QUESTIONS[i % len(QUESTIONS)]} (#{i})"}])
+            for i in range(n)]
+
+
+def run_trillm(engine: LLMEngine, prompts: list[list[int]], max_tokens: int) -> float:
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    t0 = time.perf_counter()
+    outs = engine.generate(prompts, params)
+    dt = time.perf_counter() - t0
+    return sum(len(o.new_token_ids) for o in outs) / dt
+
+
+def run_mlx_lm(model: LoadedModel, prompts: list[list[int]], max_tokens: int) -> float:
+    from mlx_lm.generate import BatchGenerator
+
+    gen = BatchGenerator(model.model, max_tokens=max_tokens, completion_batch_size=max(32, len(prompts)),
+                         prefill_batch_size=min(8, len(prompts)))
+    t0 = time.perf_counter()
+    gen.insert([list(p) for p in prompts], max_tokens=[max_tokens] * len(prompts))
+    n = 0
+    done = 0
+    while done < len(prompts):
+        for r in gen.next_generated():
+            n += 1
+            done += r.finish_reason is not None
+    dt = time.perf_counter() - t0
+    gen.close()
+    return n / dt
+
+
+def memory_bandwidth_gbs(mb: int = 512, trials: int = 5) -> float:
+    """Read bandwidth: sum over a large fp32 array (best of trials)."""
+    a = mx.random.uniform(shape=(mb * 1024 * 1024 // 4,))
+    mx.eval(a)
+    best = 0.0
+    for _ in range(trials):
+        t0 = time.perf_counter()
+        mx.eval(mx.sum(a))
+        best = max(best, a.nbytes / (time.perf_counter() - t0) / 1e9)
+    return best
+
+
+def single_stream_decode_tok_s(engine: LLMEngine, prompt: list[int], n: int = 64) -> float:
+    """Decode-only rate of one sequence (prefill excluded)."""
+    engine.add_request("decode-probe", prompt, SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True))
+    engine.step()  # prefill + first token
+    t0 = time.perf_counter()
+    steps = 0
+    while engine.has_unfinished_requests():
+        engine.step()
+        steps += 1
+    return steps / (time.perf_counter() - t0)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="trillm bench engine", description=__doc__)
+    ap.add_argument("--model", default=None, help="model path (default: SmolLM2-135M-Instruct GGUF, fp32)")
+    ap.add_argument("--batches", default="1,8,16,32")
+    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--results", default="results", help="folder for the JSON result")
+    args = ap.parse_args(argv)
+
+    model = load_model(args.model)
+    engine = LLMEngine(EngineConfig(max_num_seqs=64, max_num_batched_tokens=2048), loaded=model)
+    batches = [int(b) for b in args.batches.split(",")]
+    print(f"model {model.name}: {model.num_parameters / 1e6:.1f}M params, {model.num_bytes / 1e6:.0f} MB "
+          f"{model.dtype}; BLAS {BLAS.name} ({BLAS.path})")
+    warm = make_prompts(model, 2)
+    run_trillm(engine, warm, 8)
+    run_mlx_lm(model, warm, 8)
+
+    rows = []
+    for b in batches:
+        prompts = make_prompts(model, b)
+        t = run_trillm(engine, prompts, args.max_tokens)
+        m = run_mlx_lm(model, prompts, args.max_tokens)
+        rows.append(Row(b, t, m))
+        print(f"batch {b:>3}: trillm {t:7.1f} tok/s   mlx-lm BatchGenerator {m:7.1f} tok/s   ratio {t / m:.2f}x",
+              flush=True)
+
+    bw = memory_bandwidth_gbs()
+    bound = bw * 1e9 / model.num_bytes
+    single = single_stream_decode_tok_s(engine, make_prompts(model, 1)[0])
+    print(f"memory bandwidth {bw:.1f} GB/s -> single-stream decode bound {bound:.1f} tok/s "
+          f"({model.num_bytes / 1e6:.0f} MB of weights per token)")
+    print(f"single-stream decode {single:.1f} tok/s = {100 * single / bound:.0f}% of the bound")
+    print("\n| batch | trillm tok/s | mlx-lm BatchGenerator tok/s | ratio |\n|---:|---:|---:|---:|")
+    for r in rows:
+        print(f"| {r.batch} | {r.trillm_tok_s:.1f} | {r.mlx_lm_tok_s:.1f} | {r.ratio:.2f}x |")
+
+    out = Path(args.results)
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / f"engine-{time.strftime('%Y%m%d-%H%M%S')}.json"
+    path.write_text(json.dumps({
+        "model": model.name, "dtype": str(model.dtype), "blas": BLAS.name, "max_tokens": args.max_tokens,
+        "rows": [asdict(r) | {"ratio": r.ratio} for r in rows], "bandwidth_gbs": bw,
+        "decode_bound_tok_s": bound, "single_stream_decode_tok_s": single,
+    }, indent=2))
+    print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
