@@ -80,12 +80,18 @@ def _get(s: Summary, attr: str) -> float:
     return float(obj)  # type: ignore[arg-type]
 
 
-def targets_markdown(checks: list[TargetCheck]) -> str:
+def targets_markdown(checks: list[TargetCheck], failures: dict[str, Summary] | None = None) -> str:
+    """The targets table, notes on failed requests, and one line per missed target."""
+    failures = failures or {}
     rows = ["| workload | metric | numerator | denominator | ratio | target | result |", "|---|---|---|---|---|---|---|"]
     for c in checks:
         verdict = "not measured" if c.passed is None else ("met" if c.passed else "**MISSED**")
         ratio = "-" if c.ratio is None else f"{c.ratio:.2f}x"
         rows.append(f"| {c.workload} | {c.metric} | {c.ours:.1f} | {c.theirs:.1f} | {ratio} | {c.target} | {verdict} |")
+    for name, s in sorted(failures.items()):
+        rows.append(f"\nNote: {name} failed {s.failed} of {s.completed + s.failed} requests "
+                    f"({', '.join(f'{k}={v}' for k, v in s.errors.items())}); its latencies and throughput cover only "
+                    "the requests it served.")
     missed = [c for c in checks if c.passed is False]
     if missed:
         rows.append("")
@@ -199,7 +205,8 @@ def main(argv: list[str] | None = None) -> int:
         targets = {name: Target(name, sp.url) for name, sp in procs.items()}
         runs, summaries = trio.run(_run_plan, plan, targets, opts, args)
     checks = check_targets(summaries)
-    table, tmd = report.markdown_table(runs), targets_markdown(checks)
+    failures = {f"{name} ({label})": s for (label, name), s in summaries.items() if s.failed}
+    table, tmd = report.markdown_table(runs), targets_markdown(checks, failures)
     extra = {
         "model": model,
         "commands": {n: sp.command for n, sp in procs.items()},

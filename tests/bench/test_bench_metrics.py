@@ -87,3 +87,23 @@ def test_classify_errors_keeps_refused_and_reset_apart() -> None:
     )
     assert classify_error(httpx.ReadTimeout("slow")) == "timeout"
     assert classify_error(StreamError("http_503", "busy")) == "http_503"
+
+
+def test_peer_targets_ratios_and_verdicts() -> None:
+    from trillm.bench.peers import check_targets, targets_markdown
+
+    fast = summarize([rec("a", (0.1, 0.2, 0.3), 0.3, completion=30)], 1.0)  # 30 tok/s, TTFT 100 ms
+    slow = summarize([rec("b", (0.4, 0.5), 0.5, completion=10)], 1.0)  # 10 tok/s, TTFT 400 ms
+    checks = check_targets({
+        ("high-concurrency", "trillm"): fast, ("high-concurrency", "mlx_lm.server"): slow,
+        ("multi-turn", "trillm"): slow, ("multi-turn", "trillm-no-cache"): fast,
+    })
+    by = {(c.workload, c.metric.split(",")[0]): c for c in checks}
+    assert by[("high-concurrency", "output tok/s")].ratio == pytest.approx(3.0)
+    assert by[("high-concurrency", "output tok/s")].passed is True
+    assert by[("high-concurrency", "TTFT p90 ms")].ratio == pytest.approx(0.25) and by[
+        ("high-concurrency", "TTFT p90 ms")].passed is True
+    assert by[("single-stream", "output tok/s")].passed is None  # not run
+    assert by[("multi-turn", "TTFT mean ms")].ratio == pytest.approx(0.25)  # cache made TTFT worse here
+    assert by[("multi-turn", "TTFT mean ms")].passed is False
+    assert "Target missed: multi-turn" in targets_markdown(checks)
