@@ -1,0 +1,152 @@
+"""MockRunner: the engine's Runner with a timing model in place of a forward pass.
+
+It plugs into LLMEngine(runner_factory=...), so the real Scheduler and BlockManager make every decision; only
+the model is replaced. Each step's duration comes from a PerfModel (engine/mock/timing.py). Tokens come from a
+seeded PRNG over the vocabulary's ordinary ids (never a special or EOS id, so a request produces exactly
+max_tokens, like Dynamo's mocker), or are replayed from a Recording keyed by the prompt.
+
+How the time passes is the driver's business: `last_step_s` holds the latest step's duration (0.0 when the
+engine skipped the runner) for a trio task to `await trio.sleep` on a virtual or real clock; or, given
+`sleep=time.sleep`, the runner blocks for it itself (the engine thread of the threaded EngineService).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import zlib
+from collections import OrderedDict
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from trillm.engine.mock.timing import PerfModel, StepShape
+from trillm.engine.mock.tokenizer import NUM_SPECIAL
+
+if TYPE_CHECKING:
+    from trillm.engine.sampler import SampleRow
+    from trillm.engine.scheduler import ScheduledBatch
+    from trillm.engine.sequence import Sequence
+
+_MASK64 = (1 << 64) - 1
+_MAX_STREAMS = 65536  # per-request PRNG keys kept; more live requests than this just recompute theirs
+
+
+def splitmix64(x: int) -> int:
+    x = (x + 0x9E3779B97F4A7C15) & _MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return x ^ (x >> 31)
+
+
+def prompt_key(prompt_token_ids: Iterable[int]) -> int:
+    data = ",".join(map(str, prompt_token_ids)).encode()
+    return zlib.crc32(data) | (zlib.adler32(data) << 32)
+
+
+@dataclass(frozen=True, slots=True)
+class MockSampleResult:
+    """Duck-types engine.sampler.SampleResult (which imports MLX): one made-up logprob per row."""
+
+    token_ids: list[int]
+    logprobs: list[float] | None
+    top_logprobs: list[list[tuple[int, float]]] | None = None
+
+
+class Recording:
+    """Recorded outputs to replay, keyed by prompt: JSONL of {"prompt_token_ids": [...], "output_token_ids": [...]}."""
+
+    def __init__(self, pairs: Iterable[tuple[list[int], list[int]]] = ()) -> None:
+        self._outputs: dict[int, list[int]] = {}
+        for prompt, output in pairs:
+            self.add(prompt, output)
+
+    def add(self, prompt_token_ids: list[int], output_token_ids: list[int]) -> None:
+        self._outputs[prompt_key(prompt_token_ids)] = list(output_token_ids)
+
+    def get(self, key: int) -> list[int] | None:
+        return self._outputs.get(key)
+
+    def __len__(self) -> int:
+        return len(self._outputs)
+
+    @classmethod
+    def load(cls, path: str | Path) -> Recording:
+        pairs = []
+        for line in Path(path).read_text().splitlines():
+            if line.strip():
+                d = json.loads(line)
+                pairs.append((d["prompt_token_ids"], d["output_token_ids"]))
+        return cls(pairs)
+
+
+class MockRunner:
+    def __init__(
+        self,
+        perf: PerfModel,
+        *,
+        vocab_size: int,
+        num_blocks: int,
+        seed: int = 0,
+        speedup: float = 1.0,
+        recording: Recording | None = None,
+        sleep: Callable[[float], None] | None = None,
+    ) -> None:
+        if speedup <= 0:
+            raise ValueError(f"speedup must be > 0, got {speedup}")
+        self.perf = perf
+        self.vocab_size = vocab_size
+        self.num_blocks = num_blocks
+        self.seed = seed
+        self.speedup = speedup
+        self.recording = recording
+        self.sleep = sleep
+        self.last_step_s = 0.0  # the driver resets it before a step to tell "skipped" from "ran"
+        self.total_step_s = 0.0
+        self.num_steps = 0
+        self._streams: OrderedDict[str, tuple[int, list[int] | None]] = OrderedDict()
+
+    def _stream(self, seq: Sequence) -> tuple[int, list[int] | None]:
+        # Keyed by prompt (and seed), so a request's tokens do not depend on what it was batched with.
+        hit = self._streams.get(seq.request_id)
+        if hit is None:
+            key = prompt_key(seq.token_ids[: seq.num_prompt_tokens])
+            seed = seq.params.seed if seq.params.seed is not None else self.seed
+            hit = (splitmix64(key ^ splitmix64(seed)), self.recording.get(key) if self.recording else None)
+            self._streams[seq.request_id] = hit
+            if len(self._streams) > _MAX_STREAMS:
+                self._streams.popitem(last=False)
+        return hit
+
+    def _token(self, seq: Sequence) -> int:
+        key, recorded = self._stream(seq)
+        pos = seq.num_output_tokens
+        if recorded is not None and pos < len(recorded):
+            token = recorded[pos]
+        else:
+            token = NUM_SPECIAL + splitmix64(key + pos) % (self.vocab_size - NUM_SPECIAL)
+        if pos + 1 >= seq.params.max_tokens:
+            self._streams.pop(seq.request_id, None)  # its last token
+        return token
+
+    def run(self, batch: ScheduledBatch, rows: Callable[[Sequence], SampleRow],
+            check_abort: Callable[[], None] | None = None) -> list[tuple[Sequence, int, MockSampleResult, int]]:
+        t0 = time.perf_counter()
+        sampled = list(batch.decodes)
+        for chunk in batch.prefills:
+            if check_abort is not None:
+                check_abort()
+            if chunk.completes_prompt:
+                sampled.append(chunk.seq)
+        duration = self.perf.step_seconds(StepShape.of(batch, self.num_blocks)) / self.speedup
+        self.last_step_s = duration
+        self.total_step_s += duration
+        self.num_steps += 1
+        tokens = [self._token(s) for s in sampled]
+        result = MockSampleResult(tokens, [-1.0] * len(tokens))
+        if self.sleep is not None:
+            left = duration - (time.perf_counter() - t0)
+            if left > 0:
+                self.sleep(left)
+        return [(s, t, result, i) for i, (s, t) in enumerate(zip(sampled, tokens))]
