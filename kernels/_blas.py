@@ -46,6 +46,24 @@ def _candidates() -> list[tuple[str, str]]:
     return found
 
 
+class _DlInfo(ctypes.Structure):
+    _fields_ = [("dli_fname", ctypes.c_char_p), ("dli_fbase", ctypes.c_void_p),
+                ("dli_sname", ctypes.c_char_p), ("dli_saddr", ctypes.c_void_p)]
+
+
+def cblas_provider() -> str | None:
+    """The file that serves `cblas_sgemm` in the global scope, the one libmlx binds to."""
+    try:
+        libc = ctypes.CDLL(None)
+        addr = ctypes.cast(libc.cblas_sgemm, ctypes.c_void_p).value
+        info = _DlInfo()
+        if not libc.dladdr(ctypes.c_void_p(addr), ctypes.byref(info)):
+            return None
+        return os.path.realpath(info.dli_fname.decode()) if info.dli_fname else None
+    except (AttributeError, OSError, ValueError):
+        return None
+
+
 def _load() -> BlasInfo:
     if sys.platform != "linux":
         return BlasInfo("system", None, True)
@@ -57,6 +75,10 @@ def _load() -> BlasInfo:
             continue
         if mlx_first:
             warnings.warn(f"mlx was imported before trillm, so {path} cannot serve its matmuls; {_FIX}", stacklevel=3)
+            return BlasInfo(name, path, False)
+        provider = cblas_provider()
+        if provider is not None and provider != os.path.realpath(path):
+            warnings.warn(f"cblas_sgemm resolves to {provider}, not {path}; {_FIX}", stacklevel=3)
             return BlasInfo(name, path, False)
         return BlasInfo(name, path, True)
     warnings.warn(f"no optimized BLAS found: fp32 matmuls will run ~60x slower; {_FIX}", stacklevel=3)
