@@ -31,12 +31,47 @@ def paged_attention_ref(
     (and > pos - window when window is set). The whole table width is gathered, so pass a table trimmed
     to the batch's longest row; reading max(context_lens) here would force a host sync every layer.
     """
+    if window is not None and window < 1:
+        raise ValueError(f"window must be >= 1, got {window}")
+    if q.shape[2] == 1:
+        return _decode_ref(q, k_pool, v_pool, block_tables, context_lens, scale, window, sinks)
     keys = _gather_blocks(k_pool, block_tables)  # [B, Hkv, N, D], N = max_blocks * bs
     values = _gather_blocks(v_pool, block_tables)
     mask = attention_mask(context_lens, q.shape[2], keys.shape[2], window)
     if sinks is not None and sinks.dtype != q.dtype:
         sinks = sinks.astype(q.dtype)
     return mx.fast.scaled_dot_product_attention(q, keys, values, scale=scale, mask=mask, sinks=sinks)
+
+
+def _decode_ref(
+    q: mx.array, k_pool: mx.array, v_pool: mx.array, block_tables: mx.array, context_lens: mx.array,
+    scale: float, window: int | None, sinks: mx.array | None,
+) -> mx.array:  # fmt: skip
+    """Decode without the head-major transpose: block-diagonal queries against [B, N, Hkv * D] K/V.
+
+    On CPU the [B, N, Hkv, D] -> [B, Hkv, N, D] copy costs more than the attention itself; multiplying
+    queries that are zero outside their KV head's D-slice reads gathered K/V as they lie, for Hkv x the
+    (negligible at L == 1) flops: 1.3-2x faster than the SDPA path from B = 8 up (bench_kernels).
+    """
+    b, hq, _, d = q.shape
+    _, bs, hkv, _ = k_pool.shape
+    n = block_tables.shape[1] * bs
+    rep = hq // hkv
+    keys = k_pool[block_tables].reshape(b, n, hkv * d)  # whole blocks: [B, N, Hkv * D]
+    values = v_pool[block_tables].reshape(b, n, hkv * d)
+    slices = mx.eye(hkv, dtype=q.dtype).reshape(1, hkv, 1, hkv, 1)
+    q_bd = ((q * scale).reshape(b, hkv, rep, 1, d) * slices).reshape(b, hq, hkv * d)
+    scores = (q_bd @ keys.swapaxes(1, 2)).astype(mx.float32)  # [B, Hq, N]
+    mask = attention_mask(context_lens, 1, n, window).reshape(b, 1, n)
+    scores = mx.where(mask, scores, mx.array(-mx.inf, mx.float32))
+    if sinks is not None:  # a sink is one more logit in each head's softmax, with no value
+        sink_col = mx.broadcast_to(sinks.astype(mx.float32).reshape(1, hq, 1), (b, hq, 1))
+        probs = mx.softmax(mx.concatenate([sink_col, scores], axis=-1), axis=-1)[..., 1:]
+    else:
+        probs = mx.softmax(scores, axis=-1)
+    out = (probs.astype(values.dtype) @ values).reshape(b, hkv, rep, hkv, d)  # [B, group, rep, slice, D]
+    out = mx.take_along_axis(out, mx.arange(hkv).reshape(1, hkv, 1, 1, 1), axis=3)
+    return out.reshape(b, hq, 1, d).astype(q.dtype)
 
 
 def attention_mask(context_lens: mx.array, num_queries: int, num_keys: int, window: int | None) -> mx.array:
