@@ -12,7 +12,10 @@ holds that token's K (or V) for every KV head, contiguous (num_kv_heads * head_d
 
 Per step the engine passes:
     block_tables: int32 [B, max_blocks]  row b's blocks in order; entries past its last block are padding
-                                         (any valid block id, never read past context_lens[b])
+                                         (any valid block id, never read past context_lens[b]); the table's
+                                         width bounds the work (the attention reference gathers all of it,
+                                         the kernels size their partitions by it), so trim it to the
+                                         batch's longest row
     context_lens: int32 [B]              tokens valid in row b's cache, *including* this step's new tokens
     slot_mapping: int32 [T]              the slot each new token is written to (T = B * L, row-major)
 
