@@ -3,13 +3,11 @@
 from __future__ import annotations
 
 import os
-from functools import cache
-from typing import Callable, Literal, TypeVar
+from typing import Literal
 
 import mlx.core as mx
 
 Backend = Literal["metal", "cuda"]
-F = TypeVar("F")
 
 FORCE_REF_ENV = "TRILLM_KERNELS"  # TRILLM_KERNELS=ref forces the references everywhere
 
@@ -34,11 +32,3 @@ def kernel_backend() -> Backend | None:
     if cuda_available():
         return "cuda"
     return None
-
-
-def build_once(builder: Callable[[], F]) -> Callable[[], F]:
-    """Cache a kernel builder: each `mx.fast.*_kernel` is constructed on first use and then reused.
-
-    Lazy on purpose: `mx.fast.cuda_kernel` raises at construction on builds without CUDA.
-    """
-    return cache(builder)
