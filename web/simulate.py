@@ -82,12 +82,16 @@ async def _client(service: EngineService, req: TraceRequest, index: int, prompt:
 
 async def simulate_async(trace: list[TraceRequest], engine_factory: Callable[[], Engine], *,
                          block_tokens: int = 512, vocab_size: int, seed: int = 0,
-                         on_step: Callable[[Engine], None] | None = None) -> SimulationResult:
-    """Replay trace against a fresh InlineEngineService on the current trio clock."""
+                         on_step: Callable[[Engine], None] | None = None,
+                         service: EngineService | None = None) -> SimulationResult:
+    """Replay trace on the current trio clock against a fresh InlineEngineService (or the given service,
+    e.g. the threaded EngineService around the real engine, for parity runs in real time)."""
     records: list[Any] = []
     wall0 = time.perf_counter()
-    # Statistics only at the end: LLMEngine.statistics() is O(blocks + steps in its wall-clock rate window).
-    service = InlineEngineService(engine_factory, on_step=on_step, stats_interval_s=math.inf, stats_when_idle=False)
+    if service is None:
+        # Statistics only at the end: LLMEngine.statistics() is O(blocks + steps in its wall-clock rate window).
+        service = InlineEngineService(engine_factory, on_step=on_step, stats_interval_s=math.inf,
+                                      stats_when_idle=False)
     async with trio.open_nursery() as nursery:
         await nursery.start(service.run)
         t0 = trio.current_time()
@@ -97,16 +101,18 @@ async def simulate_async(trace: list[TraceRequest], engine_factory: Callable[[],
                 prompt = prompt_tokens(req, i, vocab_size=vocab_size, block_tokens=block_tokens, seed=seed)
                 clients.start_soon(_client, service, req, i, prompt, t0, records)
         virtual = trio.current_time() - t0
-        # let the engine finish the step it is in, so the final statistics are settled
-        engine = service.engine
-        assert engine is not None
-        while engine.has_unfinished_requests():
-            await trio.sleep(0.001)
-        stats = engine.statistics()
+        if isinstance(service, InlineEngineService):
+            engine = service.engine
+            assert engine is not None
+            while engine.has_unfinished_requests():  # settle the step in flight
+                await trio.sleep(0.001)
+            stats, steps, idle = engine.statistics(), service.num_steps, service.num_idle_steps
+        else:
+            await trio.sleep(0.2)  # the engine thread's next hop publishes its statistics
+            stats, steps, idle = service.statistics(), getattr(service.statistics(), "num_steps", 0), 0
         nursery.cancel_scope.cancel()
     records.sort(key=lambda r: r.start)
-    return SimulationResult(records, virtual, time.perf_counter() - wall0, service.num_steps, service.num_idle_steps,
-                            stats, len(service._live))
+    return SimulationResult(records, virtual, time.perf_counter() - wall0, steps, idle, stats, len(service._live))
 
 
 def simulate(trace: list[TraceRequest], engine_factory: Callable[[], Engine], *, vocab_size: int,

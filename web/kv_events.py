@@ -1,0 +1,84 @@
+"""/internal/kv-events: a websocket that streams each engine's per-step load and KV events, for a router.
+
+`KVEventHub` runs one trio task that drains the EngineObserver's reports (engine/mock/events.py) every
+`interval_s` and fans them out to each subscriber's bounded memory channel. A subscriber that falls behind
+is dropped with a final message, and must reconnect and resync (a gap in event ids says the same). Messages
+are JSON: {"type": "steps", "model": NAME, "reports": [{"load": {...}, "kv_events": [...]}, ...]}.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import trio
+from quart import websocket
+from quart_trio import QuartTrio
+
+from trillm.engine.mock.events import EngineObserver, StepReport
+
+
+class KVEventHub:
+    def __init__(self, model: str, observer: EngineObserver | None = None, *, interval_s: float = 0.05,
+                 buffer: int = 256) -> None:
+        self.model = model
+        self.observer = observer
+        self.interval_s = interval_s
+        self._buffer = buffer
+        self._subscribers: set[trio.MemorySendChannel[str]] = set()
+
+    @property
+    def num_subscribers(self) -> int:
+        return len(self._subscribers)
+
+    async def run(self) -> None:
+        """Drain and fan out until cancelled (reports are dropped while nobody listens)."""
+        while True:
+            await trio.sleep(self.interval_s)
+            if self.observer is None:
+                continue
+            reports = self.observer.drain()
+            if reports and self._subscribers:
+                self.publish(reports)
+
+    def publish(self, reports: list[StepReport]) -> None:
+        msg = json.dumps({"type": "steps", "model": self.model, "reports": [r.to_json() for r in reports]})
+        for send in list(self._subscribers):
+            try:
+                send.send_nowait(msg)
+            except trio.WouldBlock:
+                self._subscribers.discard(send)
+                send.close()  # the handler tells the client it fell behind
+
+    def subscribe(self) -> trio.MemoryReceiveChannel[str]:
+        send, recv = trio.open_memory_channel[str](self._buffer)
+        self._subscribers.add(send)
+        return recv
+
+    def unsubscribe(self, recv: trio.MemoryReceiveChannel[str]) -> None:
+        recv.close()
+        self._subscribers = {s for s in self._subscribers if s.statistics().open_receive_channels}
+
+
+def register_kv_events(app: QuartTrio, hubs: dict[str, KVEventHub], path: str = "/internal/kv-events") -> None:
+    """Add the websocket route; ?model=NAME picks one engine (default: the first)."""
+
+    @app.websocket(path)
+    async def kv_events() -> None:
+        name = websocket.args.get("model") or next(iter(hubs))
+        hub = hubs.get(name)
+        if hub is None:
+            await websocket.send(json.dumps({"type": "error", "message": f"unknown model {name!r}"}))
+            return
+        recv = hub.subscribe()
+        try:
+            await websocket.send(json.dumps({"type": "hello", "model": name, "interval_s": hub.interval_s}))
+            async for msg in recv:
+                await websocket.send(msg)
+            await websocket.send(json.dumps({"type": "dropped", "message": "fell behind; reconnect and resync"}))
+        finally:
+            hub.unsubscribe(recv)
+
+
+def load_json(msg: str | bytes) -> dict[str, Any]:
+    return json.loads(msg)
