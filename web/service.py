@@ -17,6 +17,7 @@ import enum
 import itertools
 import logging
 import math
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
@@ -30,6 +31,10 @@ from trillm.web.metrics import ModelMetrics
 from trillm.web.stream import GenerationHandle
 
 log = logging.getLogger("trillm.web.service")
+
+# engine.statistics() walks the block pool, so it is refreshed at most this often while busy (and always when
+# the engine goes idle, so freed KV blocks show at once).
+STATS_INTERVAL_S = 0.05
 
 
 class EngineUnavailable(EngineError):
@@ -227,8 +232,9 @@ class EngineService:
                 del self._live[rid]
             handle.on_admitted(rid, error)
 
-    def _on_step(self, outputs: list[RequestOutput], stats: EngineStatistics) -> list[_Submit | _Abort]:
-        self._stats = stats
+    def _on_step(self, outputs: list[RequestOutput], stats: EngineStatistics | None) -> list[_Submit | _Abort]:
+        if stats is not None:  # None: unchanged since the last refresh (see STATS_INTERVAL_S)
+            self._stats = stats
         for out in outputs:
             handle = self._live.get(out.request_id)
             if handle is None:
@@ -243,6 +249,7 @@ class EngineService:
     def _engine_thread(self) -> None:
         engine = self._factory()  # here, so its MLX streams belong to this thread
         work = trio.from_thread.run_sync(self._on_engine_started, engine)
+        stats_at = -float("inf")
         while True:
             trio.from_thread.check_cancelled()
             if not work and not engine.has_unfinished_requests():
@@ -253,7 +260,11 @@ class EngineService:
             outputs: list[RequestOutput] = []
             if engine.has_unfinished_requests():
                 outputs = engine.step(check_abort=trio.from_thread.check_cancelled)
-            work = trio.from_thread.run_sync(self._on_step, outputs, engine.statistics())
+            stats = None
+            now = time.monotonic()
+            if now - stats_at >= STATS_INTERVAL_S or not engine.has_unfinished_requests():
+                stats, stats_at = engine.statistics(), now
+            work = trio.from_thread.run_sync(self._on_step, outputs, stats)
 
 
 def _apply(engine: Engine, work: list[_Submit | _Abort]) -> list[tuple[str, EngineError | None]]:
