@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import signal
 import sys
 import time
 from collections.abc import Callable
@@ -94,13 +95,36 @@ def cmd_serve(args: argparse.Namespace) -> int:
         print(f"trillm serve: {exc}", file=sys.stderr)
         return 2
     try:
-        trio.run(partial(serve, engines, config))
-    except KeyboardInterrupt:
-        return 0
-    except EngineError as exc:  # e.g. the model could not be loaded
-        print(f"trillm serve: {exc}", file=sys.stderr)
-        return 1
+        trio.run(partial(serve, engines, config, shutdown_trigger=_wait_for_stop_signal))
+    except (KeyboardInterrupt, EngineError, BaseExceptionGroup) as exc:
+        return _exit_code(exc, "trillm serve")
     return 0
+
+
+async def _wait_for_stop_signal() -> None:
+    import trio
+
+    with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+        async for signum in signals:
+            logging.getLogger("trillm.web.cli").info("%s: shutting down", signal.Signals(signum).name)
+            return
+
+
+def _exit_code(exc: BaseException, prog: str) -> int:
+    """Typed errors (e.g. the model could not be loaded) become one clear line, not a traceback."""
+    if isinstance(exc, BaseExceptionGroup):
+        engine_errors, rest = exc.split(EngineError)
+        if rest is not None and rest.split(KeyboardInterrupt)[1] is not None:
+            raise exc
+        if engine_errors is None:
+            return 0
+        while isinstance(engine_errors, BaseExceptionGroup):
+            engine_errors = engine_errors.exceptions[0]
+        exc = engine_errors
+    if isinstance(exc, KeyboardInterrupt):
+        return 0
+    print(f"{prog}: {exc}", file=sys.stderr)
+    return 1
 
 
 def cmd_generate(args: argparse.Namespace) -> int:

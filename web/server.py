@@ -6,9 +6,8 @@ import ipaddress
 import json
 import logging
 import shlex
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
-from functools import partial
 
 import trio
 from hypercorn.config import Config as HypercornConfig
@@ -59,11 +58,14 @@ def _is_loopback(host: str) -> bool:
 
 async def serve(engines: Sequence[tuple[str | None, Callable[[], Engine]]], config: ServerConfig = ServerConfig(),
                 *, service_config: ServiceConfig = ServiceConfig(),
+                shutdown_trigger: Callable[[], Awaitable[None]] | None = None,
                 task_status: trio.TaskStatus[Serving] = trio.TASK_STATUS_IGNORED) -> None:
     """Load every model (each on its own engine thread), then serve until cancelled.
 
     `engines` pairs a served name (None: the model's own) with a factory that builds the engine; the
     factory runs on the engine thread. Reports a `Serving` through `task_status` once requests are accepted.
+    When `shutdown_trigger` returns, hypercorn stops accepting, lets open requests finish (within
+    graceful_timeout_s), and then the engines stop.
     """
     async with trio.open_nursery() as nursery:
         services = []
@@ -72,7 +74,13 @@ async def serve(engines: Sequence[tuple[str | None, Callable[[], Engine]]], conf
             log.info("loaded %s", service.model_name)
             services.append(service)
         app = ShieldedFinalSend(create_app(services, config))
-        binds = await nursery.start(partial(hypercorn_serve, app, hypercorn_config(config), mode="asgi"))
+
+        async def http(task_status: trio.TaskStatus[list[str]]) -> None:
+            await hypercorn_serve(app, hypercorn_config(config), shutdown_trigger=shutdown_trigger,
+                                  task_status=task_status, mode="asgi")
+            nursery.cancel_scope.cancel()  # HTTP has shut down gracefully: stop the engine threads
+
+        binds = await nursery.start(http)
         url = binds[0]
         if not _is_loopback(config.host) and config.api_key is None:
             log.warning("listening on %s without --api-key: anyone who can reach it can use it", config.host)

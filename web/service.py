@@ -135,9 +135,9 @@ class EngineService:
         while True:
             self.state = ServiceState.LOADING if self._started is not None else ServiceState.UNHEALTHY
             try:
-                await trio.to_thread.run_sync(
-                    self._engine_thread, thread_name=f"trillm-engine-{self.model_name}"
-                )
+                # Its own limiter: the long-lived engine thread never holds one of trio's shared 40 tokens.
+                await trio.to_thread.run_sync(self._engine_thread, thread_name=f"trillm-engine-{self.model_name}",
+                                              limiter=trio.CapacityLimiter(1))
                 raise RuntimeError("the engine thread returned")  # it only ends by raising
             except Exception as exc:
                 if self._started is not None:  # never came up: the caller gets the load error

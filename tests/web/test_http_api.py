@@ -245,3 +245,20 @@ async def test_websocket_multiplexes_cancels_and_survives_bad_input() -> None:
             assert texts["b"] == reference_greedy_text(CHAT_IDS, 5)
             assert texts["c"] == reference_greedy_text(FakeTokenizer().encode("abc", True), 4)
             assert len(texts["long"]) < 400
+
+
+async def test_websocket_requires_the_api_key() -> None:
+    from quart.testing import WebsocketResponseError
+
+    async with running_app(FakeFactory(), api_key="sekrit") as client:
+        statuses = []
+        try:
+            async with client.websocket("/v1/ws") as ws:
+                await ws.send(json.dumps({"type": "generate", "id": 1, "prompt": "a", "max_tokens": 2}))
+                await ws.receive()
+        except* WebsocketResponseError as group:
+            statuses = [e.response.status_code for e in group.exceptions]  # type: ignore[attr-defined]
+        assert statuses == [401]
+        async with client.websocket("/v1/ws", headers={"Authorization": "Bearer sekrit"}) as ws:
+            await ws.send(json.dumps({"type": "generate", "id": 1, "prompt": "a", "max_tokens": 2}))
+            assert json.loads(await ws.receive())["type"] == "delta"

@@ -209,3 +209,12 @@ async def test_256_simultaneous_clients_real(tiny_model_path: Path) -> None:
     assert len(results) == 256 and all(r.startswith(b"HTTP/1.1 200") for r in results)
     texts = {json.loads(r.split(b"\r\n\r\n", 1)[1])["choices"][0]["text"] for r in results}
     assert len(texts) == 1  # same greedy prompt, same answer
+
+
+def test_cli_generate_streams_the_answer(tiny_model_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from trillm.web.cli import main
+
+    assert main(["generate", "--model", str(tiny_model_path), "--max-tokens", "6", "--temperature", "0",
+                 "Hello"]) == 0
+    out = capsys.readouterr()
+    assert "loading" in out.err and "generated" in out.err and out.out.endswith("\n")
