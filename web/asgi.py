@@ -8,27 +8,23 @@ the final `http.response.body` send lets hypercorn finish closing (see platform.
 
 from __future__ import annotations
 
-from typing import Any
-
 import trio
-
-Scope = dict[str, Any]
-Message = dict[str, Any]
+from hypercorn.typing import ASGIFramework, ASGIReceiveCallable, ASGISendCallable, ASGISendEvent, Scope
 
 
 class ShieldedFinalSend:
     """Wraps an ASGI app; the last body message of each HTTP response is sent under a shield."""
 
-    def __init__(self, app: Any, *, timeout_s: float = 10.0) -> None:
+    def __init__(self, app: ASGIFramework, *, timeout_s: float = 10.0) -> None:
         self.app = app
         self.timeout_s = timeout_s  # a stuck client cannot hold a shielded send forever
 
-    async def __call__(self, scope: Scope, receive: Any, send: Any) -> None:
+    async def __call__(self, scope: Scope, receive: ASGIReceiveCallable, send: ASGISendCallable) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
 
-        async def shielded_send(message: Message) -> None:
+        async def shielded_send(message: ASGISendEvent) -> None:
             if message["type"] == "http.response.body" and not message.get("more_body", False):
                 with trio.CancelScope(shield=True, deadline=trio.current_time() + self.timeout_s):
                     await send(message)

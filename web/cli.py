@@ -78,6 +78,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from trillm.engine.llm_engine import LLMEngine
     from trillm.web.config import ServerConfig
     from trillm.web.server import serve
+    from trillm.web.service import Engine
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     models: list[str | None] = args.model or [None]
@@ -89,7 +90,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         config = ServerConfig(host=args.host, port=args.port, api_key=args.api_key,
                               max_request_bytes=args.max_request_bytes, max_prompt_tokens=args.max_prompt_tokens,
                               max_tokens_limit=args.max_tokens_limit)
-        engines: list[tuple[str | None, Callable[[], LLMEngine]]] = [
+        engines: list[tuple[str | None, Callable[[], Engine]]] = [
             (name, partial(LLMEngine, _engine_config(args, model))) for name, model in zip(names, models)]
     except (ValueError, EngineError) as exc:
         print(f"trillm serve: {exc}", file=sys.stderr)
@@ -118,9 +119,10 @@ def _exit_code(exc: BaseException, prog: str) -> int:
             raise exc
         if engine_errors is None:
             return 0
-        while isinstance(engine_errors, BaseExceptionGroup):
-            engine_errors = engine_errors.exceptions[0]
-        exc = engine_errors
+        first: BaseException = engine_errors
+        while isinstance(first, BaseExceptionGroup):
+            first = first.exceptions[0]
+        exc = first
     if isinstance(exc, KeyboardInterrupt):
         return 0
     print(f"{prog}: {exc}", file=sys.stderr)

@@ -18,9 +18,9 @@ import itertools
 import logging
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 import trio
 
@@ -42,22 +42,26 @@ class EngineUnavailable(EngineError):
 
 
 class Tokenizer(Protocol):
-    eos_token_ids: tuple[int, ...] | list[int] | set[int] | frozenset[int]
-    vocab_size: int
+    """The part of `trillm.engine.tokenizer.Tokenizer` the web layer uses."""
 
-    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]: ...
-    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str: ...
-    def apply_chat_template(self, messages: list[dict[str, object]], tools: object = None,
-                            add_generation_prompt: bool = True, **kw: object) -> list[int]: ...
+    @property
+    def vocab_size(self) -> int: ...
+    def encode(self, text: str, *, add_special_tokens: bool = False) -> list[int]: ...
+    def decode(self, ids: Sequence[int], *, skip_special_tokens: bool = True) -> str: ...
+    def apply_chat_template(self, messages: list[dict[str, Any]], *, tools: list[dict[str, Any]] | None = None,
+                            add_generation_prompt: bool = True, **template_kwargs: Any) -> list[int]: ...
     def token_bytes(self, token_id: int) -> bytes: ...
 
 
 class Engine(Protocol):
     """The part of `trillm.engine.llm_engine.LLMEngine` the service uses."""
 
-    tokenizer: Tokenizer
-    model_name: str
-    max_model_len: int
+    @property
+    def tokenizer(self) -> Tokenizer: ...
+    @property
+    def model_name(self) -> str: ...
+    @property
+    def max_model_len(self) -> int: ...
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                     *, priority: int = 0) -> None: ...

@@ -21,7 +21,7 @@ from trillm.engine.errors import EngineError
 from trillm.web.config import ServerConfig
 from trillm.web.errors import APIError, to_api_error
 from trillm.web.generation import ModelRegistry, ready_tokenizer, start_generation
-from trillm.web.protocol import ResponseBuilder, usage_dict
+from trillm.web.protocol import Kind, ResponseBuilder, usage_dict
 from trillm.web.stream import GenerationFailed
 
 log = logging.getLogger("trillm.web.ws")
@@ -95,7 +95,7 @@ class _Session:
     async def _generate(self, gid: str | int, msg: dict[str, Any]) -> None:
         body = {k: v for k, v in msg.items() if k not in ("type", "id")}
         endpoint = body.pop("endpoint", None)
-        kind = "chat" if endpoint == "chat" or (endpoint is None and "messages" in body) else "completion"
+        kind: Kind = "chat" if endpoint == "chat" or (endpoint is None and "messages" in body) else "completion"
         service = self.registry.select(body.get("model"))
         req, handle = await start_generation(service, body, kind, self.config)
         builder = ResponseBuilder(req, handle.request_ids, ready_tokenizer(service))

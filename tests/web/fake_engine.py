@@ -10,8 +10,9 @@ import random
 import time
 import zlib
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from trillm.engine.config import EngineConfig
 from trillm.engine.errors import InvalidRequest, Overloaded, UnknownRequest
@@ -26,23 +27,23 @@ class FakeTokenizer:
     eos_token_ids = (EOS,)
     vocab_size = 259
 
-    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+    def encode(self, text: str, *, add_special_tokens: bool = False) -> list[int]:
         return ([1] if add_special_tokens else []) + [b + 3 for b in text.encode()]
 
-    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+    def decode(self, ids: Sequence[int], *, skip_special_tokens: bool = True) -> str:
         return bytes(i - 3 for i in ids if i >= 3).decode("utf-8", errors="replace")
 
     def token_bytes(self, token_id: int) -> bytes:
         return bytes([token_id - 3]) if token_id >= 3 else b""
 
-    def apply_chat_template(self, messages: list[dict[str, object]], tools: object = None,
-                            add_generation_prompt: bool = True, **kw: object) -> list[int]:
+    def apply_chat_template(self, messages: list[dict[str, Any]], *, tools: list[dict[str, Any]] | None = None,
+                            add_generation_prompt: bool = True, **kw: Any) -> list[int]:
         text = "".join(f"<{m['role']}>{m.get('content') or ''}\n" for m in messages)
         if tools:
-            text = f"<tools>{len(tools)}\n" + text  # type: ignore[arg-type]
+            text = f"<tools>{len(tools)}\n" + text
         if add_generation_prompt:
             text += "<assistant>"
-        return self.encode(text)
+        return self.encode(text, add_special_tokens=False)
 
 
 @dataclass(slots=True)

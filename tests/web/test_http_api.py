@@ -243,7 +243,7 @@ async def test_websocket_multiplexes_cancels_and_survives_bad_input() -> None:
             assert finals["long"]["type"] == "cancelled"
             assert finals["b"]["type"] == "done" and finals["b"]["usage"]["completion_tokens"] == 5
             assert texts["b"] == reference_greedy_text(CHAT_IDS, 5)
-            assert texts["c"] == reference_greedy_text(FakeTokenizer().encode("abc", True), 4)
+            assert texts["c"] == reference_greedy_text(FakeTokenizer().encode("abc", add_special_tokens=True), 4)
             assert len(texts["long"]) < 400
 
 

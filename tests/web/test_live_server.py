@@ -90,7 +90,7 @@ async def test_256_clients_at_the_same_instant_are_all_served() -> None:
                     nursery.start_soon(client)
                 await trio.testing.wait_all_tasks_blocked()
                 gate.set()
-    want = reference_greedy_text(FakeTokenizer().encode("hi", True), 3)
+    want = reference_greedy_text(FakeTokenizer().encode("hi", add_special_tokens=True), 3)
     assert len(results) == 256
     assert all(r.startswith(b"HTTP/1.1 200") and want.encode() in r for r in results)
 
@@ -170,7 +170,7 @@ async def test_32_concurrent_streams_equal_sequential_over_http() -> None:
                 for i in range(32):
                     nursery.start_soon(one, i)
     assert [concurrent[i] for i in range(32)] == sequential
-    assert sequential[5] == reference_greedy_text(FakeTokenizer().encode("prompt number 5", True), 16)
+    assert sequential[5] == reference_greedy_text(FakeTokenizer().encode("prompt number 5", add_special_tokens=True), 16)
 
 
 async def test_websocket_client_multiplexes_cancels_and_close_aborts_all() -> None:

@@ -68,7 +68,7 @@ def test_bad_completion_prompts(prompt: Any) -> None:
 
 def test_token_id_prompt_and_batch_of_one() -> None:
     assert parse({"prompt": [5, 6, 7]}, "completion").prompt_token_ids == [5, 6, 7]
-    assert parse({"prompt": ["ab"]}, "completion").prompt_token_ids == TOK.encode("ab", True)
+    assert parse({"prompt": ["ab"]}, "completion").prompt_token_ids == TOK.encode("ab", add_special_tokens=True)
 
 
 def test_merge_outputs_concatenates_and_keeps_the_latest_state() -> None:
