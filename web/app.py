@@ -16,7 +16,7 @@ from werkzeug.exceptions import HTTPException
 
 from trillm.web.config import ServerConfig
 from trillm.web.errors import APIError, to_api_error
-from trillm.web.generation import ModelRegistry, ready_tokenizer, start_generation
+from trillm.web.generation import ModelRegistry, any_tokenizer, start_generation
 from trillm.web.metrics import render_metrics
 from trillm.web.protocol import Kind, ResponseBuilder, chat_prompt_ids
 from trillm.web.service import EngineService, EngineUnavailable, retry_after_seconds
@@ -104,8 +104,8 @@ def create_app(services: Sequence[EngineService], config: ServerConfig = ServerC
     async def generate(kind: Kind) -> Response:
         body = await json_body()
         service = registry.select(body.get("model"))
-        req, handle = await start_generation(service, body, kind, config)
-        builder = ResponseBuilder(req, handle.request_ids, ready_tokenizer(service))
+        req, handle, tokenizer = await start_generation(service, body, kind, config)
+        builder = ResponseBuilder(req, handle.request_ids, tokenizer)
         if req.stream:
             stream = await _started(sse_stream(handle, builder, keepalive_s=config.sse_keepalive_s))
             response = Response(stream, content_type="text/event-stream",
@@ -150,7 +150,7 @@ def create_app(services: Sequence[EngineService], config: ServerConfig = ServerC
     async def tokenize() -> Response:
         body = await json_body()
         service = registry.select(body.get("model"))
-        tokenizer = ready_tokenizer(service)
+        tokenizer = await any_tokenizer(service)
         if "messages" in body:
             ids = chat_prompt_ids(body, tokenizer)
         elif isinstance(body.get("prompt"), str):
@@ -166,7 +166,7 @@ def create_app(services: Sequence[EngineService], config: ServerConfig = ServerC
         tokens = body.get("tokens")
         if not isinstance(tokens, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in tokens):
             raise APIError(400, "'tokens' must be a list of token ids")
-        tokenizer = ready_tokenizer(service)
+        tokenizer = await any_tokenizer(service)
         if any(not 0 <= t < tokenizer.vocab_size for t in tokens):
             raise APIError(400, "token ids must be in [0, vocab_size)")
         return json_response({"prompt": tokenizer.decode(tokens, skip_special_tokens=False)})

@@ -55,6 +55,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--max-request-bytes", type=int, default=4 << 20)
     s.add_argument("--max-prompt-tokens", type=int, default=None)
     s.add_argument("--max-tokens-limit", type=int, default=None, help="the largest max_tokens a request may ask")
+    s.add_argument("--lazy-load", action="store_true", help="load each model on its first request")
+    s.add_argument("--unload-after-idle", type=float, default=None, metavar="SECONDS",
+                   help="free a model after this long without requests (the next request reloads it)")
     s.add_argument("--log-level", default="info")
     _add_engine_flags(s)
 
@@ -78,7 +81,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from trillm.engine.llm_engine import LLMEngine
     from trillm.web.config import ServerConfig
     from trillm.web.server import serve
-    from trillm.web.service import Engine
+    from trillm.web.service import Engine, ServiceConfig
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     models: list[str | None] = args.model or [None]
@@ -86,7 +89,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if len(names) != len(models):
         print("trillm serve: give one --served-model-name per --model", file=sys.stderr)
         return 2
+    if args.lazy_load:  # requests must name a model before it is loaded, so fix the names now
+        names = [n or _default_name(m) for n, m in zip(names, models)]
     try:
+        service_config = ServiceConfig(lazy_load=args.lazy_load, unload_after_idle_s=args.unload_after_idle)
         config = ServerConfig(host=args.host, port=args.port, api_key=args.api_key,
                               max_request_bytes=args.max_request_bytes, max_prompt_tokens=args.max_prompt_tokens,
                               max_tokens_limit=args.max_tokens_limit)
@@ -96,10 +102,18 @@ def cmd_serve(args: argparse.Namespace) -> int:
         print(f"trillm serve: {exc}", file=sys.stderr)
         return 2
     try:
-        trio.run(partial(serve, engines, config, shutdown_trigger=_wait_for_stop_signal))
+        trio.run(partial(serve, engines, config, service_config=service_config,
+                         shutdown_trigger=_wait_for_stop_signal))
     except (KeyboardInterrupt, EngineError, BaseExceptionGroup) as exc:
         return _exit_code(exc, "trillm serve")
     return 0
+
+
+def _default_name(model: str | None) -> str:
+    if model is None:
+        return "SmolLM2-135M-Instruct"
+    name = os.path.basename(os.path.normpath(model))
+    return name.removesuffix(".gguf") or model
 
 
 async def _wait_for_stop_signal() -> None:

@@ -9,7 +9,7 @@ from trillm.engine.errors import InvalidRequest, Overloaded
 from trillm.web.config import ServerConfig
 from trillm.web.errors import APIError
 from trillm.web.protocol import GenerationRequest, Kind, parse_generation
-from trillm.web.service import EngineService, EngineUnavailable, Tokenizer
+from trillm.web.service import EngineService, EngineUnavailable, ServiceState, Tokenizer
 from trillm.web.stream import GenerationHandle
 
 
@@ -33,15 +33,23 @@ class ModelRegistry:
 
 
 def ready_tokenizer(service: EngineService) -> Tokenizer:
-    if service.tokenizer is None or not service.healthy:
+    if service.tokenizer is None or service.state is not ServiceState.READY:
         raise EngineUnavailable(f"model {service.model_name} is {service.state.value}; retry shortly")
     return service.tokenizer
 
 
+async def any_tokenizer(service: EngineService) -> Tokenizer:
+    """The model's tokenizer: kept after an idle unload, otherwise the model is loaded first."""
+    if service.tokenizer is None:
+        await service.ensure_loaded()
+    return ready_tokenizer(service) if service.tokenizer is None else service.tokenizer
+
+
 async def start_generation(service: EngineService, body: dict[str, Any], kind: Kind,
-                           config: ServerConfig) -> tuple[GenerationRequest, GenerationHandle]:
+                           config: ServerConfig) -> tuple[GenerationRequest, GenerationHandle, Tokenizer]:
     """Parse, submit and wait until the engine admitted it; typed errors become 4xx/5xx before any byte."""
     try:
+        await service.ensure_loaded()
         tokenizer = ready_tokenizer(service)
         req = parse_generation(body, kind, service.model_name, tokenizer, service.max_model_len, config.limits)
         handle = service.submit(req.prompt_token_ids, req.params, priority=req.priority)
@@ -55,6 +63,6 @@ async def start_generation(service: EngineService, body: dict[str, Any], kind: K
         if isinstance(exc, (InvalidRequest, Overloaded)):
             service.metrics.on_outcome("rejected")
         raise
-    return req, handle
+    return req, handle, tokenizer
 
 

@@ -71,7 +71,7 @@ async def serve(engines: Sequence[tuple[str | None, Callable[[], Engine]]], conf
         services = []
         for name, factory in engines:
             service: EngineService = await nursery.start(EngineService(factory, name=name, config=service_config).run)
-            log.info("loaded %s", service.model_name)
+            log.info("model %s: %s", service.model_name, service.state.value)
             services.append(service)
         app = ShieldedFinalSend(create_app(services, config))
 

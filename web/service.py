@@ -72,6 +72,7 @@ class Engine(Protocol):
 
 
 class ServiceState(enum.Enum):
+    UNLOADED = "unloaded"  # lazy, or unloaded after idling: the next request loads it
     LOADING = "loading"
     READY = "ready"
     UNHEALTHY = "unhealthy"  # failed; restarting
@@ -85,10 +86,14 @@ class ServiceConfig:
     max_buffered_bytes: int = 4 << 20  # text buffered for a slow client before its request is aborted
     restart_backoff_s: float = 0.5  # first wait before restarting a failed engine; doubles up to 30 s
     max_restart_backoff_s: float = 30.0
+    lazy_load: bool = False  # load on the first request instead of at start-up
+    unload_after_idle_s: float | None = None  # free the model after this long without requests
 
     def __post_init__(self) -> None:
         if self.channel_size < 1 or self.max_buffered_bytes < 1:
             raise ValueError("channel_size and max_buffered_bytes must be >= 1")
+        if self.unload_after_idle_s is not None and self.unload_after_idle_s <= 0:
+            raise ValueError("unload_after_idle_s must be > 0")
 
 
 @dataclass(frozen=True, slots=True)
@@ -113,7 +118,9 @@ class EngineService:
         self._config = config
         self._served_name = name
         self.model_name = name or "loading"
-        self.state = ServiceState.LOADING
+        self._state = ServiceState.LOADING
+        self._state_changed = trio.Event()
+        self._load_wanted = trio.Event()
         self.last_error: str | None = None
         self.metrics = ModelMetrics()
         self.tokenizer: Tokenizer | None = None
@@ -128,29 +135,66 @@ class EngineService:
 
     # ---- lifecycle (trio thread) ----
 
+    @property
+    def state(self) -> ServiceState:
+        return self._state
+
+    @state.setter
+    def state(self, value: ServiceState) -> None:
+        self._state = value
+        self._state_changed.set()
+        self._state_changed = trio.Event()
+
     async def run(self, *, task_status: trio.TaskStatus[EngineService] = trio.TASK_STATUS_IGNORED) -> None:
         """Run the engine thread until cancelled, restarting it after failures.
 
         Reports readiness (the loaded service) through `task_status`. A failure to load the model the first
-        time propagates; later failures restart the engine with exponential backoff.
+        time propagates; later failures restart the engine with exponential backoff. With `lazy_load` it
+        reports at once and loads on the first request; with `unload_after_idle_s` the thread ends (freeing
+        the model) after that long idle, and the next request loads it again.
         """
         self._started = task_status
+        if self._config.lazy_load:
+            self.state = ServiceState.UNLOADED
+            self._report_started()
         backoff = self._config.restart_backoff_s
+        failed = False
         while True:
-            self.state = ServiceState.LOADING if self._started is not None else ServiceState.UNHEALTHY
+            if self.state is ServiceState.UNLOADED:
+                await self._load_wanted.wait()
+                self._load_wanted = trio.Event()
+            self.state = ServiceState.UNHEALTHY if failed else ServiceState.LOADING
             try:
                 # Its own limiter: the long-lived engine thread never holds one of trio's shared 40 tokens.
                 await trio.to_thread.run_sync(self._engine_thread, thread_name=f"trillm-engine-{self.model_name}",
                                               limiter=trio.CapacityLimiter(1))
-                raise RuntimeError("the engine thread returned")  # it only ends by raising
             except Exception as exc:
                 if self._started is not None:  # never came up: the caller gets the load error
                     raise
                 self._on_engine_failure(exc)
+                failed = True
+            else:  # unloaded after idling (the thread set UNLOADED)
+                log.info("unloaded %s after %s s idle", self.model_name, self._config.unload_after_idle_s)
+                failed, backoff = False, self._config.restart_backoff_s
+                continue
             await trio.sleep(backoff)
             backoff = min(backoff * 2, self._config.max_restart_backoff_s)
             self._num_restarts += 1
             log.warning("restarting the engine of %s (restart %d)", self.model_name, self._num_restarts)
+
+    async def ensure_loaded(self) -> None:
+        """Wait until the model is ready, loading it first if it is unloaded (lazy or idle)."""
+        while self.state is not ServiceState.READY:
+            if self.state is ServiceState.UNHEALTHY:
+                raise EngineUnavailable(f"model {self.model_name} is {self.state.value}; retry shortly")
+            if self.state is ServiceState.UNLOADED:
+                self._load_wanted.set()
+            await self._state_changed.wait()
+
+    def _report_started(self) -> None:
+        if self._started is not None:
+            started, self._started = self._started, None
+            started.started(self)
 
     def _on_engine_failure(self, exc: BaseException) -> None:
         message = f"the engine failed: {type(exc).__name__}: {exc}"
@@ -167,7 +211,8 @@ class EngineService:
 
     @property
     def healthy(self) -> bool:
-        return self.state is ServiceState.READY
+        """Ready, or unloaded on purpose (the next request loads it)."""
+        return self.state in (ServiceState.READY, ServiceState.UNLOADED)
 
     @property
     def num_restarts(self) -> int:
@@ -211,9 +256,7 @@ class EngineService:
         self.model_name = self._served_name or engine.model_name
         self.state = ServiceState.READY
         self.last_error = None
-        if self._started is not None:
-            started, self._started = self._started, None
-            started.started(self)
+        self._report_started()
         return self._take_work()
 
     def _take_work(self) -> list[_Submit | _Abort]:
@@ -226,6 +269,14 @@ class EngineService:
             await self._wakeup.wait()
             self._wakeup = trio.Event()
         return self._take_work()
+
+    async def _wait_for_work_or_idle(self) -> list[_Submit | _Abort] | None:
+        """Like `_wait_for_work`, but None (and UNLOADED) after `unload_after_idle_s` without work."""
+        timeout = self._config.unload_after_idle_s
+        with trio.move_on_after(math.inf if timeout is None else timeout):
+            return await self._wait_for_work()
+        self.state = ServiceState.UNLOADED  # from now on a request waits for a reload (ensure_loaded)
+        return None
 
     def _on_admissions(self, results: list[tuple[str, EngineError | None]]) -> None:
         for rid, error in results:
@@ -257,7 +308,10 @@ class EngineService:
         while True:
             trio.from_thread.check_cancelled()
             if not work and not engine.has_unfinished_requests():
-                work = trio.from_thread.run(self._wait_for_work)
+                idle_work = trio.from_thread.run(self._wait_for_work_or_idle)
+                if idle_work is None:
+                    return  # unload: dropping the engine frees the model and its KV cache
+                work = idle_work
             admissions = _apply(engine, work)
             if admissions:
                 trio.from_thread.run_sync(self._on_admissions, admissions)

@@ -20,7 +20,7 @@ from quart_trio import QuartTrio
 from trillm.engine.errors import EngineError
 from trillm.web.config import ServerConfig
 from trillm.web.errors import APIError, to_api_error
-from trillm.web.generation import ModelRegistry, ready_tokenizer, start_generation
+from trillm.web.generation import ModelRegistry, start_generation
 from trillm.web.protocol import Kind, ResponseBuilder, usage_dict
 from trillm.web.stream import GenerationFailed
 
@@ -97,8 +97,8 @@ class _Session:
         endpoint = body.pop("endpoint", None)
         kind: Kind = "chat" if endpoint == "chat" or (endpoint is None and "messages" in body) else "completion"
         service = self.registry.select(body.get("model"))
-        req, handle = await start_generation(service, body, kind, self.config)
-        builder = ResponseBuilder(req, handle.request_ids, ready_tokenizer(service))
+        req, handle, tokenizer = await start_generation(service, body, kind, self.config)
+        builder = ResponseBuilder(req, handle.request_ids, tokenizer)
         with handle:
             while True:
                 try:

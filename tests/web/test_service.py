@@ -161,3 +161,17 @@ async def test_cancel_interrupts_a_long_prefill() -> None:
         await trio.sleep(0.05)
         t0 = time.perf_counter()
     assert time.perf_counter() - t0 < 0.5
+
+
+async def test_lazy_load_then_unload_after_idle_then_reload() -> None:
+    factory = FakeFactory()
+    async with running_service(factory, lazy_load=True, unload_after_idle_s=0.1) as service:
+        assert service.state is ServiceState.UNLOADED and service.healthy and factory.engines == []
+        for expected_engines in (1, 2):
+            await service.ensure_loaded()
+            with service.submit([4], GREEDY) as h:
+                assert (await collect(h)).popitem()[1] == reference_greedy_text([4], 12)
+            assert len(factory.engines) == expected_engines
+            with trio.fail_after(2):
+                while service.state is not ServiceState.UNLOADED:
+                    await trio.sleep(0.02)
