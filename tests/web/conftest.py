@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from functools import partial
+import threading
 from typing import Any
 
 import trio
@@ -19,10 +20,12 @@ class FakeFactory:
     def __init__(self, **kw: Any) -> None:
         self.kw = kw
         self.engines: list[FakeEngine] = []
+        self.threads: list[int] = []  # the thread each engine was built on
 
     def __call__(self) -> FakeEngine:
         engine = FakeEngine(**self.kw)
         self.engines.append(engine)
+        self.threads.append(threading.get_ident())
         return engine
 
     @property

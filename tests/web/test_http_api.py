@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import threading
 from functools import partial
 from typing import Any
 
@@ -268,3 +269,22 @@ async def test_lazy_model_loads_on_the_first_request() -> None:
         assert (await client.get("/health")).status_code == 200 and factory.engines == []
         r = await client.post("/v1/completions", json={"prompt": "abc", "max_tokens": 3, "temperature": 0})
         assert r.status_code == 200 and len(factory.engines) == 1
+
+
+async def test_two_models_each_on_its_own_thread_selected_by_name() -> None:
+    fa, fb = FakeFactory(), FakeFactory(eos_after=2)
+    async with trio.open_nursery() as nursery:
+        a = await nursery.start(EngineService(fa, name="model-a").run)
+        b = await nursery.start(EngineService(fb, name="model-b").run)
+        client = create_app([a, b]).test_client()
+        ids = [m["id"] for m in (await (await client.get("/v1/models")).get_json())["data"]]
+        assert ids == ["model-a", "model-b"]
+        body = {"prompt": "abc", "max_tokens": 6, "temperature": 0}
+        ra = await (await client.post("/v1/completions", json={**body, "model": "model-a"})).get_json()
+        rb = await (await client.post("/v1/completions", json={**body, "model": "model-b"})).get_json()
+        rd = await (await client.post("/v1/completions", json=body)).get_json()  # no model: the first one
+        assert (ra["model"], rb["model"], rd["model"]) == ("model-a", "model-b", "model-a")
+        assert len(ra["choices"][0]["text"]) == 6 and rb["choices"][0]["finish_reason"] == "stop"
+        assert len(rb["choices"][0]["text"]) == 2
+        assert fa.threads[0] != fb.threads[0] and threading.get_ident() not in fa.threads + fb.threads
+        nursery.cancel_scope.cancel()
