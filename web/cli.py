@@ -65,7 +65,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("prompt")
     g.add_argument("--model", default=None, help=DEFAULT_MODEL_HELP)
     g.add_argument("--max-tokens", type=int, default=256)
-    g.add_argument("--temperature", type=float, default=0.7)
+    g.add_argument("--temperature", type=float, default=0.0, help="0 (the default) is greedy")
     g.add_argument("--seed", type=int, default=None)
     g.add_argument("--no-chat", action="store_true", help="use the prompt as raw text, without the chat template")
 
