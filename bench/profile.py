@@ -109,7 +109,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--contexts", type=_ints, default=[32, 128, 512], help="decode context lengths")
     p.add_argument("--chunks", type=_ints, default=[16, 64, 256], help="prefill chunk sizes")
     p.add_argument("--num-chunks", type=int, default=3, help="chunks per prefill prompt (starts 0, c, 2c, ...)")
-    p.add_argument("--steps", type=int, default=2, help="timed decode steps per (batch, context)")
+    p.add_argument("--steps", type=int, default=4, help="timed decode steps per (batch, context); the median counts")
     p.add_argument("--out", default=None, help="profile JSON path (default RESULTS_DIR/<timestamp>/profile.json)")
     p.add_argument("--results-dir", default="results")
     return p

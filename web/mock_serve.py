@@ -61,6 +61,16 @@ async def serve_mock(factory: Callable[[], Engine], config: ServerConfig = Serve
         nursery.start_soon(hub.run)
         app = create_app([service], config)
         register_kv_events(app, {service.model_name: hub})
+
+        @app.get("/internal/mock-stats")
+        async def mock_stats() -> dict[str, object]:
+            """Leak check for load tests: live handles, engine queues and KV blocks right now."""
+            engine = service.engine
+            assert engine is not None
+            bm = engine.block_manager  # type: ignore[attr-defined]
+            return {"live_requests": len(service._live), "unfinished": engine.has_unfinished_requests(),
+                    "kv_blocks_used": bm.num_used_blocks, "kv_subscribers": hub.num_subscribers,
+                    "steps": service.num_steps}
         binds = await nursery.start(partial(hypercorn_serve, ShieldedFinalSend(app), hypercorn_config(config),
                                             mode="asgi"))
         log.info("serving the mock engine %s at %s (KV events: %s/internal/kv-events)", service.model_name,

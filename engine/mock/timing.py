@@ -240,7 +240,10 @@ def load_perf_model(path: str | Path, kind: str = "linear") -> PerfModel:
     prefill = [PrefillSample(**s) for s in doc["prefill"] if s["start"] == 0]
     batches = sorted({s.batch for s in decode})
     contexts = sorted({s.context for s in decode})
-    table = {(s.batch, s.context): s.seconds for s in decode}
+    by_point: dict[tuple[int, int], list[float]] = {}
+    for s in decode:
+        by_point.setdefault((s.batch, s.context), []).append(s.seconds)
+    table = {k: float(np.median(v)) for k, v in by_point.items()}  # repeated steps: robust to stragglers
     grid = tuple(
         tuple(table.get((b, c), fit.decode_seconds(b, b * c)) for c in contexts) for b in batches
     )
