@@ -13,7 +13,7 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 
 from trillm.engine.config import EngineConfig
 from trillm.engine.errors import InvalidRequest, Overloaded
-from trillm.engine.mock import EngineObserver, LinearCostModel, MockModelSpec, make_mock_engine
+from trillm.engine.mock import EngineObserver, LinearCostModel, MockModelSpec, Recording, make_mock_engine
 from trillm.engine.sampling_params import SamplingParams
 
 SPEC = MockModelSpec(name="tiny", vocab_size=64, max_model_len=256)
@@ -119,3 +119,21 @@ def test_scheduler_invariants_on_the_mock(config: EngineConfig, first: list[tupl
     assert set(want) <= finished
     assert bm.num_used_blocks == 0
     assert engine.statistics().num_blocks_used == 0
+
+
+def test_tokens_replay_a_recording_then_continue_from_the_prng() -> None:
+    rec = Recording([([5, 6, 7], [10, 11, 12])])
+    engine = make_mock_engine(EngineConfig(num_kv_blocks=32, max_num_seqs=2), spec=SPEC, recording=rec)
+    replayed, other = engine.generate([[5, 6, 7], [5, 6, 8]], SamplingParams(max_tokens=5, ignore_eos=True))
+    assert replayed.new_token_ids[:3] == (10, 11, 12) and len(replayed.new_token_ids) == 5
+    assert other.new_token_ids[:3] != (10, 11, 12)
+
+
+def test_tokens_do_not_depend_on_batching() -> None:
+    prompts = [[3 + i % 3] * (5 + i) for i in range(6)]
+    params = SamplingParams(max_tokens=7, ignore_eos=True)
+    together = make_mock_engine(EngineConfig(num_kv_blocks=64, max_num_seqs=4), spec=SPEC).generate(prompts, params)
+    alone = [make_mock_engine(EngineConfig(num_kv_blocks=64, max_num_seqs=1), spec=SPEC).generate([p], params)[0]
+             for p in prompts]
+    assert [o.new_token_ids for o in together] == [o.new_token_ids for o in alone]
+    assert all(t not in (0, 2) for o in together for t in o.new_token_ids)  # never EOS: exactly max_tokens
