@@ -58,10 +58,10 @@ def profile_decode(loaded: Any, batch: int, context: int, steps: int, log: Calla
     """batch sequences with a shared context-token prompt; times `steps` decode steps after one warm-up."""
     from trillm.engine.sampling_params import SamplingParams
 
-    engine = _engine(loaded, max_num_seqs=batch, budget=512, tokens=context + steps + 2)
+    engine = _engine(loaded, max_num_seqs=batch, budget=512, tokens=context + steps + 4)
     vocab = engine.tokenizer.vocab_size
     prefix = [(7 * i + 11) % (vocab - 10) + 5 for i in range(context - 1)]
-    params = SamplingParams(max_tokens=steps + 2, ignore_eos=True)
+    params = SamplingParams(max_tokens=steps + 3, ignore_eos=True)
     engine.add_request("p0", prefix + [5], params)
     while engine.scheduler.waiting or any(s.num_pending_tokens > 1 for s in engine.scheduler.running):
         engine.step()  # the first sequence's prefill, so the others hit the prefix cache
@@ -70,10 +70,10 @@ def profile_decode(loaded: Any, batch: int, context: int, steps: int, log: Calla
     while engine.scheduler.waiting or any(s.num_pending_tokens > 1 for s in engine.scheduler.running):
         engine.step()
     timer = StepTimer(engine)
-    for _ in range(steps + 1):
+    for _ in range(steps + 2):
         engine.step()
     out = []
-    for ctxs, chunks, seconds in timer.steps[1:]:
+    for ctxs, chunks, seconds in timer.steps[2:]:  # a new batch shape's first steps pay one-time costs
         if chunks or len(ctxs) != batch:
             continue
         out.append(DecodeSample(batch, context, seconds))
@@ -109,7 +109,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--contexts", type=_ints, default=[32, 128, 512], help="decode context lengths")
     p.add_argument("--chunks", type=_ints, default=[16, 64, 256], help="prefill chunk sizes")
     p.add_argument("--num-chunks", type=int, default=3, help="chunks per prefill prompt (starts 0, c, 2c, ...)")
-    p.add_argument("--steps", type=int, default=4, help="timed decode steps per (batch, context); the median counts")
+    p.add_argument("--steps", type=int, default=6, help="timed decode steps per (batch, context); the median counts")
     p.add_argument("--out", default=None, help="profile JSON path (default RESULTS_DIR/<timestamp>/profile.json)")
     p.add_argument("--results-dir", default="results")
     return p
