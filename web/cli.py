@@ -59,6 +59,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--unload-after-idle", type=float, default=None, metavar="SECONDS",
                    help="free a model after this long without requests (the next request reloads it)")
     s.add_argument("--log-level", default="info")
+    s.add_argument("--mock", action="store_true",
+                   help="serve the mock engine (timing model, no weights); its flags: `trillm serve --mock --help`")
     _add_engine_flags(s)
 
     g = sub.add_parser("generate", help="generate once from the command line (no server)")
