@@ -6,7 +6,7 @@ hash_ids name the prompt's blocks of `block_tokens` tokens (512 in mooncake's tr
 leading run of hash ids share that prompt prefix, so the prefix cache sees what the trace's users shared.
 `prompt_tokens` turns an entry into token ids deterministically; `synthetic_trace` generates traces.
 
-Run `python -m trillm.engine.mock.trace --help` to write one.
+Run `python -m trillm.engine.mock --help` to write one.
 """
 
 from __future__ import annotations
@@ -128,7 +128,7 @@ def synthetic_trace(
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m trillm.engine.mock.trace", description="write a synthetic trace")
+    p = argparse.ArgumentParser(prog="python -m trillm.engine.mock", description="write a synthetic trace")
     p.add_argument("out", help="JSONL file to write")
     p.add_argument("--num-requests", type=int, default=None)
     p.add_argument("--duration", type=float, default=None, help="seconds of traffic (instead of a count)")
