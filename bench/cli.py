@@ -13,7 +13,8 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "engine": ("trillm.bench.bench_engine", "the engine without HTTP"),
     "kernels": ("trillm.bench.bench_kernels", "the paged-KV kernels against their references"),
     "overhead": ("trillm.bench.bench_serving_overhead", "what the web layer adds over the engine"),
-    "profile": ("trillm.bench.profile", "profile a serving run"),
+    "profile": ("trillm.bench.profile", "time the engine's steps and fit the mock engine's timing model"),
+    "mock-parity": ("trillm.bench.bench_mock_parity", "the simulator's TTFT/ITL against the real engine on one trace"),
 }
 
 

@@ -45,6 +45,7 @@ class BlockManager:
         # ref_count == 0 blocks, least recently freed first; RESERVED_BLOCK is never handed out.
         self._free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks) if i != RESERVED_BLOCK)
         self._cached: dict[bytes, int] = {}  # block hash -> block id
+        self._num_cached_free = 0  # free blocks still holding a hash (kept, not counted: statistics() is per step)
         self.num_queried_tokens = 0
         self.num_hit_tokens = 0
         # Optional KV-event hook for a KV-aware router: ("stored", hash, parent hash or None) when a full block
@@ -66,7 +67,7 @@ class BlockManager:
 
     @property
     def num_cached_free_blocks(self) -> int:
-        return sum(1 for b in self._free if self.blocks[b].hash is not None)
+        return self._num_cached_free
 
     def blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
@@ -110,6 +111,7 @@ class BlockManager:
             block = self.blocks[block_id]
             if block.ref_count == 0:
                 del self._free[block_id]
+                self._num_cached_free -= 1  # a hit block always has its hash
             block.ref_count += 1
         seq.block_table = hits + [self._take_free() for _ in range(self.blocks_needed(seq.num_tokens) - len(hits))]
         seq.num_computed_tokens = len(hits) * self.block_size
@@ -122,6 +124,7 @@ class BlockManager:
         block = self.blocks[block_id]
         assert block.ref_count == 0
         if block.hash is not None:  # evict its prefix-cache entry
+            self._num_cached_free -= 1
             if self._cached.get(block.hash) == block_id:
                 del self._cached[block.hash]
                 if self.on_kv_event is not None:
@@ -138,6 +141,7 @@ class BlockManager:
             assert block.ref_count >= 0
             if block.ref_count == 0:
                 self._free[block_id] = None
+                self._num_cached_free += block.hash is not None
         seq.block_table = []
         seq.num_computed_tokens = 0
         seq.num_hashed_blocks = 0
@@ -181,3 +185,4 @@ class BlockManager:
             assert (block.ref_count == 0) == (block.block_id in self._free), block
         for h, b in self._cached.items():
             assert self.blocks[b].hash == h
+        assert self._num_cached_free == sum(1 for b in self._free if self.blocks[b].hash is not None)

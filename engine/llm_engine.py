@@ -75,6 +75,7 @@ class LLMEngine:
         self._num_prompt_tokens = 0
         self._num_generation_tokens = 0
         self._recent: deque[tuple[float, int, int]] = deque()  # (time, prompt tokens, generated tokens)
+        self._recent_sums = [0, 0]  # running sums over _recent, so statistics() is O(1)
 
     # ---- requests ----------------------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, *, priority: int = 0) -> None:
@@ -115,8 +116,12 @@ class LLMEngine:
         self._num_generation_tokens += len(sampled)
         now = time.monotonic()
         self._recent.append((now, prompt_tokens, len(sampled)))
+        self._recent_sums[0] += prompt_tokens
+        self._recent_sums[1] += len(sampled)
         while self._recent and self._recent[0][0] < now - _RATE_WINDOW_S:
-            self._recent.popleft()
+            _, p_old, g_old = self._recent.popleft()
+            self._recent_sums[0] -= p_old
+            self._recent_sums[1] -= g_old
 
         outputs = []
         for seq, token, result, row in sampled:
@@ -188,8 +193,7 @@ class LLMEngine:
     def statistics(self) -> EngineStatistics:
         bm = self.block_manager
         span = (self._recent[-1][0] - self._recent[0][0]) if len(self._recent) > 1 else 0.0
-        pt = sum(r[1] for r in self._recent)
-        gt = sum(r[2] for r in self._recent)
+        pt, gt = self._recent_sums
         return EngineStatistics(
             num_running=len(self.scheduler.running),
             num_waiting=len(self.scheduler.waiting),
