@@ -95,6 +95,26 @@ class BlockManager:
             hits.append(block_id)
         return hits
 
+    def num_inflight_prefix_blocks(self, seq: Sequence, running: list[Sequence]) -> int:
+        """How many of seq's blocks past its cache hits a running sequence is computing right now.
+
+        Equal chained hashes at the same index mean an identical prefix, so seq could reuse them once
+        computed instead of computing them a second time.
+        """
+        if not self.enable_prefix_caching or not running:
+            return 0
+        start = len(self._match(seq))  # also extends seq.block_hashes
+        limit = (seq.num_tokens - 1) // self.block_size
+        best = 0
+        for other in running:
+            self._extend_hashes(other)
+            i = start
+            while i < limit and i < len(other.block_hashes) and other.block_hashes[i] == seq.block_hashes[i]:
+                i += 1
+            if i > start and other.num_computed_tokens < i * self.block_size:
+                best = max(best, i - start)
+        return best
+
     # ---- allocation --------------------------------------------------------------------------------------
     def can_allocate(self, seq: Sequence) -> bool:
         hits = self._match(seq)

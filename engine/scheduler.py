@@ -45,6 +45,9 @@ class ScheduledBatch:
         return not self.decodes and not self.prefills
 
 
+_MIN_SHARED_PREFIX = 64  # tokens: shorter shared prefixes (a chat template's preamble) are cheaper to recompute
+
+
 class Scheduler:
     def __init__(self, config: EngineConfig, block_manager: BlockManager, max_model_len: int) -> None:
         self.config = config
@@ -123,6 +126,8 @@ class Scheduler:
             seq = self.waiting[0]
             if not self._chunk_size(seq.num_tokens, budget, batch) or not bm.can_allocate(seq):
                 break
+            if self._wait_for_shared_prefix(seq):
+                break
             self.waiting.pop(0)
             bm.allocate(seq)
             if seq.num_preemptions == 0:
@@ -133,6 +138,15 @@ class Scheduler:
             batch.prefills.append(PrefillChunk(seq, seq.num_computed_tokens, n))
             budget -= n
         return batch
+
+    def _wait_for_shared_prefix(self, seq: Sequence) -> bool:
+        """Hold seq back while a running sequence computes a long prefix they share (requests arriving
+        together with one system prompt): a step later it is a cache hit instead of computed twice."""
+        inflight = self.block_manager.num_inflight_prefix_blocks(seq, self.running)
+        if not inflight:
+            return False
+        shared = inflight * self.block_manager.block_size
+        return shared >= max(_MIN_SHARED_PREFIX, (seq.num_tokens - seq.num_computed_tokens) // 2)
 
     def _chunk_size(self, pending: int, budget: int, batch: ScheduledBatch) -> int:
         if self.config.enable_chunked_prefill:

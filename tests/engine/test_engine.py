@@ -204,3 +204,18 @@ def test_default_model_paris_and_matches_mlx_lm(default_model: LoadedModel) -> N
     assert "Paris" in out.new_text
     ref = mlx_lm_greedy(default_model, p, len(out.new_token_ids))
     assert list(out.new_token_ids) == ref
+
+
+def test_requests_arriving_together_share_a_long_prefix_once(tiny_model: LoadedModel) -> None:
+    tok = tiny_model.tokenizer
+    system = tok.encode("system: you are a careful assistant who answers briefly. " * 6)
+    assert len(system) >= 80
+    ps = [system + tok.encode(q) for q in ("what is red", "name a fish", "count to three")]
+    cold = [engine(tiny_model, enable_prefix_caching=False).generate([p], GREEDY)[0].new_token_ids for p in ps]
+    eng = engine(tiny_model)
+    outs = eng.generate(ps, GREEDY)  # all three waiting at once
+    assert [o.new_token_ids for o in outs] == cold
+    assert outs[0].usage.cached_tokens == 0
+    # The others waited a step for the first to compute the shared blocks, then hit them.
+    assert all(o.usage.cached_tokens >= (len(system) // 16) * 16 for o in outs[1:])
+    assert_no_leak(eng)
