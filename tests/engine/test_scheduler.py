@@ -66,6 +66,17 @@ workload = st.lists(
        prefix=st.booleans())
 def test_random_workload_invariants(reqs: list[tuple[int, int, int, int]], num_blocks: int, budget: int,
                                     seed: int, prefix: bool) -> None:
+    import trillm.engine.scheduler as sched
+
+    saved, sched._MIN_SHARED_PREFIX = sched._MIN_SHARED_PREFIX, 4  # exercise waiting for in-flight prefixes
+    try:
+        _random_workload(reqs, num_blocks, budget, seed, prefix)
+    finally:
+        sched._MIN_SHARED_PREFIX = saved
+
+
+def _random_workload(reqs: list[tuple[int, int, int, int]], num_blocks: int, budget: int, seed: int,
+                     prefix: bool) -> None:
     rng = random.Random(seed)
     s = make(num_blocks=num_blocks, budget=budget, prefix=prefix)
     shared = [rng.randrange(50) for _ in range(16)]  # a common prefix, so blocks get shared
