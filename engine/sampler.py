@@ -71,16 +71,18 @@ class Sampler:
                 top_vals = mx.take_along_axis(logp, top_ids, axis=-1)
                 to_eval += [top_ids, top_vals]
         mx.eval(*to_eval)
-        token_list = tokens.tolist()
+        token_list: list[int] = tokens.tolist()  # type: ignore[assignment]
         if not want_lp:
             return SampleResult(token_list, None, None)
         assert lp_chosen is not None
         top: list[list[tuple[int, float]]] = [[] for _ in rows]
         if top_ids is not None and top_vals is not None:
-            ids, vals = top_ids.tolist(), top_vals.tolist()
+            ids: list[list[int]] = top_ids.tolist()  # type: ignore[assignment]
+            vals: list[list[float]] = top_vals.tolist()  # type: ignore[assignment]
             for i, r in enumerate(rows):
                 top[i] = list(zip(ids[i][: r.params.top_logprobs], vals[i][: r.params.top_logprobs]))
-        return SampleResult(token_list, lp_chosen.tolist(), top)
+        chosen: list[float] = lp_chosen.tolist()  # type: ignore[assignment]
+        return SampleResult(token_list, chosen, top)
 
     def _apply_biases(self, logits: mx.array, rows: list[SampleRow], V: int) -> mx.array:
         """Penalties, logit_bias and banned tokens; built only for rows that need them."""
@@ -88,12 +90,12 @@ class Sampler:
         c_idx: list[int] = []
         vals: list[float] = []
         for i, r in enumerate(rows):
-            for tok, bias in r.params.logit_bias:
+            pairs = list(r.params.logit_bias) + [(tok, _NEG_INF) for tok in r.banned_token_ids]
+            for tok, bias in pairs:
                 if 0 <= tok < V:
-                    r_idx.append(i), c_idx.append(tok), vals.append(bias)
-            for tok in r.banned_token_ids:
-                if 0 <= tok < V:
-                    r_idx.append(i), c_idx.append(tok), vals.append(_NEG_INF)
+                    r_idx.append(i)
+                    c_idx.append(tok)
+                    vals.append(bias)
         if r_idx:
             add = mx.zeros(logits.shape, mx.float32)
             add = add.at[mx.array(r_idx), mx.array(c_idx)].add(mx.array(vals, mx.float32))
