@@ -16,6 +16,8 @@ from hypercorn.trio import serve as hypercorn_serve
 from trillm.web.app import create_app
 from trillm.web.asgi import ShieldedFinalSend
 from trillm.web.config import ServerConfig
+from trillm.engine.mock.events import EngineObserver
+from trillm.web.kv_events import KVEventHub, register_kv_events
 from trillm.web.service import Engine, EngineService, ServiceConfig
 
 log = logging.getLogger("trillm.web.server")
@@ -56,6 +58,20 @@ def _is_loopback(host: str) -> bool:
         return host == "localhost"
 
 
+def _observed(factory: Callable[[], Engine], hub: KVEventHub) -> Callable[[], Engine]:
+    """Each engine the factory builds (restarts too) publishes its KV events and load to the hub."""
+
+    def build() -> Engine:
+        engine = factory()
+        if not hasattr(engine, "block_manager"):  # not an LLMEngine (a test double): nothing to observe
+            return engine
+        observer = EngineObserver(engine)  # type: ignore[arg-type]
+        hub.observer = observer
+        return observer  # type: ignore[return-value]
+
+    return build
+
+
 async def serve(engines: Sequence[tuple[str | None, Callable[[], Engine]]], config: ServerConfig = ServerConfig(),
                 *, service_config: ServiceConfig = ServiceConfig(),
                 shutdown_trigger: Callable[[], Awaitable[None]] | None = None,
@@ -69,11 +85,19 @@ async def serve(engines: Sequence[tuple[str | None, Callable[[], Engine]]], conf
     """
     async with trio.open_nursery() as nursery:
         services = []
+        hubs: dict[str, KVEventHub] = {}
         for name, factory in engines:
-            service: EngineService = await nursery.start(EngineService(factory, name=name, config=service_config).run)
+            hub = KVEventHub(name or "")
+            service: EngineService = await nursery.start(
+                EngineService(_observed(factory, hub), name=name, config=service_config).run)
             log.info("model %s: %s", service.model_name, service.state.value)
             services.append(service)
-        app = ShieldedFinalSend(create_app(services, config))
+            hub.model = service.model_name
+            hubs[service.model_name] = hub
+            nursery.start_soon(hub.run)
+        quart_app = create_app(services, config)
+        register_kv_events(quart_app, hubs)
+        app = ShieldedFinalSend(quart_app)
 
         async def http(task_status: trio.TaskStatus[list[str]]) -> None:
             await hypercorn_serve(app, hypercorn_config(config), shutdown_trigger=shutdown_trigger,

@@ -218,3 +218,27 @@ def test_cli_generate_streams_the_answer(tiny_model_path: Path, capsys: pytest.C
                  "Hello"]) == 0
     out = capsys.readouterr()
     assert "loading" in out.err and "generated" in out.err and out.out.endswith("\n")
+
+
+async def test_kv_events_and_load_on_a_websocket(tiny_model_path: Path) -> None:
+    async with running_server(RealFactory(tiny_model_path)) as serving:
+        ws_url = serving.url.replace("http", "ws", 1) + "/internal/kv-events"
+        async with trio_websocket.open_websocket_url(ws_url) as ws:
+            hello = json.loads(await ws.get_message())
+            assert hello["type"] == "hello" and hello["model"] == serving.services[0].model_name
+            async with httpx.AsyncClient(base_url=serving.url, timeout=30) as client:
+                text = await stream_text(client, {"prompt": "the same long prompt " * 12, "max_tokens": 4})
+            assert text
+            stored, last_id, loads = 0, 0, []
+            with trio.fail_after(5):
+                while not stored or not loads:
+                    msg = json.loads(await ws.get_message())
+                    assert msg["type"] == "steps"
+                    for rep in msg["reports"]:
+                        loads.append(rep["load"])
+                        for e in rep["kv_events"]:
+                            assert e["event_id"] > last_id  # monotonically increasing ids
+                            last_id = e["event_id"]
+                            stored += e["kind"] == "stored"
+            assert stored >= 3  # the prompt's full blocks entered the prefix cache
+            assert {"num_running", "num_waiting", "num_blocks_used"} <= loads[0].keys()
