@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import json
 from pathlib import Path
 
@@ -60,15 +62,7 @@ def plot_throughput_vs_concurrency(path: Path, runs: list[RunResult]) -> Path | 
         pts.sort()
         ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=f"{server} ({workload})")
     ax.set_xscale("log", base=2)
-    ax.set_xlabel("max concurrency")
-    ax.set_ylabel("output tokens / s")
-    ax.set_title("Output throughput vs concurrency")
-    ax.grid(True, alpha=0.3)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    return _save(fig, ax, path, "max concurrency", "output tokens / s", "Output throughput vs concurrency")
 
 
 def plot_ttft_cdf(path: Path, runs: list[RunResult]) -> Path | None:
@@ -90,9 +84,15 @@ def plot_ttft_cdf(path: Path, runs: list[RunResult]) -> Path | None:
         if ttfts:
             xs = sorted(ttfts)
             ax.step(xs, [(i + 1) / len(xs) for i in range(len(xs))], where="post", label=server)
-    ax.set_xlabel("TTFT (ms)")
-    ax.set_ylabel("fraction of requests")
-    ax.set_title("TTFT CDF")
+    return _save(fig, ax, path, "TTFT (ms)", "fraction of requests", "TTFT CDF")
+
+
+def _save(fig: Any, ax: Any, path: Path, xlabel: str, ylabel: str, title: str) -> Path:
+    import matplotlib.pyplot as plt
+
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
     ax.grid(True, alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()
