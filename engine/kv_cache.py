@@ -83,8 +83,11 @@ class PagedKVCache:
         # keys, values: [B, Hkv, L, D] -> pool slots
         B, H, L, D = keys.shape
         lay = self._layout
-        flat_k = keys.transpose(0, 2, 1, 3).reshape(B * L, H, D)
-        flat_v = values.transpose(0, 2, 1, 3).reshape(B * L, H, values.shape[-1])
+        if L == 1:  # decode: [B, H, 1, D] is already [B, H, D] in memory; skip the transpose's copy
+            flat_k, flat_v = keys.reshape(B, H, D), values.reshape(B, H, values.shape[-1])
+        else:
+            flat_k = keys.transpose(0, 2, 1, 3).reshape(B * L, H, D)
+            flat_v = values.transpose(0, 2, 1, 3).reshape(B * L, H, values.shape[-1])
         pool = self.pool
         pool.keys[self.layer], pool.values[self.layer] = kv_write(
             pool.keys[self.layer], pool.values[self.layer], flat_k, flat_v, lay.slot_mapping)
