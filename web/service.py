@@ -32,8 +32,8 @@ from trillm.web.stream import GenerationHandle
 
 log = logging.getLogger("trillm.web.service")
 
-# engine.statistics() walks the block pool, so it is refreshed at most this often while busy (and always when
-# the engine goes idle, so freed KV blocks show at once).
+# engine.statistics() is cheap (O(1)) but builds a record per call, so it is refreshed at most this often while
+# busy (and always when the engine goes idle, so freed KV blocks show at once).
 STATS_INTERVAL_S = 0.05
 
 
