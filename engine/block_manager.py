@@ -178,7 +178,8 @@ class BlockManager:
         """Publish seq's newly full, computed blocks to the prefix cache."""
         if not self.enable_prefix_caching:
             return
-        full = seq.num_computed_tokens // self.block_size
+        # min(): a step launched ahead counts its token computed before the token itself is known.
+        full = min(seq.num_computed_tokens, seq.num_tokens) // self.block_size
         if full <= seq.num_hashed_blocks:
             return
         self._extend_hashes(seq)

@@ -21,6 +21,7 @@ class EngineConfig:
     max_waiting: int = 1024  # bounded waiting queue; past it add_request raises Overloaded
     enable_prefix_caching: bool = True
     seed: int = 0  # seeds unseeded sampling
+    pipeline_decode: bool = True  # queue decode step n+1 before reading step n back
 
     def __post_init__(self) -> None:
         if self.block_size <= 0 or self.block_size & (self.block_size - 1):

@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import time
 from collections import deque
+from functools import partial
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
+
+import mlx.core as mx
 
 from trillm.engine.block_manager import BlockManager
 from trillm.engine.config import EngineConfig
@@ -13,11 +16,11 @@ from trillm.engine.detokenizer import IncrementalDetokenizer, StopStringMatcher
 from trillm.engine.errors import InvalidRequest, UnknownRequest
 from trillm.engine.kv_cache import KVPool
 from trillm.engine.loader import LoadedModel, load_model
-from trillm.engine.model_runner import ModelRunner, Runner
+from trillm.engine.model_runner import Launch, ModelRunner, Runner, SampledToken
 from trillm.engine.outputs import EngineStatistics, FinishReason, RequestOutput, TokenLogprob, Usage
 from trillm.engine.sampler import SampleRow, Sampler
 from trillm.engine.sampling_params import SamplingParams
-from trillm.engine.scheduler import Scheduler
+from trillm.engine.scheduler import ScheduledBatch, Scheduler
 from trillm.engine.sequence import Sequence, SequenceStatus
 
 _RATE_WINDOW_S = 10.0
@@ -70,6 +73,8 @@ class LLMEngine:
         else:
             pool = KVPool(lm.num_layers, num_blocks, bs, lm.num_kv_heads, lm.head_dim, lm.dtype)
             self.runner = ModelRunner(lm.model, pool, Sampler(config.seed))
+        self._pipelined = isinstance(self.runner, ModelRunner) and config.pipeline_decode
+        self._inflight: Launch | None = None  # a decode step launched ahead, not read back yet
         self._requests: dict[str, _Request] = {}
         self._num_steps = 0
         self._num_prompt_tokens = 0
@@ -99,17 +104,74 @@ class LLMEngine:
         if req is None:
             raise UnknownRequest(f"no live request with id {request_id!r}")
         self.scheduler.remove(req.seq)
+        if self._pipelined:
+            self._settle_if_idle()
 
     def has_unfinished_requests(self) -> bool:
         return bool(self._requests)
 
     # ---- stepping ----------------------------------------------------------------------------------------
     def step(self, *, check_abort: Callable[[], None] | None = None) -> list[RequestOutput]:
-        batch = self.scheduler.schedule()
-        if batch.is_empty:
-            return []
-        sampled = self.runner.run(batch, self._sample_row, check_abort)
-        self.scheduler.postprocess(batch)
+        """One scheduling step: decodes, then prefill chunks. Returns a delta per request that progressed.
+
+        With the MLX runner, a decode-only step queues the *next* decode step (fed the samples not yet read
+        back) before reading this one, so the host builds step n+1 while the device finishes step n: the host
+        waits once per step. A sequence that finishes meanwhile just drops its speculative token.
+        """
+        if not self._pipelined:
+            batch = self.scheduler.schedule()
+            if batch.is_empty:
+                return []
+            sampled = self.runner.run(batch, self._sample_row, check_abort)
+            self.scheduler.postprocess(batch)
+            return self._outputs(batch, sampled)
+        launch, self._inflight = self._inflight, None
+        if launch is not None and not any(s.status is SequenceStatus.RUNNING for s in launch.seqs):
+            self.runner.collect(launch)  # everything it computed was aborted meanwhile
+            launch = None
+        if launch is None:
+            batch = self.scheduler.schedule()
+            if batch.is_empty:
+                return []
+            launch = self.runner.launch(batch, self._sample_row, check_abort)
+            self.scheduler.postprocess(batch)
+        self._inflight = self._launch_ahead(launch)
+        live = [x for x in self.runner.collect(launch) if x[0].status is SequenceStatus.RUNNING]
+        outputs = self._outputs(launch.batch, live)
+        self._settle_if_idle()
+        return outputs
+
+    def _settle_if_idle(self) -> None:
+        # An unread launch holds old pool versions, which would turn the next in-place KV write into a copy.
+        if self._inflight is not None and not self._requests:
+            self.runner.collect(self._inflight)
+            self._inflight = None
+
+    def _launch_ahead(self, launch: Launch) -> Launch | None:
+        """Queue the next decode step of the same sequences, if nothing else could want the step."""
+        batch, sch, bm = launch.batch, self.scheduler, self.block_manager
+        if batch.prefills or not batch.decodes or sch.waiting or len(sch.running) != len(batch.decodes):
+            return None
+        if any(s.status is not SequenceStatus.RUNNING or s.params.needs_penalties for s in batch.decodes):
+            return None  # penalties need the unread tokens themselves
+        # This step's token is output number num_output_tokens + 1; length-finished sequences stop here.
+        nxt = [i for i, s in enumerate(batch.decodes)
+               if s.num_output_tokens + 1 < s.params.max_tokens and s.num_tokens + 1 < self.max_model_len]
+        if not nxt:
+            return None
+        seqs = [batch.decodes[i] for i in nxt]
+        if sum(bm.blocks_needed(s.num_computed_tokens + 1) - len(s.block_table) for s in seqs) > bm.num_free_blocks:
+            return None
+        for s in seqs:
+            bm.may_append(s)
+        assert launch.sample is not None
+        tokens = launch.sample.tokens if len(nxt) == len(batch.decodes) else launch.sample.tokens[mx.array(nxt)]
+        ahead = ScheduledBatch(decodes=seqs)
+        queued = self.runner.launch(ahead, partial(self._sample_row, ahead=1), decode_tokens=tokens)
+        sch.postprocess(ahead)
+        return queued
+
+    def _outputs(self, batch: ScheduledBatch, sampled: list[SampledToken]) -> list[RequestOutput]:
         self._num_steps += 1
         prompt_tokens = sum(c.num_tokens for c in batch.prefills)
         self._num_prompt_tokens += prompt_tokens
@@ -132,12 +194,13 @@ class LLMEngine:
             outputs.append(self._append_token(req, token, lp))
         return outputs
 
-    def _sample_row(self, seq: Sequence) -> SampleRow:
+    def _sample_row(self, seq: Sequence, ahead: int = 0) -> SampleRow:
+        """ahead: tokens sampled for seq but not yet appended (1 while a step is launched ahead)."""
         p = seq.params
         banned: tuple[int, ...] = ()
-        if seq.num_output_tokens < p.min_tokens:
+        if seq.num_output_tokens + ahead < p.min_tokens:
             banned = tuple(self._requests[seq.request_id].stop_ids | (frozenset() if p.ignore_eos else self.eos_token_ids))
-        return SampleRow(p, seq.num_output_tokens, seq.token_ids[: seq.num_prompt_tokens],
+        return SampleRow(p, seq.num_output_tokens + ahead, seq.token_ids[: seq.num_prompt_tokens],
                          seq.output_token_ids if p.needs_penalties else [], banned)
 
     def _append_token(self, req: _Request, token: int, lp: TokenLogprob | None) -> RequestOutput:

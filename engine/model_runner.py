@@ -11,7 +11,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from trillm.engine.kv_cache import BatchLayout, KVPool, install_paged_attention
-from trillm.engine.sampler import SampleResult, Sampler, SampleRow
+from trillm.engine.sampler import LazySample, SampleResult, Sampler, SampleRow
 from trillm.engine.scheduler import PrefillChunk, ScheduledBatch
 from trillm.engine.sequence import Sequence
 from trillm.kernels.layout import RESERVED_BLOCK
@@ -24,16 +24,18 @@ class ForwardInputs:
     last_index: mx.array  # int32 [B]: each row's last real position in tokens
 
 
-def prepare_inputs(seqs: list[Sequence], starts: list[int], lengths: list[int], block_size: int) -> ForwardInputs:
+def prepare_inputs(seqs: list[Sequence], starts: list[int], lengths: list[int], block_size: int,
+                   tokens: mx.array | None = None) -> ForwardInputs:
     """Rows of new tokens, right-padded to a common L. Padding writes its K/V to the reserved block and sits
-    after every real token, so causal attention never lets a real query see it."""
+    after every real token, so causal attention never lets a real query see it. `tokens` [B, L], when given,
+    replaces the host token ids (a pipelined decode feeds the previous step's unread samples)."""
     L = max(lengths)
     trash = RESERVED_BLOCK * block_size
     width = max(max(len(s.block_table) for s in seqs), max(-(-(st + L) // block_size) for st in starts))
-    tables, slots, tokens = [], [], []
+    tables, slots, host_tokens = [], [], []
     for s, st, n in zip(seqs, starts, lengths):
         tables.append(s.block_table + [RESERVED_BLOCK] * (width - len(s.block_table)))
-        tokens.append(s.token_ids[st : st + n] + [0] * (L - n))
+        host_tokens.append(s.token_ids[st : st + n] + [0] * (L - n) if tokens is None else [])
         for pos in range(st, st + n):
             slots.append(s.block_table[pos // block_size] * block_size + pos % block_size)
         slots.extend([trash] * (L - n))
@@ -46,7 +48,8 @@ def prepare_inputs(seqs: list[Sequence], starts: list[int], lengths: list[int], 
         max_context_len=max(ctx),
         num_new_tokens=L,
     )
-    return ForwardInputs(mx.array(tokens, mx.int32), layout, mx.array([n - 1 for n in lengths], mx.int32))
+    token_array = mx.array(host_tokens, mx.int32) if tokens is None else tokens
+    return ForwardInputs(token_array, layout, mx.array([n - 1 for n in lengths], mx.int32))
 
 
 def group_chunks(chunks: list[PrefillChunk], max_waste: float = 1.5) -> list[list[PrefillChunk]]:
@@ -66,6 +69,15 @@ def group_chunks(chunks: list[PrefillChunk], max_waste: float = 1.5) -> list[lis
 SampledToken = tuple[Sequence, int, SampleResult, int]  # (seq, token id, the batch's result, its row there)
 
 
+@dataclass(slots=True)
+class Launch:
+    """A step queued on the device and not read back yet."""
+
+    batch: ScheduledBatch
+    seqs: list[Sequence]  # the sampled rows, in order: the batch's decodes first
+    sample: LazySample | None
+
+
 class Runner(Protocol):
     """What LLMEngine needs from a runner: run one scheduled step, return a token per sampled sequence."""
 
@@ -82,9 +94,10 @@ class ModelRunner:
         self.patched_modules = install_paged_attention(model)
         self._inner = getattr(model, "model", None)  # mlx-lm's decoder stack, for last-position-only logits
 
-    def prepare_decode(self, seqs: list[Sequence]) -> ForwardInputs:
-        # tokens: [B, 1], each row's one pending token
-        return prepare_inputs(seqs, [s.num_computed_tokens for s in seqs], [1] * len(seqs), self.pool.block_size)
+    def prepare_decode(self, seqs: list[Sequence], tokens: mx.array | None = None) -> ForwardInputs:
+        # tokens: [B, 1], each row's one pending token (from the host, or the previous step's lazy samples)
+        return prepare_inputs(seqs, [s.num_computed_tokens for s in seqs], [1] * len(seqs), self.pool.block_size,
+                              None if tokens is None else tokens.reshape(-1, 1).astype(mx.int32))
 
     def prepare_prefill(self, chunks: list[PrefillChunk]) -> ForwardInputs:
         # tokens: [B, L], one chunk per row
@@ -115,10 +128,15 @@ class ModelRunner:
     def run(self, batch: ScheduledBatch, rows: Callable[[Sequence], SampleRow],
             check_abort: Callable[[], None] | None = None) -> list[SampledToken]:
         """Run every forward of the step and sample. Returns (seq, token, result, row index) per sampled seq."""
+        return self.collect(self.launch(batch, rows, check_abort))
+
+    def launch(self, batch: ScheduledBatch, rows: Callable[[Sequence], SampleRow],
+               check_abort: Callable[[], None] | None = None, *, decode_tokens: mx.array | None = None) -> Launch:
+        """Queue every forward of the step and its sampling with `mx.async_eval`; read nothing back."""
         logits: list[mx.array] = []
         sampled: list[Sequence] = []
         if batch.decodes:
-            out = self.forward(self.prepare_decode(batch.decodes))
+            out = self.forward(self.prepare_decode(batch.decodes, decode_tokens))
             mx.async_eval(out, *self.pool.arrays())
             logits.append(out)
             sampled += batch.decodes
@@ -135,7 +153,15 @@ class ModelRunner:
             else:
                 mx.async_eval(*self.pool.arrays())
         if not sampled:
+            return Launch(batch, [], None)
+        lazy = self.sampler.sample(mx.concatenate(logits, axis=0), [rows(s) for s in sampled])
+        mx.async_eval(*lazy.arrays())
+        return Launch(batch, sampled, lazy)
+
+    def collect(self, launch: Launch) -> list[SampledToken]:
+        """Wait for a launched step (the one host sync) and read its samples."""
+        if launch.sample is None:
             mx.eval(*self.pool.arrays())
             return []
-        result = self.sampler(mx.concatenate(logits, axis=0), [rows(s) for s in sampled])
-        return [(s, result.token_ids[i], result, i) for i, s in enumerate(sampled)]
+        result = self.sampler.read(launch.sample)
+        return [(s, result.token_ids[i], result, i) for i, s in enumerate(launch.seqs)]

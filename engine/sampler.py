@@ -35,6 +35,20 @@ class SampleResult:
     top_logprobs: list[list[tuple[int, float]]] | None
 
 
+@dataclass(slots=True)
+class LazySample:
+    """A step's sampling results, not yet evaluated."""
+
+    rows: list[SampleRow]
+    tokens: mx.array  # int32 [N]
+    chosen_logprobs: mx.array | None = None  # [N]
+    top_ids: mx.array | None = None  # [N, k]
+    top_logprobs: mx.array | None = None  # [N, k]
+
+    def arrays(self) -> list[mx.array]:
+        return [a for a in (self.tokens, self.chosen_logprobs, self.top_ids, self.top_logprobs) if a is not None]
+
+
 def _row_key(seed: int, index: int) -> mx.array:
     digest = hashlib.blake2b(f"{seed}:{index}".encode(), digest_size=8).digest()
     return mx.random.key(int.from_bytes(digest, "little") & ((1 << 63) - 1))
@@ -46,42 +60,40 @@ class Sampler:
         self._draws = 0  # unseeded rows still get a reproducible stream per engine
 
     def __call__(self, logits: mx.array, rows: list[SampleRow]) -> SampleResult:
-        # logits: [N, V]
+        return self.read(self.sample(logits, rows))
+
+    def sample(self, logits: mx.array, rows: list[SampleRow]) -> LazySample:
+        """Build the sampling graph (nothing is evaluated): logits [N, V] -> tokens [N]."""
         logits = logits.astype(mx.float32)
         N, V = logits.shape
         logits = self._apply_biases(logits, rows, V)
 
-        want_lp = any(r.params.logprobs or r.params.top_logprobs for r in rows)
         greedy = mx.argmax(logits, axis=-1)
         sampled_rows = [i for i, r in enumerate(rows) if not r.params.greedy]
-        if sampled_rows:
-            tokens = self._sample(logits, rows, sampled_rows, greedy)
-        else:
-            tokens = greedy
-
-        to_eval: list[mx.array] = [tokens]
-        lp_chosen = top_ids = top_vals = None
-        if want_lp:
+        tokens = self._sample(logits, rows, sampled_rows, greedy) if sampled_rows else greedy
+        out = LazySample(rows, tokens)
+        if any(r.params.logprobs or r.params.top_logprobs for r in rows):
             logp = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
-            lp_chosen = mx.take_along_axis(logp, tokens[:, None], axis=-1)[:, 0]
-            to_eval.append(lp_chosen)
+            out.chosen_logprobs = mx.take_along_axis(logp, tokens[:, None], axis=-1)[:, 0]
             k = max(r.params.top_logprobs for r in rows)
             if k:
-                top_ids = mx.argsort(-logp, axis=-1)[:, :k]
-                top_vals = mx.take_along_axis(logp, top_ids, axis=-1)
-                to_eval += [top_ids, top_vals]
-        mx.eval(*to_eval)
-        token_list: list[int] = tokens.tolist()  # type: ignore[assignment]
-        if not want_lp:
+                out.top_ids = mx.argsort(-logp, axis=-1)[:, :k]
+                out.top_logprobs = mx.take_along_axis(logp, out.top_ids, axis=-1)
+        return out
+
+    def read(self, lazy: LazySample) -> SampleResult:
+        """Evaluate (the step's one host sync) and bring the results to Python."""
+        mx.eval(*lazy.arrays())
+        token_list: list[int] = lazy.tokens.tolist()  # type: ignore[assignment]
+        if lazy.chosen_logprobs is None:
             return SampleResult(token_list, None, None)
-        assert lp_chosen is not None
-        top: list[list[tuple[int, float]]] = [[] for _ in rows]
-        if top_ids is not None and top_vals is not None:
-            ids: list[list[int]] = top_ids.tolist()  # type: ignore[assignment]
-            vals: list[list[float]] = top_vals.tolist()  # type: ignore[assignment]
-            for i, r in enumerate(rows):
+        top: list[list[tuple[int, float]]] = [[] for _ in lazy.rows]
+        if lazy.top_ids is not None and lazy.top_logprobs is not None:
+            ids: list[list[int]] = lazy.top_ids.tolist()  # type: ignore[assignment]
+            vals: list[list[float]] = lazy.top_logprobs.tolist()  # type: ignore[assignment]
+            for i, r in enumerate(lazy.rows):
                 top[i] = list(zip(ids[i][: r.params.top_logprobs], vals[i][: r.params.top_logprobs]))
-        chosen: list[float] = lp_chosen.tolist()  # type: ignore[assignment]
+        chosen: list[float] = lazy.chosen_logprobs.tolist()  # type: ignore[assignment]
         return SampleResult(token_list, chosen, top)
 
     def _apply_biases(self, logits: mx.array, rows: list[SampleRow], V: int) -> mx.array:

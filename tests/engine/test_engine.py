@@ -219,3 +219,44 @@ def test_requests_arriving_together_share_a_long_prefix_once(tiny_model: LoadedM
     # The others waited a step for the first to compute the shared blocks, then hit them.
     assert all(o.usage.cached_tokens >= (len(system) // 16) * 16 for o in outs[1:])
     assert_no_leak(eng)
+
+
+def test_pipelined_decode_equals_unpipelined(tiny_model: LoadedModel) -> None:
+    ps = prompts(tiny_model)
+    eos = min(tiny_model.eos_token_ids)
+    params = [
+        SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True),
+        SamplingParams(max_tokens=9, temperature=0.9, top_k=40, seed=7, ignore_eos=True),
+        SamplingParams(max_tokens=30, temperature=0.0, logprobs=True, top_logprobs=2, ignore_eos=True),
+        SamplingParams(max_tokens=12, temperature=0.0, min_tokens=4, logit_bias=((eos, 30.0),)),
+        SamplingParams(max_tokens=25, temperature=1.0, seed=3, stop=("e",), ignore_eos=True),
+    ]
+    ref = engine(tiny_model, pipeline_decode=False).generate(ps, params)
+    eng = engine(tiny_model)
+    launched_ahead = 0
+    original = eng._launch_ahead
+
+    def counting(launch):  # type: ignore[no-untyped-def]
+        nonlocal launched_ahead
+        queued = original(launch)
+        launched_ahead += queued is not None
+        return queued
+
+    eng._launch_ahead = counting  # type: ignore[method-assign]
+    got = eng.generate(ps, params)
+    assert launched_ahead > 5
+    assert [o.new_token_ids for o in got] == [o.new_token_ids for o in ref]
+    assert [o.new_text for o in got] == [o.new_text for o in ref]
+    assert [o.finish_reason for o in got] == [o.finish_reason for o in ref]
+    assert [o.logprobs for o in got][2] is not None
+    assert [lp.token_id for lp in got[2].logprobs] == [lp.token_id for lp in ref[2].logprobs]
+    assert_no_leak(eng)
+    assert eng._inflight is None  # idle: nothing left holding old pool versions
+    # An abort while a step is launched ahead drops its token and frees everything.
+    eng.add_request("x", ps[0], SamplingParams(max_tokens=50, temperature=0.0, ignore_eos=True))
+    for _ in range(4):
+        eng.step()
+    assert eng._inflight is not None
+    eng.abort("x")
+    assert eng._inflight is None and not eng.step()
+    assert_no_leak(eng)
