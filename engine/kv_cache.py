@@ -34,6 +34,7 @@ class BatchLayout:
     slot_mapping: mx.array  # int32 [B * L]
     offsets: mx.array  # int32 [B]: absolute position of each row's first new token (RoPE offset)
     max_context_len: int  # host copy of max(context_lens)
+    uniform_offset: int | None  # the rows' common first position, if they share one
     num_new_tokens: int  # L
 
 
@@ -76,8 +77,11 @@ class PagedKVCache:
         return self.pool.layout
 
     @property
-    def offset(self) -> mx.array:
-        return self._layout.offsets
+    def offset(self) -> int | mx.array:
+        # RoPE takes an int offset much faster than per-row offsets (74 vs 83 ms per SmolLM2 decode step), so
+        # a batch whose rows all start at one position gets the int.
+        lay = self._layout
+        return lay.uniform_offset if lay.uniform_offset is not None else lay.offsets
 
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
         # keys, values: [B, Hkv, L, D] -> pool slots

@@ -46,6 +46,7 @@ def prepare_inputs(seqs: list[Sequence], starts: list[int], lengths: list[int], 
         slot_mapping=mx.array(slots, mx.int32),
         offsets=mx.array(starts, mx.int32),
         max_context_len=max(ctx),
+        uniform_offset=starts[0] if len(set(starts)) == 1 else None,
         num_new_tokens=L,
     )
     token_array = mx.array(host_tokens, mx.int32) if tokens is None else tokens
