@@ -112,7 +112,9 @@ class ModelRunner:
         try:
             if self._can_split_head():
                 h = self._inner(inputs.tokens, cache=self.caches)
-                return self._head(h[rows, inputs.last_index])
+                # decode: [B, 1, D] -> [B, D] is a view; prefill rows need their own last positions
+                last = h[:, 0, :] if h.shape[1] == 1 else h[rows, inputs.last_index]
+                return self._head(last)
             return self.model(inputs.tokens, cache=self.caches)[rows, inputs.last_index]
         finally:
             self.pool.layout = None
