@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from functools import partial
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
+from functools import partial
+from dataclasses import dataclass
 
 import mlx.core as mx
 
@@ -32,13 +32,6 @@ class _Request:
     detok: IncrementalDetokenizer
     stops: StopStringMatcher
     stop_ids: frozenset[int]
-
-
-@dataclass(slots=True)
-class _Delta:
-    token_ids: list[int] = field(default_factory=list)
-    text: list[str] = field(default_factory=list)
-    logprobs: list[TokenLogprob] = field(default_factory=list)
 
 
 class LLMEngine:
