@@ -9,6 +9,7 @@ import threading
 from typing import Any
 
 import trio
+import trio.testing
 
 from trillm.web.service import EngineService, ServiceConfig
 from fake_engine import FakeEngine
@@ -95,3 +96,26 @@ async def raw_http(url: str, request: bytes) -> bytes:
     async with stream:
         await stream.send_all(request)
         return await read_to_eof(stream)
+
+
+async def burst_completions(url: str, body: dict[str, Any], *, clients: int = 256, timeout_s: float = 30) -> list[bytes]:
+    """`clients` raw HTTP/1.1 completion requests released at the same instant; their raw responses."""
+    import json
+
+    payload = json.dumps(body).encode()
+    request = (b"POST /v1/completions HTTP/1.1\r\nHost: t\r\nContent-Type: application/json\r\n"
+               b"Connection: close\r\nContent-Length: " + str(len(payload)).encode() + b"\r\n\r\n" + payload)
+    gate = trio.Event()
+    results: list[bytes] = []
+
+    async def client() -> None:
+        await gate.wait()
+        results.append(await raw_http(url, request))
+
+    with trio.fail_after(timeout_s):
+        async with trio.open_nursery() as nursery:
+            for _ in range(clients):
+                nursery.start_soon(client)
+            await trio.testing.wait_all_tasks_blocked()
+            gate.set()
+    return results

@@ -12,7 +12,7 @@ import pytest
 import trio
 import trio_websocket
 
-from conftest import FakeFactory, parse_sse, raw_http, read_to_eof, running_server
+from conftest import FakeFactory, burst_completions, parse_sse, raw_http, read_to_eof, running_server
 from fake_engine import FakeTokenizer, reference_greedy_text
 
 MESSAGES = [{"role": "user", "content": "Hello there"}]
@@ -74,22 +74,7 @@ async def test_connection_close_reaches_eof_and_idle_keepalive_closes() -> None:
 
 async def test_256_clients_at_the_same_instant_are_all_served() -> None:
     async with running_server(FakeFactory()) as serving:
-        gate = trio.Event()
-        results: list[bytes] = []
-        body = json.dumps({"prompt": "hi", "max_tokens": 3, "temperature": 0}).encode()
-        request = (b"POST /v1/completions HTTP/1.1\r\nHost: t\r\nContent-Type: application/json\r\n"
-                   b"Connection: close\r\nContent-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
-
-        async def client() -> None:
-            await gate.wait()
-            results.append(await raw_http(serving.url, request))
-
-        with trio.fail_after(30):
-            async with trio.open_nursery() as nursery:
-                for _ in range(256):
-                    nursery.start_soon(client)
-                await trio.testing.wait_all_tasks_blocked()
-                gate.set()
+        results = await burst_completions(serving.url, {"prompt": "hi", "max_tokens": 3, "temperature": 0})
     want = reference_greedy_text(FakeTokenizer().encode("hi", add_special_tokens=True), 3)
     assert len(results) == 256
     assert all(r.startswith(b"HTTP/1.1 200") and want.encode() in r for r in results)

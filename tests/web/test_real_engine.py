@@ -187,25 +187,11 @@ async def test_injected_failure_ends_open_streams_real(tiny_model_path: Path) ->
 
 
 async def test_256_simultaneous_clients_real(tiny_model_path: Path) -> None:
-    from conftest import raw_http
+    from conftest import burst_completions
 
     async with running_server(RealFactory(tiny_model_path)) as serving:
-        gate = trio.Event()
-        results: list[bytes] = []
-        body = json.dumps({"prompt": "hi", "max_tokens": 2, "temperature": 0, "ignore_eos": True}).encode()
-        request = (b"POST /v1/completions HTTP/1.1\r\nHost: t\r\nContent-Type: application/json\r\n"
-                   b"Connection: close\r\nContent-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
-
-        async def client() -> None:
-            await gate.wait()
-            results.append(await raw_http(serving.url, request))
-
-        with trio.fail_after(60):
-            async with trio.open_nursery() as nursery:
-                for _ in range(256):
-                    nursery.start_soon(client)
-                await trio.testing.wait_all_tasks_blocked()
-                gate.set()
+        results = await burst_completions(
+            serving.url, {"prompt": "hi", "max_tokens": 2, "temperature": 0, "ignore_eos": True}, timeout_s=60)
     assert len(results) == 256 and all(r.startswith(b"HTTP/1.1 200") for r in results)
     texts = {json.loads(r.split(b"\r\n\r\n", 1)[1])["choices"][0]["text"] for r in results}
     assert len(texts) == 1  # same greedy prompt, same answer
