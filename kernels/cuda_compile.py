@@ -23,6 +23,8 @@ downloads that wheel (~90 MB, not installed) and extracts them into HEADER_DIR.
 
 from __future__ import annotations
 
+from typing import Any
+
 import argparse
 import os
 import re
@@ -56,6 +58,19 @@ _DEFAULT_HEADER = """
 #define inf cuda::std::numeric_limits<float>::infinity()
 
 """
+def template_decls(template: Any, types: dict[Any, str]) -> list[str]:
+    """MLX's template arguments as C++ declarations: bools/ints become constexprs, dtypes become usings."""
+    decls = []
+    for name, arg in template:
+        if isinstance(arg, bool):
+            decls.append(f"  constexpr bool {name} = {'true' if arg else 'false'};")
+        elif isinstance(arg, int):
+            decls.append(f"  constexpr int {name} = {arg};")
+        else:
+            decls.append(f"  using {name} = {types[arg]};")
+    return decls
+
+
 _CUDA_TYPES = {
     mx.bool_: "bool", mx.int8: "int8_t", mx.int16: "int16_t", mx.int32: "int32_t", mx.int64: "int64_t",
     mx.uint8: "uint8_t", mx.uint16: "uint16_t", mx.uint32: "uint32_t", mx.uint64: "uint64_t",
@@ -135,13 +150,7 @@ def wrapper_source(v: Variant) -> str:
                 lines.append(f"    const __grid_constant__ {ctype} {name}{suffix},\n")
     outs = [f"    {_CUDA_TYPES[dt]}* {name}" for name, dt in zip(spec.output_names, v.output_dtypes)]
     lines.append(",\n".join(outs) + ") {\n")
-    for name, arg in v.template:
-        if isinstance(arg, bool):
-            lines.append(f"  constexpr bool {name} = {'true' if arg else 'false'};\n")
-        elif isinstance(arg, int):
-            lines.append(f"  constexpr int {name} = {arg};\n")
-        else:
-            lines.append(f"  using {name} = {_CUDA_TYPES[arg]};\n")
+    lines += [decl + "\n" for decl in template_decls(v.template, _CUDA_TYPES)]
     if v.template:
         lines.append("\n")
     lines.append(spec.body)

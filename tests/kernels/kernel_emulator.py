@@ -21,6 +21,7 @@ from typing import Any
 import numpy as np
 
 import trillm.kernels  # noqa: F401  (BLAS before mlx)
+from trillm.kernels.cuda_compile import template_decls
 import mlx.core as mx
 
 from trillm.kernels import _build
@@ -96,14 +97,7 @@ def _source(name: str, input_names: list[str], output_names: list[str], body: st
             in_dtypes: list[mx.Dtype], out_dtypes: list[mx.Dtype], template: list[tuple[str, Any]]) -> str:
     params = [f"const {_C_TYPES[dt]}* {n}" for n, dt in zip(input_names, in_dtypes)]
     params += [f"{_C_TYPES[dt]}* {n}" for n, dt in zip(output_names, out_dtypes)]
-    consts = []
-    for n, arg in template:
-        if isinstance(arg, bool):
-            consts.append(f"  constexpr bool {n} = {'true' if arg else 'false'};")
-        elif isinstance(arg, int):
-            consts.append(f"  constexpr int {n} = {arg};")
-        else:
-            consts.append(f"  using {n} = {_C_TYPES[arg]};")
+    consts = template_decls(template, _C_TYPES)
     args = [f"({_C_TYPES[dt]}*)in[{i}]" for i, dt in enumerate(in_dtypes)]
     args += [f"({_C_TYPES[dt]}*)out[{i}]" for i, dt in enumerate(out_dtypes)]
     kernel = "static void emu_kernel(" + ", ".join(params) + ") {\n" + "\n".join(consts) + "\n" + body + "\n}\n"
