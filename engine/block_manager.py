@@ -69,6 +69,11 @@ class BlockManager:
     def num_cached_free_blocks(self) -> int:
         return self._num_cached_free
 
+    @property
+    def cached_block_hashes(self) -> frozenset[bytes]:
+        """The hashes the prefix cache can match right now (what KV events have told a router)."""
+        return frozenset(self._cached)
+
     def blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 

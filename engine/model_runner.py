@@ -5,14 +5,16 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
 
 from trillm.engine.kv_cache import BatchLayout, KVPool, install_paged_attention
-from trillm.engine.sampler import LazySample, SampleResult, Sampler, SampleRow
-from trillm.engine.scheduler import PrefillChunk, ScheduledBatch
+from trillm.engine.outputs import TokenLogprob
+from trillm.engine.runner import Launch, RowsFn
+from trillm.engine.sampler import LazySample, Sampler
+from trillm.engine.scheduler import PrefillChunk, SampledToken, ScheduledBatch
 from trillm.engine.sequence import Sequence
 from trillm.kernels.layout import RESERVED_BLOCK
 
@@ -67,38 +69,24 @@ def group_chunks(chunks: list[PrefillChunk], max_waste: float = 1.5) -> list[lis
     return groups
 
 
-SampledToken = tuple[Sequence, int, SampleResult, int]  # (seq, token id, the batch's result, its row there)
-
-
-@dataclass(slots=True)
-class Launch:
-    """A step queued on the device and not read back yet."""
-
-    batch: ScheduledBatch
-    seqs: list[Sequence]  # the sampled rows, in order: the batch's decodes first
-    sample: LazySample | None
-
-
-class Runner(Protocol):
-    """What LLMEngine needs from a runner: run one scheduled step, return a token per sampled sequence."""
-
-    def run(self, batch: ScheduledBatch, rows: Callable[[Sequence], SampleRow],
-            check_abort: Callable[[], None] | None = None) -> list[SampledToken]: ...
-
-
 class ModelRunner:
+    """The MLX runner: the model over the paged pool, then the vectorized sampler."""
+
+    supports_launch_ahead = True
+
     def __init__(self, model: nn.Module, pool: KVPool, sampler: Sampler) -> None:
         self.model = model
         self.pool = pool
         self.caches = pool.caches()
         self.sampler = sampler
         self.patched_modules = install_paged_attention(model)
-        self._inner = getattr(model, "model", None)  # mlx-lm's decoder stack, for last-position-only logits
+        self._inner: Any = getattr(model, "model", None)  # mlx-lm's decoder stack, for last-position-only logits
 
     def prepare_decode(self, seqs: list[Sequence], tokens: mx.array | None = None) -> ForwardInputs:
-        # tokens: [B, 1], each row's one pending token (from the host, or the previous step's lazy samples)
-        return prepare_inputs(seqs, [s.num_computed_tokens for s in seqs], [1] * len(seqs), self.pool.block_size,
-                              None if tokens is None else tokens.reshape(-1, 1).astype(mx.int32))
+        # tokens: [B, 1], each row's one pending token (from the host, or the previous step's lazy samples).
+        # The step is already committed, so each row's new token sits at num_computed_tokens - 1.
+        return prepare_inputs(seqs, [s.num_computed_tokens - 1 for s in seqs], [1] * len(seqs),
+                              self.pool.block_size, None if tokens is None else tokens.reshape(-1, 1).astype(mx.int32))
 
     def prepare_prefill(self, chunks: list[PrefillChunk]) -> ForwardInputs:
         # tokens: [B, L], one chunk per row
@@ -110,36 +98,45 @@ class ModelRunner:
         self.pool.layout = inputs.layout
         rows = mx.arange(inputs.tokens.shape[0])
         try:
-            if self._can_split_head():
+            if self._inner is not None and self._can_split_head():
                 h = self._inner(inputs.tokens, cache=self.caches)
                 # decode: [B, 1, D] -> [B, D] is a view; prefill rows need their own last positions
                 last = h[:, 0, :] if h.shape[1] == 1 else h[rows, inputs.last_index]
                 return self._head(last)
-            return self.model(inputs.tokens, cache=self.caches)[rows, inputs.last_index]
+            logits: mx.array = self.model(inputs.tokens, cache=self.caches)
+            return logits[rows, inputs.last_index]
         finally:
             self.pool.layout = None
 
     def _can_split_head(self) -> bool:
-        return self._inner is not None and (hasattr(self.model, "lm_head") or hasattr(self._inner, "embed_tokens"))
+        return hasattr(self.model, "lm_head") or hasattr(self._inner, "embed_tokens")
 
     def _head(self, h: mx.array) -> mx.array:
         # mlx-lm applies lm_head to every position; a prefill chunk only needs the last one.
         if hasattr(self.model, "lm_head"):
-            return self.model.lm_head(h)
-        return self._inner.embed_tokens.as_linear(h)
+            out: mx.array = self.model.lm_head(h)
+        else:
+            out = self._inner.embed_tokens.as_linear(h)
+        return out
 
-    def run(self, batch: ScheduledBatch, rows: Callable[[Sequence], SampleRow],
-            check_abort: Callable[[], None] | None = None) -> list[SampledToken]:
-        """Run every forward of the step and sample. Returns (seq, token, result, row index) per sampled seq."""
-        return self.collect(self.launch(batch, rows, check_abort))
+    def launch(self, batch: ScheduledBatch, rows: RowsFn, check_abort: Callable[[], None] | None = None, *,
+               after: Launch | None = None) -> Launch:
+        """Queue every forward of the step and its sampling with `mx.async_eval`; read nothing back.
 
-    def launch(self, batch: ScheduledBatch, rows: Callable[[Sequence], SampleRow],
-               check_abort: Callable[[], None] | None = None, *, decode_tokens: mx.array | None = None) -> Launch:
-        """Queue every forward of the step and its sampling with `mx.async_eval`; read nothing back."""
+        after: the previous, unread step; each decode row is fed the token it sampled there.
+        """
         logits: list[mx.array] = []
         sampled: list[Sequence] = []
         if batch.decodes:
-            out = self.forward(self.prepare_decode(batch.decodes, decode_tokens))
+            tokens = None
+            if after is not None:
+                assert isinstance(after.pending, LazySample)
+                index = {id(s): i for i, s in enumerate(after.seqs)}
+                picked = [index[id(s)] for s in batch.decodes]
+                tokens = after.pending.tokens
+                if picked != list(range(len(after.seqs))):
+                    tokens = tokens[mx.array(picked)]
+            out = self.forward(self.prepare_decode(batch.decodes, tokens))
             mx.async_eval(out, *self.pool.arrays())
             logits.append(out)
             sampled += batch.decodes
@@ -163,8 +160,16 @@ class ModelRunner:
 
     def collect(self, launch: Launch) -> list[SampledToken]:
         """Wait for a launched step (the one host sync) and read its samples."""
-        if launch.sample is None:
+        if not isinstance(launch.pending, LazySample):
             mx.eval(*self.pool.arrays())
             return []
-        result = self.sampler.read(launch.sample)
-        return [(s, result.token_ids[i], result, i) for i, s in enumerate(launch.seqs)]
+        result = self.sampler.read(launch.pending)
+        out = []
+        for i, s in enumerate(launch.seqs):
+            lp = None
+            p = s.params
+            if result.logprobs is not None and (p.logprobs or p.top_logprobs):
+                top = tuple(result.top_logprobs[i]) if result.top_logprobs else ()
+                lp = TokenLogprob(result.token_ids[i], result.logprobs[i], top)
+            out.append(SampledToken(s, result.token_ids[i], lp))
+        return out

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import Enum
 
@@ -47,6 +48,22 @@ class RequestOutput:
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
+
+    @classmethod
+    def concat(cls, outs: Sequence[RequestOutput]) -> RequestOutput:
+        """Consecutive deltas of one request as one delta: tokens, text and logprobs joined, the last's state."""
+        last = outs[-1]
+        lps = tuple(lp for o in outs if o.logprobs for lp in o.logprobs)
+        return cls(
+            request_id=last.request_id,
+            new_token_ids=tuple(t for o in outs for t in o.new_token_ids),
+            new_text="".join(o.new_text for o in outs),
+            finish_reason=last.finish_reason,
+            usage=last.usage,
+            logprobs=lps if any(o.logprobs is not None for o in outs) else None,
+            stop_reason=last.stop_reason,
+            error=last.error,
+        )
 
 
 @dataclass(frozen=True, slots=True)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass
+from typing import cast
 
 import mlx.core as mx
 
@@ -59,9 +60,6 @@ class Sampler:
         self._seed = seed
         self._draws = 0  # unseeded rows still get a reproducible stream per engine
 
-    def __call__(self, logits: mx.array, rows: list[SampleRow]) -> SampleResult:
-        return self.read(self.sample(logits, rows))
-
     def sample(self, logits: mx.array, rows: list[SampleRow]) -> LazySample:
         """Build the sampling graph (nothing is evaluated): logits [N, V] -> tokens [N]."""
         logits = logits.astype(mx.float32)
@@ -84,16 +82,16 @@ class Sampler:
     def read(self, lazy: LazySample) -> SampleResult:
         """Evaluate (the step's one host sync) and bring the results to Python."""
         mx.eval(*lazy.arrays())
-        token_list: list[int] = lazy.tokens.tolist()  # type: ignore[assignment]
+        token_list = cast("list[int]", lazy.tokens.tolist())
         if lazy.chosen_logprobs is None:
             return SampleResult(token_list, None, None)
         top: list[list[tuple[int, float]]] = [[] for _ in lazy.rows]
         if lazy.top_ids is not None and lazy.top_logprobs is not None:
-            ids: list[list[int]] = lazy.top_ids.tolist()  # type: ignore[assignment]
-            vals: list[list[float]] = lazy.top_logprobs.tolist()  # type: ignore[assignment]
+            ids = cast("list[list[int]]", lazy.top_ids.tolist())
+            vals = cast("list[list[float]]", lazy.top_logprobs.tolist())
             for i, r in enumerate(lazy.rows):
                 top[i] = list(zip(ids[i][: r.params.top_logprobs], vals[i][: r.params.top_logprobs]))
-        chosen: list[float] = lazy.chosen_logprobs.tolist()  # type: ignore[assignment]
+        chosen = cast("list[float]", lazy.chosen_logprobs.tolist())
         return SampleResult(token_list, chosen, top)
 
     def _apply_biases(self, logits: mx.array, rows: list[SampleRow], V: int) -> mx.array:

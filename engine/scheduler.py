@@ -5,23 +5,34 @@ FCFS within a priority (lower value first), and the head of the waiting queue is
 not fit, nothing behind it is admitted. When a decode needs a block and none is free, the newest running
 sequence is preempted by recompute: its blocks are freed (full ones stay in the prefix cache) and it
 rejoins the waiting queue ahead of every later arrival.
+
+One step's flow (nano-vllm's, with vLLM v1's accounting):
+- `schedule()` picks the step and commits to it: each scheduled token counts as computed from here on
+  (`num_computed_tokens` advances), because the runner launches the step right away.
+- `schedule_ahead(batch)` decides whether the next decode step can be launched before this one is read back.
+- `postprocess(batch, sampled)` runs once the step's tokens are known: it appends them, publishes newly full
+  blocks to the prefix cache, detects finishes (stop token ids, EOS, max_tokens, the context limit) and frees
+  finished sequences. `finish(seq)` does the same for finishes decided elsewhere (stop strings, aborts).
 """
 
 from __future__ import annotations
 
 import bisect
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
+from trillm.engine.admission import RequestLimits
 from trillm.engine.block_manager import BlockManager
 from trillm.engine.config import EngineConfig
-from trillm.engine.errors import InvalidRequest, Overloaded
+from trillm.engine.errors import Overloaded
+from trillm.engine.outputs import FinishReason, TokenLogprob
 from trillm.engine.sequence import Sequence, SequenceStatus
 
 
 @dataclass(slots=True)
 class PrefillChunk:
     seq: Sequence
-    start: int  # first token index to compute
+    start: int  # first token index computed by this chunk
     num_tokens: int
 
     @property
@@ -32,8 +43,9 @@ class PrefillChunk:
 
 @dataclass(slots=True)
 class ScheduledBatch:
-    decodes: list[Sequence] = field(default_factory=list)  # one token each, in one forward
-    prefills: list[PrefillChunk] = field(default_factory=list)  # one forward each
+    # One token each, in one forward; a decode's new token sits at position num_computed_tokens - 1.
+    decodes: list[Sequence] = field(default_factory=list)
+    prefills: list[PrefillChunk] = field(default_factory=list)  # batched into forwards by similar length
     preempted: list[Sequence] = field(default_factory=list)
 
     @property
@@ -44,43 +56,53 @@ class ScheduledBatch:
     def is_empty(self) -> bool:
         return not self.decodes and not self.prefills
 
+    @property
+    def sampled(self) -> list[Sequence]:
+        """The sequences that get a token from this step, in the runner's row order: decodes first."""
+        return self.decodes + [c.seq for c in self.prefills if c.completes_prompt]
+
+
+@dataclass(frozen=True, slots=True)
+class SampledToken:
+    """One sequence's token from a step, as the runner read it back."""
+
+    seq: Sequence
+    token_id: int
+    logprob: TokenLogprob | None = None  # only when the request asked for logprobs
+
+
+@dataclass(frozen=True, slots=True)
+class Finish:
+    reason: FinishReason
+    stop_reason: str | int | None = None  # the stop string or token id that ended it
+
 
 _MIN_SHARED_PREFIX = 64  # tokens: shorter shared prefixes (a chat template's preamble) are cheaper to recompute
 
 
 class Scheduler:
-    def __init__(self, config: EngineConfig, block_manager: BlockManager, max_model_len: int) -> None:
+    def __init__(self, config: EngineConfig, block_manager: BlockManager, limits: RequestLimits,
+                 eos_token_ids: Iterable[int] = ()) -> None:
         self.config = config
         self.block_manager = block_manager
-        self.max_model_len = max_model_len
+        self.limits = limits
+        self.eos_token_ids = frozenset(eos_token_ids)
         self.waiting: list[Sequence] = []  # sorted by Sequence.sort_key
         self.running: list[Sequence] = []  # admission order; the last is the newest
         self.num_preemptions = 0
 
-    # ---- admission ---------------------------------------------------------------------------------------
-    def check_admissible(self, num_prompt_tokens: int, max_tokens: int) -> None:
-        """Reject up front what could never be served."""
-        if num_prompt_tokens == 0:
-            raise InvalidRequest("the prompt is empty")
-        if num_prompt_tokens >= self.max_model_len:
-            raise InvalidRequest(
-                f"the prompt has {num_prompt_tokens} tokens, but the context length is {self.max_model_len}")
-        if num_prompt_tokens + max_tokens > self.max_model_len:
-            raise InvalidRequest(
-                f"prompt ({num_prompt_tokens} tokens) + max_tokens ({max_tokens}) exceeds the context length "
-                f"{self.max_model_len}; lower max_tokens to at most {self.max_model_len - num_prompt_tokens}")
-        need = self.block_manager.blocks_needed(num_prompt_tokens + max_tokens)
-        if need > self.block_manager.num_usable_blocks:
-            raise InvalidRequest(
-                f"the request needs {need} KV blocks but the cache has only {self.block_manager.num_usable_blocks}")
+    @property
+    def max_model_len(self) -> int:
+        return self.limits.max_model_len
 
+    # ---- admission ---------------------------------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
-        self.check_admissible(seq.num_prompt_tokens, seq.params.max_tokens)
+        self.limits.check(seq.num_prompt_tokens, seq.params)
         if len(self.waiting) >= self.config.max_waiting:
             raise Overloaded(f"the waiting queue is full ({self.config.max_waiting} requests)")
         bisect.insort(self.waiting, seq, key=lambda s: s.sort_key)
 
-    def remove(self, seq: Sequence) -> None:
+    def finish(self, seq: Sequence) -> None:
         """Drop seq from whichever queue holds it and free its blocks."""
         if seq.status is SequenceStatus.RUNNING:
             self.running.remove(seq)
@@ -108,7 +130,7 @@ class Scheduler:
                 batch.preempted.append(victim)
                 if victim is seq:
                     break
-            if seq.status is not SequenceStatus.RUNNING:
+            if seq.is_finished or seq in batch.preempted:
                 continue
             bm.may_append(seq)
             batch.decodes.append(seq)
@@ -137,7 +159,39 @@ class Scheduler:
             n = self._chunk_size(seq.num_pending_tokens, budget, batch)
             batch.prefills.append(PrefillChunk(seq, seq.num_computed_tokens, n))
             budget -= n
+        self._commit(batch)
         return batch
+
+    def schedule_ahead(self, batch: ScheduledBatch) -> ScheduledBatch | None:
+        """The next decode step of `batch`'s sequences, to launch before `batch` is read back; or None.
+
+        Only when nothing else could want the step (no prefill, nobody waiting, every running sequence
+        decoding), and only for sequences whose next step does not depend on the unread token (penalties
+        count it) and that cannot finish by length on this step's token.
+        """
+        if batch.prefills or not batch.decodes or self.waiting or len(self.running) != len(batch.decodes):
+            return None
+        if any(s.status is not SequenceStatus.RUNNING or s.params.needs_penalties for s in batch.decodes):
+            return None
+        # This step's token is output number num_output_tokens + 1; length-finished sequences stop there.
+        seqs = [s for s in batch.decodes
+                if s.num_output_tokens + 1 < s.params.max_tokens and s.num_tokens + 1 < self.max_model_len]
+        if not seqs:
+            return None
+        bm = self.block_manager
+        if sum(bm.blocks_needed(s.num_computed_tokens + 1) - len(s.block_table) for s in seqs) > bm.num_free_blocks:
+            return None
+        for s in seqs:
+            bm.may_append(s)
+        ahead = ScheduledBatch(decodes=seqs)
+        self._commit(ahead)
+        return ahead
+
+    def _commit(self, batch: ScheduledBatch) -> None:
+        for seq in batch.decodes:
+            seq.num_computed_tokens += 1
+        for chunk in batch.prefills:
+            chunk.seq.num_computed_tokens += chunk.num_tokens
 
     def _wait_for_shared_prefix(self, seq: Sequence) -> bool:
         """Hold seq back while a running sequence computes a long prefix they share (requests arriving
@@ -163,11 +217,35 @@ class Scheduler:
         bisect.insort(self.waiting, seq, key=lambda s: s.sort_key)
 
     # ---- after the model ran -----------------------------------------------------------------------------
-    def postprocess(self, batch: ScheduledBatch) -> None:
-        """Advance computed counts; publish newly full blocks to the prefix cache."""
-        for seq in batch.decodes:
-            seq.num_computed_tokens += 1
+    def postprocess(self, batch: ScheduledBatch,
+                    sampled: list[SampledToken]) -> list[tuple[SampledToken, Finish | None]]:
+        """Append the step's tokens, publish full blocks, detect token-level finishes and free those.
+
+        Tokens of sequences that finished or were aborted while the step ran (a step launched ahead) are
+        dropped. Returns each kept token with its finish, if it ended its sequence.
+        """
+        for chunk in batch.prefills:  # chunks that did not complete a prompt sampled nothing
+            if chunk.seq.status is SequenceStatus.RUNNING and not chunk.completes_prompt:
+                self.block_manager.register_computed(chunk.seq)
+        kept: list[tuple[SampledToken, Finish | None]] = []
+        for s in sampled:
+            seq = s.seq
+            if seq.status is not SequenceStatus.RUNNING:
+                continue
+            seq.token_ids.append(s.token_id)
             self.block_manager.register_computed(seq)
-        for chunk in batch.prefills:
-            chunk.seq.num_computed_tokens += chunk.num_tokens
-            self.block_manager.register_computed(chunk.seq)
+            finish = self._check_stop(seq, s.token_id)
+            if finish is not None:
+                self.finish(seq)
+            kept.append((s, finish))
+        return kept
+
+    def _check_stop(self, seq: Sequence, token: int) -> Finish | None:
+        p = seq.params
+        if token in p.stop_token_ids:
+            return Finish(FinishReason.STOP, token)
+        if not p.ignore_eos and token in self.eos_token_ids:
+            return Finish(FinishReason.STOP)
+        if seq.num_output_tokens >= p.max_tokens or seq.num_tokens >= self.max_model_len:
+            return Finish(FinishReason.LENGTH)
+        return None

@@ -5,9 +5,9 @@ the model is replaced. Each step's duration comes from a PerfModel (engine/mock/
 seeded PRNG over the vocabulary's ordinary ids (never a special or EOS id, so a request produces exactly
 max_tokens, like Dynamo's mocker), or are replayed from a Recording keyed by the prompt.
 
-How the time passes is the driver's business: `last_step_s` holds the latest step's duration (0.0 when the
-engine skipped the runner) for a trio task to `await trio.sleep` on a virtual or real clock; or, given
-`sleep=time.sleep`, the runner blocks for it itself (the engine thread of the threaded EngineService).
+How the time passes is the caller's business: each Launch carries its predicted duration as
+`virtual_seconds`, which an inline driver awaits (`trio.sleep`) on a virtual or real clock; or, given
+`sleep=time.sleep`, `collect` blocks until the duration has passed (real time on an engine thread).
 """
 
 from __future__ import annotations
@@ -23,10 +23,11 @@ from typing import TYPE_CHECKING
 
 from trillm.engine.mock.timing import PerfModel, StepShape
 from trillm.engine.mock.tokenizer import NUM_SPECIAL
+from trillm.engine.outputs import TokenLogprob
+from trillm.engine.runner import Launch, RowsFn
+from trillm.engine.scheduler import SampledToken, ScheduledBatch
 
 if TYPE_CHECKING:
-    from trillm.engine.sampler import SampleRow
-    from trillm.engine.scheduler import ScheduledBatch
     from trillm.engine.sequence import Sequence
 
 _MASK64 = (1 << 64) - 1
@@ -43,15 +44,6 @@ def splitmix64(x: int) -> int:
 def prompt_key(prompt_token_ids: Iterable[int]) -> int:
     data = ",".join(map(str, prompt_token_ids)).encode()
     return zlib.crc32(data) | (zlib.adler32(data) << 32)
-
-
-@dataclass(frozen=True, slots=True)
-class MockSampleResult:
-    """Duck-types engine.sampler.SampleResult (which imports MLX): one made-up logprob per row."""
-
-    token_ids: list[int]
-    logprobs: list[float] | None
-    top_logprobs: list[list[tuple[int, float]]] | None = None
 
 
 class Recording:
@@ -82,6 +74,8 @@ class Recording:
 
 
 class MockRunner:
+    supports_launch_ahead = False  # its steps take no time to launch: nothing to overlap
+
     def __init__(
         self,
         perf: PerfModel,
@@ -102,7 +96,6 @@ class MockRunner:
         self.speedup = speedup
         self.recording = recording
         self.sleep = sleep
-        self.last_step_s = 0.0  # the driver resets it before a step to tell "skipped" from "ran"
         self.total_step_s = 0.0
         self.num_steps = 0
         self._streams: OrderedDict[str, tuple[int, list[int] | None]] = OrderedDict()
@@ -119,9 +112,8 @@ class MockRunner:
                 self._streams.popitem(last=False)
         return hit
 
-    def _token(self, seq: Sequence) -> int:
+    def _token(self, seq: Sequence, pos: int) -> int:
         key, recorded = self._stream(seq)
-        pos = seq.num_output_tokens
         if recorded is not None and pos < len(recorded):
             token = recorded[pos]
         else:
@@ -130,23 +122,40 @@ class MockRunner:
             self._streams.pop(seq.request_id, None)  # its last token
         return token
 
-    def run(self, batch: ScheduledBatch, rows: Callable[[Sequence], SampleRow],
-            check_abort: Callable[[], None] | None = None) -> list[tuple[Sequence, int, MockSampleResult, int]]:
+    def launch(self, batch: ScheduledBatch, rows: RowsFn, check_abort: Callable[[], None] | None = None, *,
+               after: Launch | None = None) -> Launch:
+        """Price the step and pick its tokens now; `collect` hands them back (after sleeping, if asked to)."""
+        assert after is None, "the mock runner does not launch ahead"
         t0 = time.perf_counter()
-        sampled = list(batch.decodes)
-        for chunk in batch.prefills:
+        for _ in batch.prefills:
             if check_abort is not None:
                 check_abort()
-            if chunk.completes_prompt:
-                sampled.append(chunk.seq)
         duration = self.perf.step_seconds(StepShape.of(batch, self.num_blocks)) / self.speedup
-        self.last_step_s = duration
         self.total_step_s += duration
         self.num_steps += 1
-        tokens = [self._token(s) for s in sampled]
-        result = MockSampleResult(tokens, [-1.0] * len(tokens))
-        if self.sleep is not None:
-            left = duration - (time.perf_counter() - t0)
-            if left > 0:
-                self.sleep(left)
-        return [(s, t, result, i) for i, (s, t) in enumerate(zip(sampled, tokens))]
+        sampled = batch.sampled
+        tokens = [self._token(s, rows(s).output_index) for s in sampled]
+        return Launch(batch, sampled, _Pending(tokens, t0 + duration), duration)
+
+    def collect(self, launch: Launch) -> list[SampledToken]:
+        pending = launch.pending
+        if not isinstance(pending, _Pending):
+            return []
+        if self.sleep is not None and (left := pending.ready_at - time.perf_counter()) > 0:
+            self.sleep(left)
+        out = []
+        span = self.vocab_size - NUM_SPECIAL
+        for s, t in zip(launch.seqs, pending.tokens):
+            lp = None
+            if s.params.logprobs or s.params.top_logprobs:
+                # Made-up but well-formed: the chosen token first, then its neighbours, each less likely.
+                top = tuple((NUM_SPECIAL + (t - NUM_SPECIAL + j) % span, -1.0 - j) for j in range(s.params.top_logprobs))
+                lp = TokenLogprob(t, -1.0, top)
+            out.append(SampledToken(s, t, lp))
+        return out
+
+
+@dataclass(frozen=True, slots=True)
+class _Pending:
+    tokens: list[int]
+    ready_at: float  # perf_counter time the step's duration ends

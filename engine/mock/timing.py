@@ -43,14 +43,10 @@ class StepShape:
         seqs = list(batch.decodes) + [c.seq for c in batch.prefills]
         blocks = sum(len(s.block_table) for s in seqs)
         return cls(
-            tuple(s.num_computed_tokens + 1 for s in batch.decodes),
+            tuple(s.num_computed_tokens for s in batch.decodes),  # committed: includes the new token
             tuple((c.num_tokens, c.start) for c in batch.prefills),
             blocks / max(1, num_blocks - 1),
         )
-
-    @property
-    def is_empty(self) -> bool:
-        return not self.decode_contexts and not self.prefill_chunks
 
 
 class PerfModel(Protocol):
@@ -117,8 +113,8 @@ class LinearCostModel:
         d = list(decode)
         p = list(prefill)
         base = cls()
-        dc = (base.decode_base_s, base.decode_per_seq_s, base.decode_per_ctx_token_s)
-        pc = (base.prefill_base_s, base.prefill_per_token_s, base.prefill_per_attn_s)
+        dc: tuple[float, ...] = (base.decode_base_s, base.decode_per_seq_s, base.decode_per_ctx_token_s)
+        pc: tuple[float, ...] = (base.prefill_base_s, base.prefill_per_token_s, base.prefill_per_attn_s)
         if len(d) >= 3:
             a = np.array([[1.0, s.batch, s.batch * s.context] for s in d])
             dc = tuple(_nnls(a, np.array([s.seconds for s in d])))
@@ -248,8 +244,8 @@ def load_perf_model(path: str | Path, kind: str = "linear") -> PerfModel:
         tuple(table.get((b, c), fit.decode_seconds(b, b * c)) for c in contexts) for b in batches
     )
     by_tokens: dict[int, list[float]] = {}
-    for s in prefill:
-        by_tokens.setdefault(s.tokens, []).append(s.seconds)
+    for ps in prefill:
+        by_tokens.setdefault(ps.tokens, []).append(ps.seconds)
     tokens = sorted(by_tokens)
     if not batches or not contexts or not tokens:
         return fit

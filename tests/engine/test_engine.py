@@ -234,15 +234,15 @@ def test_pipelined_decode_equals_unpipelined(tiny_model: LoadedModel) -> None:
     ref = engine(tiny_model, pipeline_decode=False).generate(ps, params)
     eng = engine(tiny_model)
     launched_ahead = 0
-    original = eng._launch_ahead
+    original = eng.scheduler.schedule_ahead
 
-    def counting(launch):  # type: ignore[no-untyped-def]
+    def counting(batch):  # type: ignore[no-untyped-def]
         nonlocal launched_ahead
-        queued = original(launch)
+        queued = original(batch)
         launched_ahead += queued is not None
         return queued
 
-    eng._launch_ahead = counting  # type: ignore[method-assign]
+    eng.scheduler.schedule_ahead = counting  # type: ignore[method-assign]
     got = eng.generate(ps, params)
     assert launched_ahead > 5
     assert [o.new_token_ids for o in got] == [o.new_token_ids for o in ref]
@@ -251,14 +251,14 @@ def test_pipelined_decode_equals_unpipelined(tiny_model: LoadedModel) -> None:
     assert [o.logprobs for o in got][2] is not None
     assert [lp.token_id for lp in got[2].logprobs] == [lp.token_id for lp in ref[2].logprobs]
     assert_no_leak(eng)
-    assert eng._inflight is None  # idle: nothing left holding old pool versions
+    assert not eng.has_step_in_flight  # idle: nothing left holding old pool versions
     # An abort while a step is launched ahead drops its token and frees everything.
     eng.add_request("x", ps[0], SamplingParams(max_tokens=50, temperature=0.0, ignore_eos=True))
     for _ in range(4):
         eng.step()
-    assert eng._inflight is not None
+    assert eng.has_step_in_flight
     eng.abort("x")
-    assert eng._inflight is None and not eng.step()
+    assert not eng.has_step_in_flight and not eng.step()
     assert_no_leak(eng)
 
 

@@ -8,11 +8,12 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from trillm.engine.admission import RequestLimits
 from trillm.engine.block_manager import BlockManager
 from trillm.engine.config import EngineConfig
 from trillm.engine.errors import InvalidRequest, Overloaded
 from trillm.engine.sampling_params import SamplingParams
-from trillm.engine.scheduler import Scheduler
+from trillm.engine.scheduler import SampledToken, ScheduledBatch, Scheduler
 from trillm.engine.sequence import Sequence, SequenceStatus
 
 
@@ -20,7 +21,14 @@ def make(num_blocks: int = 64, block_size: int = 4, max_num_seqs: int = 8, budge
          max_waiting: int = 1000, max_model_len: int = 256, prefix: bool = True) -> Scheduler:
     cfg = EngineConfig(block_size=block_size, num_kv_blocks=num_blocks, max_num_seqs=max_num_seqs,
                        max_num_batched_tokens=budget, max_waiting=max_waiting)
-    return Scheduler(cfg, BlockManager(num_blocks, block_size, model_id="t", enable_prefix_caching=prefix), max_model_len)
+    bm = BlockManager(num_blocks, block_size, model_id="t", enable_prefix_caching=prefix)
+    return Scheduler(cfg, bm, RequestLimits(max_model_len, block_size, bm.num_usable_blocks, 1000, max_waiting))
+
+
+def finish_step(s: Scheduler, batch: ScheduledBatch, token: int = 0) -> list[Sequence]:
+    """Give every sampled sequence of `batch` the token `token`; returns the ones that finished."""
+    kept = s.postprocess(batch, [SampledToken(q, token) for q in batch.sampled])
+    return [t.seq for t, finish in kept if finish is not None]
 
 
 def check(s: Scheduler) -> None:
@@ -44,14 +52,8 @@ def run_step(s: Scheduler, rng: random.Random, vocab: int) -> list[Sequence]:
     for a in admitted:  # the head of the queue is never overtaken
         assert all(a.sort_key < w.sort_key for w in s.waiting), "a later request overtook the FIFO head"
     check(s)
-    sampled = list(batch.decodes) + [c.seq for c in batch.prefills if c.completes_prompt]
-    s.postprocess(batch)
-    finished = []
-    for seq in sampled:
-        seq.token_ids.append(rng.randrange(vocab))
-        if seq.num_output_tokens >= seq.params.max_tokens:
-            s.remove(seq)
-            finished.append(seq)
+    finished = finish_step(s, batch, rng.randrange(3, vocab))
+    assert all(q.num_output_tokens == q.params.max_tokens and q.is_finished for q in finished)
     check(s)
     return finished
 
@@ -96,7 +98,7 @@ def _random_workload(reqs: list[tuple[int, int, int, int]], num_blocks: int, bud
         if live and rng.random() < 0.05:  # abort something
             victim = rng.choice([q for q in live if not q.is_finished] or live)
             if not victim.is_finished:
-                s.remove(victim)
+                s.finish(victim)
                 check(s)
         done += len(run_step(s, rng, 50))
         if not pending and not s.has_work():
@@ -112,15 +114,13 @@ def test_decode_first_and_chunked_prefill() -> None:
     s.add(a)
     b1 = s.schedule()
     assert [c.num_tokens for c in b1.prefills] == [10]
-    s.postprocess(b1)
-    a.token_ids.append(1)
+    finish_step(s, b1, 1)
     long = Sequence("long", list(range(100, 150)), SamplingParams(max_tokens=5))
     s.add(long)
     b2 = s.schedule()
     assert b2.decodes == [a]  # the running decode goes first...
     assert [(c.seq.request_id, c.num_tokens) for c in b2.prefills] == [("long", 15)]  # ...the chunk fills the rest
-    s.postprocess(b2)
-    a.token_ids.append(2)
+    finish_step(s, b2, 2)
     b3 = s.schedule()
     assert b3.decodes == [a] and b3.prefills[0].start == 15  # a long prompt never stalls decodes
 
@@ -132,17 +132,13 @@ def test_preempts_newest_first_and_requeues_ahead() -> None:
     later = Sequence("later", [1, 2, 3], SamplingParams(max_tokens=2))
     for q in (old, new):
         s.add(q)
-    s.postprocess(s.schedule())
-    for q in (old, new):
-        q.token_ids.append(0)
+    finish_step(s, s.schedule())
     s.add(later)
     preempted = []
     for step in range(12):
         batch = s.schedule()
         preempted += batch.preempted
-        s.postprocess(batch)
-        for q in batch.decodes + [c.seq for c in batch.prefills if c.completes_prompt]:
-            q.token_ids.append(0)
+        finish_step(s, batch)
         if preempted:
             break
     assert preempted and preempted[0] is new
@@ -154,17 +150,14 @@ def test_prefix_cache_hit_and_full_prompt_recompute() -> None:
     s = make(num_blocks=64, block_size=4, budget=64)
     a = Sequence("a", list(range(12)), SamplingParams(max_tokens=1))
     s.add(a)
-    s.postprocess(s.schedule())
-    a.token_ids.append(7)
-    s.remove(a)  # finished: its three full blocks stay cached
+    assert finish_step(s, s.schedule(), 7) == [a]  # finished: its three full blocks stay cached
     assert s.block_manager.num_cached_free_blocks == 3
     b = Sequence("b", list(range(12)), SamplingParams(max_tokens=1))  # a full-prompt hit
     s.add(b)
     batch = s.schedule()
     # The last block is recomputed so the first logits are right.
     assert b.num_cached_tokens == 8 and batch.prefills[0].start == 8 and batch.prefills[0].num_tokens == 4
-    s.postprocess(batch)
-    s.remove(b)
+    assert finish_step(s, batch) == [b]
     c = Sequence("c", list(range(13)), SamplingParams(max_tokens=1))
     s.add(c)
     batch = s.schedule()

@@ -1,0 +1,40 @@
+"""What LLMEngine needs from a runner (the MLX ModelRunner, or the mock's timing-model runner).
+
+A step is launched, then collected: `launch` queues the step's work and returns at once; `collect` waits for
+it (the step's one host sync) and reads its tokens back. A runner that `supports_launch_ahead` may be handed
+the next decode step while the previous one is still unread: `launch(..., after=previous)` feeds each
+decode row the token `previous` sampled for it, without reading it back first.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Protocol
+
+from trillm.engine.scheduler import SampledToken, ScheduledBatch
+from trillm.engine.sequence import Sequence
+
+if TYPE_CHECKING:
+    from trillm.engine.sampler import SampleRow
+
+RowsFn = Callable[[Sequence], "SampleRow"]
+
+
+@dataclass(slots=True)
+class Launch:
+    """A step queued on the device and not read back yet."""
+
+    batch: ScheduledBatch
+    seqs: list[Sequence]  # the sampled rows, in the runner's order (decodes first)
+    pending: object  # the runner's own handle on the unread results
+    virtual_seconds: float | None = None  # a simulated step's duration; None: its wall time is its duration
+
+
+class Runner(Protocol):
+    supports_launch_ahead: bool
+
+    def launch(self, batch: ScheduledBatch, rows: RowsFn, check_abort: Callable[[], None] | None = None, *,
+               after: Launch | None = None) -> Launch: ...
+
+    def collect(self, launch: Launch) -> list[SampledToken]: ...
