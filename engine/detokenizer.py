@@ -8,13 +8,13 @@ token boundaries is caught and trimmed before any of it is emitted.
 
 from __future__ import annotations
 
-from trillm.engine.tokenizer import Tokenizer
+from trillm.engine.tokenizer import TokenizerLike
 
 _CONTEXT_TOKENS = 5  # prompt tokens decoded as context (SentencePiece drops a leading space otherwise)
 
 
 class IncrementalDetokenizer:
-    def __init__(self, tokenizer: Tokenizer, prompt_token_ids: list[int], *, skip_special_tokens: bool = True) -> None:
+    def __init__(self, tokenizer: TokenizerLike, prompt_token_ids: list[int], *, skip_special_tokens: bool = True) -> None:
         self._tok = tokenizer
         self._skip = skip_special_tokens
         self._ids = list(prompt_token_ids[-_CONTEXT_TOKENS:])

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from collections.abc import Iterable, Sequence
 from functools import cached_property
-from typing import Any
+from typing import Any, Protocol
 
 import jinja2
 
@@ -18,6 +18,23 @@ CHATML_TEMPLATE = (
     "{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
 )
+
+
+class TokenizerLike(Protocol):
+    """What the engine and the web layer need of a tokenizer (`Tokenizer` here, or the mock engine's)."""
+
+    @property
+    def vocab_size(self) -> int: ...
+    @property
+    def eos_token_ids(self) -> frozenset[int]: ...
+    @property
+    def bos_token_id(self) -> int | None: ...
+
+    def encode(self, text: str, *, add_special_tokens: bool = False) -> list[int]: ...
+    def decode(self, ids: Sequence[int], *, skip_special_tokens: bool = True) -> str: ...
+    def token_bytes(self, token_id: int) -> bytes: ...
+    def apply_chat_template(self, messages: list[dict[str, Any]], *, tools: list[dict[str, Any]] | None = None,
+                            add_generation_prompt: bool = True, **template_kwargs: Any) -> list[int]: ...
 
 
 def bytes_to_unicode() -> dict[int, str]:
@@ -76,7 +93,8 @@ class Tokenizer:
 
     def decode(self, ids: Sequence[int], *, skip_special_tokens: bool = True) -> str:
         """Text of `ids` (a partial multi-byte character decodes to U+FFFD; use token_bytes to stream)."""
-        return self._backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
+        text: str = self._backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
+        return text
 
     def token_bytes(self, token_id: int) -> bytes:
         """The raw bytes one token stands for (the logprobs `bytes` field)."""

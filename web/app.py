@@ -19,7 +19,7 @@ from trillm.web.errors import APIError, to_api_error
 from trillm.web.generation import ModelRegistry, any_tokenizer, start_generation
 from trillm.web.metrics import render_metrics
 from trillm.web.protocol import Kind, ResponseBuilder, chat_prompt_ids
-from trillm.web.service import EngineService, EngineUnavailable, retry_after_seconds
+from trillm.web.service import EngineService, EngineUnavailable, ServiceStatistics, retry_after_seconds
 from trillm.web.sse import sse_stream
 from trillm.web.ws import register_websocket
 
@@ -29,6 +29,21 @@ log = logging.getLogger("trillm.web.app")
 def json_response(obj: dict[str, Any], status: int = 200, headers: dict[str, str] | None = None) -> Response:
     return Response(json.dumps(obj, ensure_ascii=False), status=status, headers=headers or {},
                     content_type="application/json")
+
+
+def stats_json(st: ServiceStatistics) -> dict[str, Any]:
+    engine = st.engine
+    return {
+        "state": st.state.value, "live_requests": st.num_live_requests, "restarts": st.num_restarts,
+        "steps": st.num_steps, "epoch": st.epoch,
+        "engine": None if engine is None else {
+            "running": engine.num_running, "waiting": engine.num_waiting,
+            "kv_blocks_used": engine.num_blocks_used, "kv_blocks_total": engine.num_blocks_total,
+            "prefix_cache_hit_rate": engine.prefix_cache_hit_rate,
+            "prompt_tokens_per_s": engine.prompt_tokens_per_s,
+            "generation_tokens_per_s": engine.generation_tokens_per_s,
+        },
+    }
 
 
 def error_response(err: APIError) -> Response:
@@ -70,7 +85,7 @@ def create_app(services: Sequence[EngineService], config: ServerConfig = ServerC
         return scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), config.api_key.encode())
 
     def protected(path: str) -> bool:
-        return path.startswith("/v1/") or path in ("/tokenize", "/detokenize")
+        return path.startswith(("/v1/", "/internal/")) or path in ("/tokenize", "/detokenize")
 
     @app.before_request
     async def check_auth() -> Response | None:
@@ -143,8 +158,14 @@ def create_app(services: Sequence[EngineService], config: ServerConfig = ServerC
 
     @app.get("/metrics")
     async def metrics() -> Response:
-        text = render_metrics({s.model_name: (s.metrics, s.statistics(), s.healthy) for s in registry.services})
+        text = render_metrics({s.model_name: (s.metrics, s.statistics().engine, s.healthy)
+                               for s in registry.services})
         return Response(text, content_type="text/plain; version=0.0.4; charset=utf-8")
+
+    @app.get("/internal/stats")
+    async def internal_stats() -> Response:
+        """What is live right now, per model: the leak check of load tests and the playground's panel."""
+        return json_response({"models": {s.model_name: stats_json(s.statistics()) for s in registry.services}})
 
     @app.post("/tokenize")
     async def tokenize() -> Response:

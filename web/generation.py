@@ -9,7 +9,8 @@ from trillm.engine.errors import InvalidRequest, Overloaded
 from trillm.web.config import ServerConfig
 from trillm.web.errors import APIError
 from trillm.web.protocol import GenerationRequest, Kind, parse_generation
-from trillm.web.service import EngineService, EngineUnavailable, ServiceState, Tokenizer
+from trillm.engine.tokenizer import TokenizerLike
+from trillm.web.service import EngineService, EngineUnavailable, ServiceState
 from trillm.web.stream import GenerationHandle
 
 
@@ -32,13 +33,13 @@ class ModelRegistry:
                        "model_not_found", "model")
 
 
-def ready_tokenizer(service: EngineService) -> Tokenizer:
+def ready_tokenizer(service: EngineService) -> TokenizerLike:
     if service.tokenizer is None or service.state is not ServiceState.READY:
         raise EngineUnavailable(f"model {service.model_name} is {service.state.value}; retry shortly")
     return service.tokenizer
 
 
-async def any_tokenizer(service: EngineService) -> Tokenizer:
+async def any_tokenizer(service: EngineService) -> TokenizerLike:
     """The model's tokenizer: kept after an idle unload, otherwise the model is loaded first."""
     if service.tokenizer is None:
         await service.ensure_loaded()
@@ -46,8 +47,8 @@ async def any_tokenizer(service: EngineService) -> Tokenizer:
 
 
 async def start_generation(service: EngineService, body: dict[str, Any], kind: Kind,
-                           config: ServerConfig) -> tuple[GenerationRequest, GenerationHandle, Tokenizer]:
-    """Parse, submit and wait until the engine admitted it; typed errors become 4xx/5xx before any byte."""
+                           config: ServerConfig) -> tuple[GenerationRequest, GenerationHandle, TokenizerLike]:
+    """Parse and submit; typed errors (admission included) become 4xx/5xx before any byte is sent."""
     try:
         await service.ensure_loaded()
         tokenizer = ready_tokenizer(service)
@@ -56,13 +57,4 @@ async def start_generation(service: EngineService, body: dict[str, Any], kind: K
     except (InvalidRequest, Overloaded, EngineUnavailable):
         service.metrics.on_outcome("rejected")
         raise
-    try:
-        await handle.wait_admitted()
-    except BaseException as exc:
-        handle.close()
-        if isinstance(exc, (InvalidRequest, Overloaded)):
-            service.metrics.on_outcome("rejected")
-        raise
     return req, handle, tokenizer
-
-

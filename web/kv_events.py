@@ -1,28 +1,28 @@
 """/internal/kv-events: a websocket that streams each engine's per-step load and KV events, for a router.
 
-`KVEventHub` runs one trio task that drains the EngineObserver's reports (engine/mock/events.py) every
-`interval_s` and fans them out to each subscriber's bounded memory channel. A subscriber that falls behind
-is dropped with a final message, and must reconnect and resync (a gap in event ids says the same). Messages
-are JSON: {"type": "steps", "model": NAME, "reports": [{"load": {...}, "kv_events": [...]}, ...]}.
+`KVEventHub` runs one trio task that drains its service's step reports every `interval_s` and fans them
+out to each subscriber's bounded memory channel. A subscriber that falls behind is dropped with a final
+message and must reconnect and resync (a gap in event ids says the same; so does a new `epoch`: the engine
+was rebuilt and its event ids restarted). Messages are JSON:
+  {"type": "hello", "model": NAME, "interval_s": s, "epoch": n}
+  {"type": "steps", "model": NAME, "epoch": n, "reports": [{"load": {...}, "kv_events": [...]}, ...]}
 """
 
 from __future__ import annotations
 
 import json
-from typing import Any
 
 import trio
 from quart import websocket
 from quart_trio import QuartTrio
 
-from trillm.engine.mock.events import EngineObserver, StepReport
+from trillm.engine.kv_events import StepReport
+from trillm.web.service import EngineService
 
 
 class KVEventHub:
-    def __init__(self, model: str, observer: EngineObserver | None = None, *, interval_s: float = 0.05,
-                 buffer: int = 256) -> None:
-        self.model = model
-        self.observer = observer
+    def __init__(self, service: EngineService, *, interval_s: float = 0.05, buffer: int = 256) -> None:
+        self.service = service
         self.interval_s = interval_s
         self._buffer = buffer
         self._subscribers: set[trio.MemorySendChannel[str]] = set()
@@ -35,14 +35,13 @@ class KVEventHub:
         """Drain and fan out until cancelled (reports are dropped while nobody listens)."""
         while True:
             await trio.sleep(self.interval_s)
-            if self.observer is None:
-                continue
-            reports = self.observer.drain()
+            reports = self.service.drain_reports()
             if reports and self._subscribers:
                 self.publish(reports)
 
     def publish(self, reports: list[StepReport]) -> None:
-        msg = json.dumps({"type": "steps", "model": self.model, "reports": [r.to_json() for r in reports]})
+        msg = json.dumps({"type": "steps", "model": self.service.model_name,
+                          "epoch": self.service.statistics().epoch, "reports": [r.to_json() for r in reports]})
         for send in list(self._subscribers):
             try:
                 send.send_nowait(msg)
@@ -72,13 +71,10 @@ def register_kv_events(app: QuartTrio, hubs: dict[str, KVEventHub], path: str = 
             return
         recv = hub.subscribe()
         try:
-            await websocket.send(json.dumps({"type": "hello", "model": name, "interval_s": hub.interval_s}))
+            await websocket.send(json.dumps({"type": "hello", "model": name, "interval_s": hub.interval_s,
+                                             "epoch": hub.service.statistics().epoch}))
             async for msg in recv:
                 await websocket.send(msg)
             await websocket.send(json.dumps({"type": "dropped", "message": "fell behind; reconnect and resync"}))
         finally:
             hub.unsubscribe(recv)
-
-
-def load_json(msg: str | bytes) -> dict[str, Any]:
-    return json.loads(msg)

@@ -13,7 +13,7 @@ from typing import Any, Literal
 from trillm.engine.errors import InvalidRequest
 from trillm.engine.outputs import FinishReason, RequestOutput, TokenLogprob, Usage
 from trillm.engine.sampling_params import SamplingParams
-from trillm.web.service import Tokenizer
+from trillm.engine.tokenizer import TokenizerLike as Tokenizer
 
 Kind = Literal["chat", "completion"]
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for the legacy completions endpoint

@@ -16,9 +16,8 @@ from hypercorn.trio import serve as hypercorn_serve
 from trillm.web.app import create_app
 from trillm.web.asgi import ShieldedFinalSend
 from trillm.web.config import ServerConfig
-from trillm.engine.mock.events import EngineObserver
 from trillm.web.kv_events import KVEventHub, register_kv_events
-from trillm.web.service import Engine, EngineService, ServiceConfig
+from trillm.web.service import EngineFactory, EngineService, ServiceConfig
 
 log = logging.getLogger("trillm.web.server")
 
@@ -58,42 +57,34 @@ def _is_loopback(host: str) -> bool:
         return host == "localhost"
 
 
-def _observed(factory: Callable[[], Engine], hub: KVEventHub) -> Callable[[], Engine]:
-    """Each engine the factory builds (restarts too) publishes its KV events and load to the hub."""
+@dataclass(frozen=True, slots=True)
+class ModelSpec:
+    """One model to serve: the name clients use (None: the model's own) and how to build its engine."""
 
-    def build() -> Engine:
-        engine = factory()
-        if not hasattr(engine, "block_manager"):  # not an LLMEngine (a test double): nothing to observe
-            return engine
-        observer = EngineObserver(engine)  # type: ignore[arg-type]
-        hub.observer = observer
-        return observer  # type: ignore[return-value]
-
-    return build
+    name: str | None
+    factory: EngineFactory  # runs on the engine thread (threaded), or in the service's task (inline)
+    inline: bool = False  # the mock engine: step in a trio task, its simulated time passing on trio's clock
 
 
-async def serve(engines: Sequence[tuple[str | None, Callable[[], Engine]]], config: ServerConfig = ServerConfig(),
+async def serve(models: Sequence[ModelSpec], config: ServerConfig = ServerConfig(),
                 *, service_config: ServiceConfig = ServiceConfig(),
                 shutdown_trigger: Callable[[], Awaitable[None]] | None = None,
                 task_status: trio.TaskStatus[Serving] = trio.TASK_STATUS_IGNORED) -> None:
-    """Load every model (each on its own engine thread), then serve until cancelled.
+    """Load every model (each with its own EngineService), then serve until cancelled.
 
-    `engines` pairs a served name (None: the model's own) with a factory that builds the engine; the
-    factory runs on the engine thread. Reports a `Serving` through `task_status` once requests are accepted.
-    When `shutdown_trigger` returns, hypercorn stops accepting, lets open requests finish (within
-    graceful_timeout_s), and then the engines stop.
+    Reports a `Serving` through `task_status` once requests are accepted. When `shutdown_trigger` returns,
+    hypercorn stops accepting, lets open requests finish (within graceful_timeout_s), and then the engines
+    stop. `trillm serve --mock` goes through here too: only its ModelSpec differs.
     """
     async with trio.open_nursery() as nursery:
-        services = []
-        hubs: dict[str, KVEventHub] = {}
-        for name, factory in engines:
-            hub = KVEventHub(name or "")
+        services: list[EngineService] = []
+        for spec in models:
             service: EngineService = await nursery.start(
-                EngineService(_observed(factory, hub), name=name, config=service_config).run)
+                EngineService(spec.factory, name=spec.name, config=service_config, inline=spec.inline).run)
             log.info("model %s: %s", service.model_name, service.state.value)
             services.append(service)
-            hub.model = service.model_name
-            hubs[service.model_name] = hub
+        hubs = {s.model_name: KVEventHub(s) for s in services}
+        for hub in hubs.values():
             nursery.start_soon(hub.run)
         quart_app = create_app(services, config)
         register_kv_events(quart_app, hubs)
@@ -102,7 +93,7 @@ async def serve(engines: Sequence[tuple[str | None, Callable[[], Engine]]], conf
         async def http(task_status: trio.TaskStatus[list[str]]) -> None:
             await hypercorn_serve(app, hypercorn_config(config), shutdown_trigger=shutdown_trigger,
                                   task_status=task_status, mode="asgi")
-            nursery.cancel_scope.cancel()  # HTTP has shut down gracefully: stop the engine threads
+            nursery.cancel_scope.cancel()  # HTTP has shut down gracefully: stop the engines
 
         binds = await nursery.start(http)
         url = binds[0]

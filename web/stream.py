@@ -6,13 +6,13 @@ Concurrency invariant: every method here runs on the trio thread. The engine thr
 
 from __future__ import annotations
 
-import dataclasses
 import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import trio
 
+from trillm.engine.errors import EngineError
 from trillm.engine.outputs import FinishReason, RequestOutput
 
 if TYPE_CHECKING:
@@ -23,26 +23,14 @@ class GenerationFailed(Exception):
     """The generation ended with an error: the engine failed, or the client fell too far behind."""
 
 
-def merge_outputs(old: RequestOutput, new: RequestOutput) -> RequestOutput:
-    """Coalesce two consecutive deltas of one request into one."""
-    logprobs = None
-    if old.logprobs is not None or new.logprobs is not None:
-        logprobs = (old.logprobs or ()) + (new.logprobs or ())
-    return dataclasses.replace(
-        new,
-        new_token_ids=old.new_token_ids + new.new_token_ids,
-        new_text=old.new_text + new.new_text,
-        logprobs=logprobs,
-    )
-
-
 class GenerationHandle:
     """The client side of one submission of n >= 1 engine requests that share one prompt.
 
     Deltas arrive through `feed` (one engine step at a time) and leave through `receive`. The channel has a
     small fixed buffer; when it is full a request's newer deltas are merged into one pending delta, so a slow
     client never blocks the engine and memory grows only with text. Past `max_buffered_bytes` of text the
-    handle fails with a clear error and its requests are aborted.
+    handle fails with a clear error and its requests are aborted. A failure (the engine refused a request
+    while adding it, the engine failed, the client lagged) is raised by the next `receive`.
     """
 
     def __init__(
@@ -55,7 +43,6 @@ class GenerationHandle:
         metrics: ModelMetrics | None = None,
     ) -> None:
         self.request_ids = request_ids
-        self.index = {rid: i for i, rid in enumerate(request_ids)}
         self._abort = abort
         self._max_buffered_bytes = max_buffered_bytes
         self._metrics = metrics
@@ -63,24 +50,12 @@ class GenerationHandle:
         self._pending: dict[str, RequestOutput] = {}
         self._buffered_bytes = 0
         self._unfinished = set(request_ids)
-        self._unadmitted = set(request_ids)
-        self._admitted = trio.Event()
-        self._admission_error: BaseException | None = None
-        self._failure: str | None = None
+        self._failure: BaseException | None = None
         self._closed = False
         self._t_submit = time.perf_counter()
         self._t_last: dict[str, float] = {}
 
     # ---- engine side (called by EngineService on the trio thread) ----
-
-    def on_admitted(self, request_id: str, error: BaseException | None) -> None:
-        self._unadmitted.discard(request_id)
-        if error is not None and self._admission_error is None:
-            self._admission_error = error
-            self._unfinished.discard(request_id)
-            self.close()  # abort its siblings
-        if not self._unadmitted or error is not None:
-            self._admitted.set()
 
     def feed(self, output: RequestOutput) -> None:
         rid = output.request_id
@@ -88,46 +63,40 @@ class GenerationHandle:
             return
         self._observe(output)
         if output.finish_reason is FinishReason.ERROR:
-            self.fail(output.error or "the engine failed while serving this request")
+            self.fail(GenerationFailed(output.error or "the engine failed while serving this request"))
             return
         if output.finished:
             self._unfinished.discard(rid)
-        size = len(output.new_text.encode())
-        self._buffered_bytes += size
+        self._buffered_bytes += len(output.new_text.encode())
         if rid in self._pending:
-            self._pending[rid] = merge_outputs(self._pending[rid], output)
+            self._pending[rid] = RequestOutput.concat([self._pending[rid], output])
         else:
             try:
                 self._send.send_nowait(output)
             except trio.WouldBlock:
                 self._pending[rid] = output
         if self._buffered_bytes > self._max_buffered_bytes:
-            self.fail(
+            self.fail(GenerationFailed(
                 f"the client read too slowly: more than {self._max_buffered_bytes} bytes of output were "
-                "buffered, so the request was aborted"
-            )
+                "buffered, so the request was aborted"))
             return
         if not self._unfinished:
             self._send.close()
 
-    def fail(self, message: str) -> None:
-        """End the stream with `GenerationFailed(message)` and abort what is still running."""
+    def on_rejected(self, request_id: str, error: BaseException) -> None:
+        """The engine refused one of the requests while adding it: the whole submission fails with `error`."""
+        self._unfinished.discard(request_id)
+        self.fail(error)
+
+    def fail(self, error: BaseException) -> None:
+        """End the stream with `error` (the next `receive` raises it) and abort what is still running."""
         if self._failure is None and not self._closed:
-            self._failure = message
+            self._failure = error
             if self._metrics is not None:
-                self._metrics.on_outcome("error")
-        self._admitted.set()
+                self._metrics.on_outcome("rejected" if isinstance(error, EngineError) else "error")
         self.close()
 
     # ---- client side ----
-
-    async def wait_admitted(self) -> None:
-        """Wait until the engine accepted every request; raise its typed error if it refused one."""
-        await self._admitted.wait()
-        if self._admission_error is not None:
-            raise self._admission_error
-        if self._failure is not None:
-            raise GenerationFailed(self._failure)
 
     def receive_nowait(self) -> RequestOutput:
         """The next delta if one is ready: `trio.WouldBlock` if none, `trio.EndOfChannel` after the last."""
@@ -168,7 +137,7 @@ class GenerationHandle:
 
     def _raise_if_failed(self) -> None:
         if self._failure is not None:
-            raise GenerationFailed(self._failure)
+            raise self._failure
 
     def close(self) -> None:
         """Abort every unfinished request (synchronous, so it is safe in a cancelled `finally`)."""

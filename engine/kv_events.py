@@ -1,0 +1,64 @@
+"""KV events and per-step load, from any LLMEngine (real or mock), for a KV-aware router.
+
+Emission follows Dynamo's mocker: "stored" when a full block enters the prefix cache, "removed" when one is
+evicted from it (not when its last reference goes: a free block stays matchable). Event ids increase by one
+per event for as long as one `KVEventLog` lives (one engine); a consumer that sees a gap has missed events,
+and one that sees ids restart is talking to a new engine: both must resync.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from trillm.engine.block_manager import BlockManager
+
+
+@dataclass(frozen=True, slots=True)
+class KVEvent:
+    event_id: int
+    kind: str  # "stored" | "removed"
+    block_hash: str  # hex of the chained 16-byte block hash
+    parent_hash: str | None = None  # stored only: the previous block's hash (None for a first block)
+
+
+@dataclass(frozen=True, slots=True)
+class StepLoad:
+    step: int
+    time: float  # time.time() when the step ended
+    num_running: int
+    num_waiting: int
+    num_blocks_used: int
+    num_blocks_total: int
+    step_s: float  # the step's duration (the mock's predicted one, or measured)
+
+
+@dataclass(frozen=True, slots=True)
+class StepReport:
+    load: StepLoad
+    kv_events: tuple[KVEvent, ...]
+
+    def to_json(self) -> dict[str, Any]:
+        return {"load": asdict(self.load), "kv_events": [asdict(e) for e in self.kv_events]}
+
+    @classmethod
+    def from_json(cls, doc: dict[str, Any]) -> StepReport:
+        return cls(StepLoad(**doc["load"]), tuple(KVEvent(**e) for e in doc["kv_events"]))
+
+
+class KVEventLog:
+    """Collects a BlockManager's KV events between steps (it owns the manager's `on_kv_event` hook)."""
+
+    def __init__(self, block_manager: BlockManager) -> None:
+        self._ids = itertools.count(1)
+        self._pending: list[KVEvent] = []
+        block_manager.on_kv_event = self._on_kv_event
+
+    def _on_kv_event(self, kind: str, h: bytes, parent: bytes | None) -> None:
+        self._pending.append(KVEvent(next(self._ids), kind, h.hex(), parent.hex() if parent is not None else None))
+
+    def take(self) -> tuple[KVEvent, ...]:
+        """The events since the previous call, oldest first."""
+        events, self._pending = tuple(self._pending), []
+        return events
