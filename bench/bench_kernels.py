@@ -20,7 +20,7 @@ from typing import Any
 import trillm.kernels  # noqa: F401  (BLAS before mlx)
 import mlx.core as mx
 
-from trillm.bench.results import new_results_dir, write_meta
+from trillm.bench.results import int_list, new_results_dir, write_meta
 from trillm.kernels._dispatch import kernel_backend
 from trillm.kernels.kv_cache import kv_gather, kv_gather_ref, kv_write_ref
 from trillm.kernels.paged_attention import paged_attention, paged_attention_ref
@@ -151,15 +151,11 @@ def bench_decode_step(
     return dict(batch=batch, context=ctx, layers=layers, ms_per_step=round(ms, 3), ms_per_layer=round(ms / layers, 4))
 
 
-def _ints(text: str) -> list[int]:
-    return [int(x) for x in text.split(",") if x]
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="trillm bench kernels", description=__doc__.split("\n")[0])
     gpu = mx.default_device() == mx.gpu
-    parser.add_argument("--contexts", type=_ints, default=[512, 2048, 8192, 32768] if gpu else [512, 2048, 8192])
-    parser.add_argument("--batches", type=_ints, default=[1, 8, 64] if gpu else [1, 8])
+    parser.add_argument("--contexts", type=int_list, default=[512, 2048, 8192, 32768] if gpu else [512, 2048, 8192])
+    parser.add_argument("--batches", type=int_list, default=[1, 8, 64] if gpu else [1, 8])
     parser.add_argument("--full", action="store_true", help="contexts 512..32k x batches 1..64")
     parser.add_argument("--max-tokens", type=int, default=1 << 30 if gpu else 65536,
                         help="skip points where batch x context exceeds this (CPU default keeps it to minutes)")

@@ -1,6 +1,6 @@
 """Parity: does the simulator predict the real engine's TTFT and ITL on a fixed trace?
 
-Runs the same trace twice through the same client code (web/simulate.py): once against the real engine in
+Runs the same trace twice through the same client code (bench/simulate.py): once against the real engine in
 the threaded EngineService on the real clock, once against the mock engine (timing model fitted by
 `trillm bench profile`, run first unless --profile is given) on the virtual clock. Both share the engine
 config, so the scheduler makes the same decisions. Reports TTFT and ITL p50/p90 of both and the relative
@@ -58,8 +58,8 @@ def main(argv: list[str] | None = None) -> int:
     from trillm.engine.loader import load_model
     from trillm.engine.mock import MockModelSpec, load_perf_model, make_mock_engine, synthetic_trace
     from trillm.engine.sampling_params import SamplingParams
+    from trillm.bench.simulate import simulate, simulate_async
     from trillm.web.service import EngineService
-    from trillm.web.simulate import simulate, simulate_async
 
     out = new_results_dir(args.results_dir)
     write_meta(out, "bench mock-parity", list(sys.argv[1:] if argv is None else argv), vars(args))
@@ -87,8 +87,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"real engine: {len(trace)} requests over {trace[-1].timestamp / 1000:.0f} s ...", file=sys.stderr)
     t0 = time.perf_counter()
     real = trio.run(lambda: simulate_async(
-        trace, lambda: None, vocab_size=vocab, block_tokens=args.block_tokens, seed=args.seed,  # type: ignore
-        service=EngineService(lambda: LLMEngine(config, loaded=loaded)),
+        trace, EngineService(lambda: LLMEngine(config, loaded=loaded)), vocab_size=vocab,
+        block_tokens=args.block_tokens, seed=args.seed,
     ))
     real_wall = time.perf_counter() - t0
     r = _stats(real.records, real.virtual_s)
@@ -97,7 +97,7 @@ def main(argv: list[str] | None = None) -> int:
     within = False
     for kind in ("linear", "interpolated"):
         model = load_perf_model(profile, kind)
-        sim = simulate(trace, lambda: make_mock_engine(config, spec=spec, perf=model),  # type: ignore[arg-type,return-value]
+        sim = simulate(trace, lambda: make_mock_engine(config, spec=spec, perf=model),
                        vocab_size=vocab, block_tokens=args.block_tokens, seed=args.seed)
         s = _stats(sim.records, sim.virtual_s)
         errors = {k: relative_error(s[k], r[k]) for k in ("ttft_p50", "ttft_p90", "itl_p50", "itl_p90", "e2e_p50")}

@@ -10,6 +10,7 @@ import argparse
 import json
 import sys
 import time
+from collections.abc import Callable
 from functools import partial
 
 import trillm.kernels  # noqa: F401  (BLAS before mlx)
@@ -17,6 +18,7 @@ import trillm.kernels  # noqa: F401  (BLAS before mlx)
 from trillm.engine.config import EngineConfig
 from trillm.engine.llm_engine import LLMEngine
 from trillm.engine.loader import LoadedModel
+from trillm.engine.outputs import RequestOutput
 from trillm.engine.sampling_params import SamplingParams
 
 
@@ -46,10 +48,10 @@ def timed_engine(config: EngineConfig, loaded: LoadedModel, busy: list[float]) -
     engine = LLMEngine(config, loaded=loaded)
     step = engine.step
 
-    def timed_step(**kw: object) -> list:  # type: ignore[type-arg]
+    def timed_step(*, check_abort: Callable[[], None] | None = None) -> list[RequestOutput]:
         t0 = time.perf_counter()
         try:
-            return step(**kw)  # type: ignore[arg-type]
+            return step(check_abort=check_abort)
         finally:
             busy[0] += time.perf_counter() - t0
 
@@ -67,12 +69,12 @@ async def served(loaded: LoadedModel, config: EngineConfig, texts: list[str], ma
     import trio
 
     from trillm.web.config import ServerConfig
-    from trillm.web.server import serve
+    from trillm.web.server import ModelSpec, serve
 
     results = []
     async with trio.open_nursery() as nursery:
         busy = [0.0]
-        serving = await nursery.start(partial(serve, [(None, partial(timed_engine, config, loaded, busy))],
+        serving = await nursery.start(partial(serve, [ModelSpec(None, partial(timed_engine, config, loaded, busy))],
                                               ServerConfig(port=0)))
         limits = httpx.Limits(max_connections=len(texts) + 4)
         async with httpx.AsyncClient(base_url=serving.url, timeout=600, limits=limits) as client:
@@ -121,6 +123,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"model {engine.model_name} loaded in {time.perf_counter() - t0:.1f} s", file=sys.stderr)
     offline(engine, texts[:2], 8, "warmup")
     loaded = engine.loaded
+    assert isinstance(loaded, LoadedModel)
     off: list[tuple[int, float]] = []
     srv: list[tuple[int, float, float]] = []
     for i in range(args.trials):  # alternate, so a shared machine's load hits both sides alike

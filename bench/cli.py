@@ -1,12 +1,14 @@
-"""`trillm bench ...`: one CLI for every benchmark. Subcommands import lazily, so a missing one fails alone."""
+"""`trillm bench ...`: one CLI for every benchmark; each subcommand's module is imported only when run."""
 
 from __future__ import annotations
 
+import argparse
 import importlib
 import sys
-from collections.abc import Callable
 
-# subcommand -> (module, what it measures)
+HELP = "benchmarks: `trillm bench --help`"
+
+# subcommand -> (module with main(argv), what it measures)
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "serve": ("trillm.bench.serve", "measure OpenAI-compatible servers (SSE or trillm's websocket), like vLLM"),
     "peers": ("trillm.bench.peers", "start trillm and mlx_lm.server on one model and compare them"),
@@ -20,20 +22,16 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
 
 def _usage() -> str:
     lines = ["usage: trillm bench <subcommand> [flags]   (each takes --help)", "", "subcommands:"]
-    lines += [f"  {name:<9} {what}" for name, (_, what) in SUBCOMMANDS.items()]
+    lines += [f"  {name:<11} {what}" for name, (_, what) in SUBCOMMANDS.items()]
     return "\n".join(lines)
 
 
-def _load(name: str) -> Callable[[list[str] | None], int] | None:
-    module_name = SUBCOMMANDS[name][0]
-    try:
-        module = importlib.import_module(module_name)
-    except ModuleNotFoundError as exc:
-        if exc.name != module_name:  # the module exists but something it imports is missing
-            raise
-        return None
-    main = getattr(module, "main", None)
-    return main if callable(main) else None
+def configure(p: argparse.ArgumentParser) -> None:
+    p.add_argument("argv", nargs=argparse.REMAINDER, help="a subcommand and its flags")
+
+
+def run(args: argparse.Namespace) -> int:
+    return main(args.argv)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -46,15 +44,8 @@ def main(argv: list[str] | None = None) -> int:
     if name not in SUBCOMMANDS:
         print(f"trillm bench: unknown subcommand {name!r}\n\n{_usage()}", file=sys.stderr)
         return 2
-    sub_main = _load(name)
-    if sub_main is None:
-        print(
-            f"trillm bench {name}: not available in this checkout ({SUBCOMMANDS[name][0]} is missing or has no "
-            "main(argv))",
-            file=sys.stderr,
-        )
-        return 2
-    return int(sub_main(rest) or 0)
+    module = importlib.import_module(SUBCOMMANDS[name][0])
+    return int(module.main(rest) or 0)
 
 
 if __name__ == "__main__":

@@ -155,9 +155,11 @@ def _chunk_text(chunk: dict[str, object], chat: bool) -> str | None:
         return None
     c0 = choices[0]  # type: ignore[index]
     if not chat:
-        return c0.get("text")
+        text: str | None = c0.get("text")
+        return text
     delta = c0.get("delta") or {}
-    return delta.get("content") or delta.get("reasoning_content") or delta.get("reasoning")
+    content: str | None = delta.get("content") or delta.get("reasoning_content") or delta.get("reasoning")
+    return content
 
 
 async def send_sse(

@@ -139,7 +139,7 @@ def build_parser() -> argparse.ArgumentParser:
 def _plan(args: argparse.Namespace) -> list[tuple[str, Workload, Arrival, tuple[str, ...]]]:
     """(label, workload, arrival, servers) for every comparison the targets need."""
     only = set(args.only or ("concurrency", "single", "multi-turn"))
-    plan = []
+    plan: list[tuple[str, Workload, Arrival, tuple[str, ...]]] = []
     if "concurrency" in only:
         wl = random_lengths(args.high_prompts, args.input_len, args.output_len, 0.0, args.seed)
         plan.append((HIGH, wl, Arrival("concurrency", args.high_concurrency),
@@ -187,8 +187,8 @@ def main(argv: list[str] | None = None) -> int:
     procs = {TRILLM: ServerProcess(TRILLM, trillm_command(model, free_port(), shlex.split(args.trillm_args)),
                                    0, out / "trillm.log")}
     if NO_CACHE in wanted and not args.skip_no_cache:
-        extra = shlex.split(args.trillm_args) + shlex.split(args.no_cache_args)
-        procs[NO_CACHE] = ServerProcess(NO_CACHE, trillm_command(model, 0, extra), 0, out / "trillm-no-cache.log")
+        no_cache = shlex.split(args.trillm_args) + shlex.split(args.no_cache_args)
+        procs[NO_CACHE] = ServerProcess(NO_CACHE, trillm_command(model, 0, no_cache), 0, out / "trillm-no-cache.log")
     if not args.skip_mlx_lm:
         procs[MLX_LM] = ServerProcess(MLX_LM, mlx_lm_command(model, 0, shlex.split(args.mlx_lm_args)), 0,
                                       out / "mlx_lm_server.log")
@@ -207,7 +207,7 @@ def main(argv: list[str] | None = None) -> int:
     checks = check_targets(summaries)
     failures = {f"{name} ({label})": s for (label, name), s in summaries.items() if s.failed}
     table, tmd = report.markdown_table(runs), targets_markdown(checks, failures)
-    extra = {
+    extra: dict[str, object] = {
         "model": model,
         "commands": {n: sp.command for n, sp in procs.items()},
         "targets": [asdict(c) for c in checks],

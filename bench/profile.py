@@ -17,31 +17,44 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from trillm.bench.results import new_results_dir, write_meta
+from trillm.bench.results import int_list, new_results_dir, write_meta
+from trillm.engine.llm_engine import LLMEngine
+from trillm.engine.scheduler import ScheduledBatch
 from trillm.engine.mock.timing import (
     DecodeSample, LinearCostModel, PrefillSample, StepShape, load_perf_model, relative_error, save_profile,
 )
 
 
-def _ints(text: str) -> list[int]:
-    return [int(x) for x in text.split(",") if x]
-
-
 class StepTimer:
-    """Wraps engine.runner.run, recording (decode contexts, prefill chunks, seconds) per step."""
+    """Times each `engine.step()` and records the shape of the step it read back.
 
-    def __init__(self, engine: Any) -> None:
+    With pipelined decode a step launches step n+1 and then waits for step n, so in steady state the time
+    between step() returns is one step's duration, which is what the mock engine predicts. The shape is
+    taken when the step is launched (the batch's counts are committed then).
+    """
+
+    def __init__(self, engine: LLMEngine) -> None:
         self.steps: list[tuple[tuple[int, ...], tuple[tuple[int, int], ...], float]] = []
-        run: Callable[..., Any] = engine.runner.run
+        shapes: dict[int, StepShape] = {}
+        launch = engine.runner.launch
+        step = engine.step
 
-        def timed(batch: Any, rows: Any, check_abort: Any = None) -> Any:
-            shape = StepShape.of(batch, 2)
+        def timed_launch(batch: ScheduledBatch, rows: Any, check_abort: Any = None, **kw: Any) -> Any:
+            shapes[id(batch)] = StepShape.of(batch, 2)
+            return launch(batch, rows, check_abort, **kw)
+
+        def timed_step(**kw: Any) -> Any:
             t0 = time.perf_counter()
-            out = run(batch, rows, check_abort)
-            self.steps.append((shape.decode_contexts, shape.prefill_chunks, time.perf_counter() - t0))
+            out = step(**kw)
+            seconds = time.perf_counter() - t0
+            info = engine.last_step
+            if info is not None:
+                shape = shapes.pop(id(info.batch))
+                self.steps.append((shape.decode_contexts, shape.prefill_chunks, seconds))
             return out
 
-        engine.runner.run = timed
+        engine.runner.launch = timed_launch  # type: ignore[method-assign]
+        engine.step = timed_step  # type: ignore[method-assign]
 
 
 def _engine(loaded: Any, *, max_num_seqs: int, budget: int, tokens: int, block_size: int = 16) -> Any:
@@ -105,9 +118,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="trillm bench profile", description=__doc__)
     p.add_argument("--model", default=None, help="model (default: the default model)")
     p.add_argument("--dtype", default=None)
-    p.add_argument("--batches", type=_ints, default=[1, 2, 4, 8, 16], help="decode batch sizes, comma-separated")
-    p.add_argument("--contexts", type=_ints, default=[32, 128, 512], help="decode context lengths")
-    p.add_argument("--chunks", type=_ints, default=[16, 64, 256], help="prefill chunk sizes")
+    p.add_argument("--batches", type=int_list, default=[1, 2, 4, 8, 16], help="decode batch sizes, comma-separated")
+    p.add_argument("--contexts", type=int_list, default=[32, 128, 512], help="decode context lengths")
+    p.add_argument("--chunks", type=int_list, default=[16, 64, 256], help="prefill chunk sizes")
     p.add_argument("--num-chunks", type=int, default=3, help="chunks per prefill prompt (starts 0, c, 2c, ...)")
     p.add_argument("--steps", type=int, default=6, help="timed decode steps per (batch, context); the median counts")
     p.add_argument("--out", default=None, help="profile JSON path (default RESULTS_DIR/<timestamp>/profile.json)")
@@ -134,6 +147,12 @@ def main(argv: list[str] | None = None) -> int:
     prefill: list[PrefillSample] = []
     for chunk in args.chunks:
         prefill += profile_prefill(loaded, chunk, args.num_chunks, log)
+    missing = [f"decode batch {b} context {c}" for c in args.contexts for b in args.batches
+               if not any(s.batch == b and s.context == c for s in decode)]
+    missing += [f"prefill chunk {c}" for c in args.chunks if not any(s.tokens == c for s in prefill)]
+    if missing:  # a fit over no samples would silently be the defaults
+        print(f"trillm bench profile: measured nothing for {', '.join(missing)}", file=sys.stderr)
+        return 1
     if args.out:
         path = Path(args.out)
         path.parent.mkdir(parents=True, exist_ok=True)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import datetime as _dt
 import importlib.metadata
 import json
@@ -15,11 +16,55 @@ _PACKAGES = ("trillm", "mlx", "mlx-lm", "trio", "quart", "quart-trio", "hypercor
 
 
 def new_results_dir(root: str | os.PathLike[str] | None = None, name: str | None = None) -> Path:
-    """results/<timestamp>/ (or root/<name>), created; an existing folder is reused."""
+    """A new folder results/<timestamp>[-N]/ (or root/<name>, reused if it exists).
+
+    Two runs started in the same second get two folders: the second one takes the next free suffix.
+    """
     base = Path(root) if root is not None else Path("results")
-    path = base / (name or _dt.datetime.now().strftime("%Y%m%d-%H%M%S"))
-    path.mkdir(parents=True, exist_ok=True)
+    base.mkdir(parents=True, exist_ok=True)
+    if name is not None:
+        path = base / name
+        path.mkdir(parents=True, exist_ok=True)
+        return path
+    stamp = _dt.datetime.now().strftime("%Y%m%d-%H%M%S")
+    for n in range(10_000):
+        path = base / (stamp if n == 0 else f"{stamp}-{n}")
+        try:
+            path.mkdir()
+        except FileExistsError:
+            continue
+        return path
+    raise RuntimeError(f"no free results folder for {stamp} under {base}")
+
+
+def write_text_atomic(path: Path, text: str) -> Path:
+    """Write `text` to `path` through a temporary file and a rename: a crash or a full disk leaves either
+    the old file or the new one, never half of one."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        with open(tmp, "w") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
     return path
+
+
+def write_json(path: Path, doc: object) -> Path:
+    return write_text_atomic(path, json.dumps(doc, indent=1, default=str))
+
+
+def int_list(text: str) -> list[int]:
+    """A comma-separated list of integers (an argparse type)."""
+    try:
+        values = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from exc
+    if not values:
+        raise argparse.ArgumentTypeError("expected at least one integer")
+    return values
 
 
 def _version(pkg: str) -> str | None:
@@ -77,6 +122,4 @@ def machine_info() -> dict[str, object]:
 def write_meta(path: Path, command: str, argv: list[str], flags: dict[str, object]) -> Path:
     """meta.json: what ran, with which flags, on what."""
     meta = {"command": command, "argv": argv, "flags": flags, "machine": machine_info()}
-    out = path / "meta.json"
-    out.write_text(json.dumps(meta, indent=2, default=str))
-    return out
+    return write_json(path / "meta.json", meta)

@@ -8,6 +8,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -34,18 +35,12 @@ def blas_env() -> dict[str, str]:
     return env
 
 
-def trillm_command(model: str, port: int, extra: list[str] = ()) -> list[str]:  # type: ignore[assignment]
-    """`trillm serve`, or bench's minimal launcher where trillm.web.cli is not in this checkout."""
-    import importlib.util
-
-    if importlib.util.find_spec("trillm.web.cli") is not None:
-        head = [sys.executable, "-m", "trillm.web.cli", "serve"]
-    else:
-        head = [sys.executable, "-m", "trillm.bench.trillm_launch"]
-    return [*head, "--model", model, "--host", "127.0.0.1", "--port", str(port), *extra]
+def trillm_command(model: str, port: int, extra: Sequence[str] = ()) -> list[str]:
+    return [sys.executable, "-m", "trillm.web.cli", "serve", "--model", model, "--host", "127.0.0.1",
+            "--port", str(port), *extra]
 
 
-def mlx_lm_command(model: str, port: int, extra: list[str] = ()) -> list[str]:  # type: ignore[assignment]
+def mlx_lm_command(model: str, port: int, extra: Sequence[str] = ()) -> list[str]:
     return [sys.executable, "-m", "mlx_lm", "server", "--model", model, "--host", "127.0.0.1",
             "--port", str(port), *extra]
 

@@ -8,6 +8,8 @@ cacheable prefix by accident.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import math
 import random
 from dataclasses import dataclass, field
@@ -57,7 +59,7 @@ class Workload:
 
     name: str
     requests: tuple[BenchRequest, ...]
-    params: dict[str, object] = field(default_factory=dict)
+    params: Mapping[str, object] = field(default_factory=dict)
 
     def sessions(self) -> list[list[BenchRequest]]:
         """Units of work: each session's requests in turn order; a request without a session is its own unit."""

@@ -1,8 +1,10 @@
-"""The engine's one frozen config."""
+"""The engine's one frozen config, and the command-line flags that fill it (one place for both)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import argparse
+from dataclasses import MISSING, dataclass, fields
+from typing import Any
 
 from trillm.engine.errors import InvalidRequest
 
@@ -36,3 +38,41 @@ class EngineConfig:
             raise InvalidRequest(f"max_waiting must be >= 0, got {self.max_waiting}")
         if self.kv_cache_memory_gb <= 0:
             raise InvalidRequest("kv_cache_memory_gb must be > 0")
+
+
+# field -> (flag, help); booleans that default to True get a --no-... flag. The defaults are the dataclass's.
+_FLAGS: dict[str, tuple[str, str]] = {
+    "block_size": ("--block-size", "tokens per KV block"),
+    "num_kv_blocks": ("--num-kv-blocks", "KV blocks (default: sized from --kv-cache-memory-gb)"),
+    "kv_cache_memory_gb": ("--kv-cache-memory-gb", "memory for the KV cache, in GB"),
+    "max_num_seqs": ("--max-num-seqs", "largest running batch"),
+    "max_num_batched_tokens": ("--max-num-batched-tokens", "tokens per step; the prefill chunk"),
+    "max_model_len": ("--max-model-len", "context length (default: the model's)"),
+    "max_waiting": ("--max-waiting", "queued requests before 503 Overloaded"),
+    "enable_prefix_caching": ("--no-prefix-caching", "disable the prefix cache"),
+    "enable_chunked_prefill": ("--no-chunked-prefill", "prefill each prompt in one step"),
+    "pipeline_decode": ("--no-pipeline-decode", "read each decode step back before queuing the next"),
+    "dtype": ("--dtype", "float32, float16 or bfloat16 (default: float32 on CPU, the checkpoint's on GPU)"),
+    "seed": ("--engine-seed", "seed of unseeded sampling"),
+}
+
+
+def _default(name: str) -> Any:
+    f = next(f for f in fields(EngineConfig) if f.name == name)
+    return None if f.default is MISSING else f.default
+
+
+def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
+    """The engine's flags, as a group of `parser`; read them back with `engine_config_from_args`."""
+    g = parser.add_argument_group("engine")
+    for name, (flag, help_text) in _FLAGS.items():
+        default = _default(name)
+        if isinstance(default, bool):
+            g.add_argument(flag, dest=name, action="store_false" if default else "store_true", help=help_text)
+        else:
+            kind = {"dtype": str, "kv_cache_memory_gb": float}.get(name, int)
+            g.add_argument(flag, dest=name, type=kind, default=default, help=f"{help_text} (default: {default})")
+
+
+def engine_config_from_args(args: argparse.Namespace, model: str | None = None) -> EngineConfig:
+    return EngineConfig(model=model, **{name: getattr(args, name) for name in _FLAGS})

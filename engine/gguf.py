@@ -14,7 +14,7 @@ import struct
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -144,9 +144,10 @@ def read_gguf(path: str | os.PathLike[str]) -> tuple[dict[str, mx.array], dict[s
     """Validated tensors and metadata (scalars as Python values, token types as a list)."""
     validate_gguf(path)
     try:
-        weights, raw = mx.load(str(path), return_metadata=True)
+        loaded = mx.load(str(path), return_metadata=True)
     except Exception as exc:  # mlx raises plain RuntimeError/ValueError for unreadable files
         raise CorruptModelFile(f"{path}: cannot read GGUF file: {exc}") from exc
+    weights, raw = cast("tuple[dict[str, mx.array], dict[str, Any]]", loaded)
     return weights, {k: _pyvalue(v) for k, v in raw.items()}
 
 

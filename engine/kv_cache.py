@@ -138,15 +138,18 @@ class PagedKVCache:
 _SDPA = "scaled_dot_product_attention"
 
 
-def _make_paged_sdpa(original: Callable[..., mx.array]) -> Callable[..., mx.array]:
-    def paged_sdpa(queries: mx.array, keys: mx.array, values: mx.array, cache: Any, scale: float,
-                   mask: Any = None, sinks: mx.array | None = None, **kwargs: Any) -> mx.array:
+class PagedSDPA:
+    """What a model module's `scaled_dot_product_attention` becomes: paged caches go to the paged kernel,
+    anything else to mlx-lm's `original`."""
+
+    def __init__(self, original: Callable[..., mx.array]) -> None:
+        self.original = original
+
+    def __call__(self, queries: mx.array, keys: mx.array, values: mx.array, cache: Any, scale: float,
+                 mask: Any = None, sinks: mx.array | None = None, **kwargs: Any) -> mx.array:
         if isinstance(cache, PagedKVCache):
             return cache.attend(queries, scale=scale, sinks=sinks)
-        return original(queries, keys, values, cache=cache, scale=scale, mask=mask, sinks=sinks, **kwargs)
-
-    paged_sdpa.__trillm_original__ = original  # type: ignore[attr-defined]
-    return paged_sdpa
+        return self.original(queries, keys, values, cache=cache, scale=scale, mask=mask, sinks=sinks, **kwargs)
 
 
 def install_paged_attention(model: nn.Module) -> list[str]:
@@ -160,7 +163,7 @@ def install_paged_attention(model: nn.Module) -> list[str]:
         fn = getattr(mod, _SDPA, None)
         if fn is None:
             continue
-        if not hasattr(fn, "__trillm_original__"):
-            setattr(mod, _SDPA, _make_paged_sdpa(fn))
+        if not isinstance(fn, PagedSDPA):
+            setattr(mod, _SDPA, PagedSDPA(fn))
         patched.append(name)
     return patched

@@ -10,7 +10,7 @@ import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -46,11 +46,16 @@ class LoadedModel:
 
     @property
     def num_parameters(self) -> int:
-        return sum(v.size for _, v in tree_flatten(self.model.parameters()))
+        return sum(v.size for _, v in parameters(self.model))
 
     @property
     def num_bytes(self) -> int:
-        return sum(v.nbytes for _, v in tree_flatten(self.model.parameters()))
+        return sum(v.nbytes for _, v in parameters(self.model))
+
+
+def parameters(model: nn.Module) -> list[tuple[str, mx.array]]:
+    """The model's parameters as (dotted name, array) pairs."""
+    return cast("list[tuple[str, mx.array]]", tree_flatten(model.parameters()))
 
 
 def default_model_path() -> str:
@@ -189,14 +194,14 @@ def _eos_ids(config_file: Path) -> list[int]:
 
 
 def _checkpoint_dtype(model: nn.Module) -> mx.Dtype:
-    for key, value in tree_flatten(model.parameters()):
+    for key, value in parameters(model):
         if mx.issubdtype(value.dtype, mx.floating) and not key.endswith(("scales", "biases")):
             return value.dtype
     return mx.float16
 
 
 def _eval_with_progress(model: nn.Module, report: ProgressFn, chunks: int = 20) -> None:
-    params = [v for _, v in tree_flatten(model.parameters())]
+    params = [v for _, v in parameters(model)]
     step = max(1, -(-len(params) // chunks))
     for i in range(0, len(params), step):
         mx.eval(params[i : i + step])

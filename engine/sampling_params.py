@@ -59,8 +59,6 @@ class SamplingParams:
             bad(f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty!r}")
         if not 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS:
             bad(f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {self.top_logprobs!r}")
-        if self.seed is not None and not isinstance(self.seed, int):
-            bad(f"seed must be an integer, got {self.seed!r}")
         if any(not isinstance(s, str) or not s for s in self.stop):
             bad("stop strings must be non-empty strings")
         for _, bias in self.logit_bias:

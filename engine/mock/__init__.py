@@ -1,7 +1,13 @@
-"""The mock engine: the real scheduler and block manager with a timing model instead of a model (no MLX here)."""
+"""The mock engine: the real LLMEngine, Scheduler and BlockManager with a timing model instead of a model.
 
-from trillm.engine.mock.events import EngineObserver, KVEvent, StepLoad, StepReport
-from trillm.engine.mock.model import MockLoadedModel, MockModelSpec, make_mock_engine
+It loads no weights: a `MockRunner` prices each step with a `PerfModel` and makes up (or replays) tokens, and a
+`MockTokenizer` stands in for the model's. `trillm serve --mock` serves it; `trillm simulate` (trillm.bench)
+replays request traces on it in virtual time. Imports: trillm.engine only.
+"""
+
+from trillm.engine.mock.model import (
+    MockLoadedModel, MockModelSpec, add_mock_arguments, make_mock_engine, mock_engine_factory, perf_from_args,
+)
 from trillm.engine.mock.runner import MockRunner, Recording
 from trillm.engine.mock.timing import (
     InterpolatedModel, LinearCostModel, PerfModel, PolynomialModel, StepShape, load_perf_model, save_profile,
@@ -10,8 +16,8 @@ from trillm.engine.mock.tokenizer import MockTokenizer
 from trillm.engine.mock.trace import TraceRequest, load_trace, prompt_tokens, save_trace, synthetic_trace
 
 __all__ = [
-    "EngineObserver", "InterpolatedModel", "KVEvent", "LinearCostModel", "MockLoadedModel", "MockModelSpec",
-    "MockRunner", "MockTokenizer", "PerfModel", "PolynomialModel", "Recording", "StepLoad", "StepReport",
-    "StepShape", "TraceRequest", "load_perf_model", "load_trace", "make_mock_engine", "prompt_tokens",
-    "save_profile", "save_trace", "synthetic_trace",
+    "InterpolatedModel", "LinearCostModel", "MockLoadedModel", "MockModelSpec", "MockRunner", "MockTokenizer",
+    "PerfModel", "PolynomialModel", "Recording", "StepShape", "TraceRequest", "add_mock_arguments",
+    "load_perf_model", "load_trace", "make_mock_engine", "mock_engine_factory", "perf_from_args",
+    "prompt_tokens", "save_profile", "save_trace", "synthetic_trace",
 ]

@@ -3,13 +3,14 @@ MockTokenizer, sized like a real model but loading nothing."""
 
 from __future__ import annotations
 
+import argparse
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from trillm.engine.config import EngineConfig
 from trillm.engine.mock.runner import MockRunner, Recording
-from trillm.engine.mock.timing import LinearCostModel, PerfModel
+from trillm.engine.mock.timing import LinearCostModel, PerfModel, PolynomialModel, load_perf_model
 from trillm.engine.mock.tokenizer import MockTokenizer
 
 if TYPE_CHECKING:
@@ -96,10 +97,10 @@ def make_mock_engine(
 ) -> LLMEngine:
     """An LLMEngine whose runner is a MockRunner (perf defaults to the spec's roofline model).
 
-    sleep=None: the runner only records each step's duration in `engine.runner.last_step_s` (a trio driver
-    awaits it); sleep=time.sleep: the step blocks for it (real time on an engine thread).
+    sleep=None: each step's duration only travels with its results (an inline driver awaits it);
+    sleep=time.sleep: collecting a step blocks until its duration has passed (real time on an engine thread).
     """
-    from trillm.engine.llm_engine import LLMEngine  # imports MLX; the rest of the mock does not
+    from trillm.engine.llm_engine import LLMEngine
 
     model = perf if perf is not None else spec.roofline()
     vocab = spec.vocab_size
@@ -108,4 +109,39 @@ def make_mock_engine(
         return MockRunner(model, vocab_size=vocab, num_blocks=num_blocks, seed=seed, speedup=speedup,
                           recording=recording, sleep=sleep)
 
-    return LLMEngine(config or EngineConfig(), loaded=MockLoadedModel.of(spec), runner_factory=factory)  # type: ignore[arg-type]
+    return LLMEngine(config or EngineConfig(), loaded=MockLoadedModel.of(spec), runner_factory=factory)
+
+
+def add_mock_arguments(parser: argparse.ArgumentParser) -> None:
+    """The mock engine's flags (its timing model and tokens), shared by `serve --mock` and `simulate`."""
+    g = parser.add_argument_group("mock engine")
+    g.add_argument("--profile", default=None, help="profile JSON from `trillm bench profile` (else a roofline model)")
+    g.add_argument("--perf", choices=("linear", "interpolated", "polynomial"), default="linear",
+                   help="with --profile: its linear fit or interpolation; polynomial: Dynamo's default constants")
+    g.add_argument("--mem-bandwidth-gbps", type=float, default=100.0, help="roofline: memory bandwidth")
+    g.add_argument("--tflops", type=float, default=4.0, help="roofline: compute")
+    g.add_argument("--recording", default=None, help="JSONL of prompt/output token ids to replay")
+    g.add_argument("--mock-seed", type=int, default=0, help="seed of the mock's tokens")
+
+
+def perf_from_args(args: argparse.Namespace, spec: MockModelSpec) -> PerfModel:
+    if args.profile:
+        return load_perf_model(args.profile, args.perf)
+    if args.perf == "polynomial":
+        return PolynomialModel()
+    return spec.roofline(mem_bandwidth_gbps=args.mem_bandwidth_gbps, tflops=args.tflops)
+
+
+def mock_engine_factory(args: argparse.Namespace, config: EngineConfig, *, speedup: float = 1.0,
+                        spec: MockModelSpec = MockModelSpec()) -> Callable[[], LLMEngine]:
+    """Build mock engines from `add_mock_arguments` flags (loads the profile and the recording once, here)."""
+    if speedup <= 0:
+        raise ValueError(f"speedup must be > 0, got {speedup}")
+    perf = perf_from_args(args, spec)
+    recording = Recording.load(args.recording) if args.recording else None
+
+    def factory() -> LLMEngine:
+        return make_mock_engine(config, spec=spec, perf=perf, seed=args.mock_seed, speedup=speedup,
+                                recording=recording)
+
+    return factory

@@ -60,10 +60,10 @@ class MockTokenizer:
                 return i + NUM_SPECIAL
         return NUM_SPECIAL + zlib.crc32(word.encode()) % (self.vocab_size - NUM_SPECIAL)
 
-    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+    def encode(self, text: str, *, add_special_tokens: bool = False) -> list[int]:
         return [self._id(w) for w in _SPLIT.findall(text)]
 
-    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+    def decode(self, ids: Sequence[int], *, skip_special_tokens: bool = True) -> str:
         pieces = self._pieces
         if skip_special_tokens:
             return "".join(pieces[i] for i in ids if i >= NUM_SPECIAL)
@@ -72,15 +72,15 @@ class MockTokenizer:
     def token_bytes(self, token_id: int) -> bytes:
         return self._bytes[token_id]
 
-    def render_chat_template(self, messages: list[dict[str, Any]], *, tools: object = None,
-                             add_generation_prompt: bool = True, **kw: object) -> str:
+    def render_chat_template(self, messages: list[dict[str, Any]], *, tools: list[dict[str, Any]] | None = None,
+                             add_generation_prompt: bool = True, **kw: Any) -> str:
         parts = [f"<|im_start|> {m.get('role', 'user')} {m.get('content') or ''} <|im_end|>" for m in messages]
         if tools:
-            parts.insert(0, f"<|im_start|> system tools {len(tools)} <|im_end|>")  # type: ignore[arg-type]
+            parts.insert(0, f"<|im_start|> system tools {len(tools)} <|im_end|>")
         if add_generation_prompt:
             parts.append("<|im_start|> assistant")
         return " ".join(parts)
 
-    def apply_chat_template(self, messages: list[dict[str, Any]], tools: object = None,
-                            add_generation_prompt: bool = True, **kw: object) -> list[int]:
+    def apply_chat_template(self, messages: list[dict[str, Any]], *, tools: list[dict[str, Any]] | None = None,
+                            add_generation_prompt: bool = True, **kw: Any) -> list[int]:
         return self.encode(self.render_chat_template(messages, tools=tools, add_generation_prompt=add_generation_prompt))

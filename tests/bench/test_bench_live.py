@@ -1,25 +1,16 @@
 """`bench serve` and `bench peers` against live servers on the tiny random model (tests/conftest.py).
 
 Each test starts real server processes (a few seconds each on 2 cores): trillm via `python -m trillm.web.cli
-serve` (or bench's launcher until that lands), and mlx_lm.server. They skip without trillm's web server.
+serve`, and mlx_lm.server.
 """
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
 
-import pytest
-
 from trillm.bench import cli
 from trillm.bench.servers import ServerProcess, free_port, trillm_command
-
-
-pytestmark = pytest.mark.skipif(
-    importlib.util.find_spec("trillm.web.server") is None,
-    reason="trillm's web server is not in this checkout yet",
-)
 
 
 def test_bench_serve_against_live_trillm_sse_and_ws(tiny_model_path: Path, tmp_path: Path) -> None:
@@ -44,7 +35,6 @@ def test_bench_serve_against_live_trillm_sse_and_ws(tiny_model_path: Path, tmp_p
                 assert all(r["completion_tokens"] == r["output_tokens"] > 0 for r in run["records"])
                 assert s["ttft"]["p50"] > 0 and s["output_throughput"] > 0
             assert runs[1]["summary"]["cached_tokens"] > 0  # later turns hit trillm's prefix cache
-
 
 
 def test_bench_peers_runs_both_servers_and_checks_targets(tiny_model_path: Path, tmp_path: Path) -> None:

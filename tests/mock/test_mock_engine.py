@@ -13,7 +13,8 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 
 from trillm.engine.config import EngineConfig
 from trillm.engine.errors import InvalidRequest, Overloaded
-from trillm.engine.mock import EngineObserver, LinearCostModel, MockModelSpec, Recording, make_mock_engine
+from trillm.engine.kv_events import KVEventLog
+from trillm.engine.mock import LinearCostModel, MockModelSpec, Recording, make_mock_engine
 from trillm.engine.sampling_params import SamplingParams
 
 SPEC = MockModelSpec(name="tiny", vocab_size=64, max_model_len=256)
@@ -61,36 +62,36 @@ ops = st.lists(
 def test_scheduler_invariants_on_the_mock(config: EngineConfig, first: list[tuple[str, Any, int]],
                                           script: list[tuple[str, Any, int]]) -> None:
     engine = make_mock_engine(config, spec=SPEC, perf=LinearCostModel())
-    obs = EngineObserver(engine)
+    events = KVEventLog(engine.block_manager)
     index = KVIndex()
     bm = engine.block_manager
+    sch = engine.scheduler
     batches: list[Any] = []
-    run = engine.runner.run
+    launch = engine.runner.launch
 
-    def spy(batch: Any, rows: Any, check_abort: Any = None) -> Any:
-        batches.append((batch.num_tokens, len(engine.scheduler.running)))
-        return run(batch, rows, check_abort)
+    def spy(batch: Any, rows: Any, check_abort: Any = None, **kw: Any) -> Any:
+        batches.append((batch.num_tokens, len(sch.running)))
+        return launch(batch, rows, check_abort, **kw)
 
-    engine.runner.run = spy  # type: ignore[method-assign]
+    engine.runner.launch = spy  # type: ignore[method-assign]
     want: dict[str, int] = {}  # live or finished, not aborted -> max_tokens
     got: dict[str, int] = {}
     finished: set[str] = set()
     n = 0
 
     def step() -> None:
-        for out in obs.step():
+        for out in engine.step():
             assert out.request_id not in finished, "output after the final one"
             got[out.request_id] = got.get(out.request_id, 0) + len(out.new_token_ids)
             if out.finished:
                 finished.add(out.request_id)
-        for report in obs.drain():
-            index.apply(report.kv_events)
-        bm.check_invariants([r.seq for r in engine._requests.values()])
+        index.apply(events.take())
+        bm.check_invariants(sch.running)
         for num_tokens, running in batches:
             assert num_tokens <= config.max_num_batched_tokens or not config.enable_chunked_prefill
             assert running <= config.max_num_seqs
         batches.clear()
-        assert index.hashes == {h.hex() for h in bm._cached}
+        assert index.hashes == {h.hex() for h in bm.cached_block_hashes}
 
     for op, a, b in first + script:
         if op == "add":
@@ -102,12 +103,12 @@ def test_scheduler_invariants_on_the_mock(config: EngineConfig, first: list[tupl
                 continue  # too big for this pool or context, or the waiting queue is full
             want[rid] = b
         elif op == "abort":
-            live = sorted(engine._requests)
+            live = sorted(s.request_id for s in sch.running + sch.waiting)
             if live:
                 rid = live[a % len(live)]
                 engine.abort(rid)
                 del want[rid]
-                bm.check_invariants([r.seq for r in engine._requests.values()])
+                bm.check_invariants(sch.running)
         else:
             step()
     for _ in range(10_000):

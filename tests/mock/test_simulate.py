@@ -1,4 +1,4 @@
-"""The simulator: the mock engine in the InlineEngineService on trio's virtual clock."""
+"""The simulator: the mock engine in an inline EngineService on trio's virtual clock."""
 
 from __future__ import annotations
 
@@ -8,11 +8,14 @@ import pytest
 import trio
 import trio.testing
 
+from trillm.bench.simulate import simulate
 from trillm.engine.config import EngineConfig
 from trillm.engine.mock import LinearCostModel, MockModelSpec, StepShape, TraceRequest, make_mock_engine, synthetic_trace
 from trillm.engine.sampling_params import SamplingParams
-from trillm.web.mock_service import IDLE_STEP_S, InlineEngineService
-from trillm.web.simulate import simulate
+from trillm.engine.scheduler import ScheduledBatch
+from trillm.web.service import EngineService, ServiceConfig
+
+IDLE_STEP_S = ServiceConfig().idle_step_s
 
 SPEC = MockModelSpec(name="sim", vocab_size=1000, max_model_len=4096)
 MODEL = LinearCostModel(2e-3, 3e-4, 1e-6, 4e-3, 1e-4, 1e-9)
@@ -73,67 +76,55 @@ def test_virtual_time_moves_even_when_steps_take_no_time() -> None:
     assert rec.chunk_times == pytest.approx([IDLE_STEP_S * k for k in range(1, 7)])
 
 
-class StuckEngine:
-    """Has work but schedules nothing for `n` steps (as when nothing fits), then finishes."""
-
-    def __init__(self, n: int) -> None:
-        self.left = n
-        self.tokenizer = None
-        self.model_name = "stuck"
-        self.max_model_len = 10
-        self.runner = type("R", (), {"last_step_s": 0.0})()
-
-    def add_request(self, *a: Any, **k: Any) -> None:
-        pass
-
-    def abort(self, request_id: str) -> None:
-        pass
-
-    def has_unfinished_requests(self) -> bool:
-        return self.left > 0
-
-    def step(self, **kw: Any) -> list[Any]:
-        self.left -= 1
-        if not self.left:
-            self.done_at = trio.current_time()
-        return []
-
-    def statistics(self) -> Any:
-        return None
-
-
 def test_virtual_time_moves_when_a_step_schedules_nothing() -> None:
+    engine = make_mock_engine(EngineConfig(num_kv_blocks=64), spec=SPEC, perf=MODEL)
+    schedule = engine.scheduler.schedule
+    calls = 0
+
+    def stuck() -> ScheduledBatch:  # has work but schedules nothing for 49 steps (as when nothing fits)
+        nonlocal calls
+        calls += 1
+        return ScheduledBatch() if calls < 50 else schedule()
+
+    engine.scheduler.schedule = stuck  # type: ignore[method-assign]
+
     async def main() -> float:
-        engine = StuckEngine(50)
         async with trio.open_nursery() as nursery:
-            service = await nursery.start(InlineEngineService(lambda: engine).run)
+            service = await nursery.start(EngineService(lambda: engine, inline=True).run)
             t0 = trio.current_time()
-            service.submit([1], SamplingParams(max_tokens=1))
-            await trio.sleep(10)
-            assert engine.left == 0
+            with service.submit([5], SamplingParams(max_tokens=1)) as handle:
+                await handle.receive()
+            elapsed = trio.current_time() - t0
             nursery.cancel_scope.cancel()
-        return engine.done_at - t0
+        return elapsed
 
     elapsed = trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))
-    assert elapsed == pytest.approx(49 * IDLE_STEP_S)  # the 50th step starts after 49 idle steps
+    prefill = MODEL.step_seconds(StepShape(prefill_chunks=((1, 0),)))
+    assert calls == 50 and elapsed == pytest.approx(49 * IDLE_STEP_S + prefill)
 
 
 def test_client_disconnect_frees_every_block() -> None:
+    def used_blocks(service: EngineService) -> int:
+        engine = service.statistics().engine
+        assert engine is not None
+        return engine.num_blocks_used
+
     async def main() -> tuple[int, int]:
-        service = InlineEngineService(factory())
+        service = EngineService(factory(), inline=True)
         async with trio.open_nursery() as nursery:
             await nursery.start(service.run)
             handles = [service.submit(list(range(3, 3 + 50 + i)), SamplingParams(max_tokens=100, ignore_eos=True))
                        for i in range(6)]
             for h in handles:
-                await h.wait_admitted()
                 await h.receive()
-            used_mid = service.engine.block_manager.num_used_blocks
+            used_mid = used_blocks(service)
             for h in handles:
                 h.close()  # what the HTTP layer does when the client goes away
             await trio.sleep(1)
-            used_end = service.engine.block_manager.num_used_blocks
-            assert not service.engine.has_unfinished_requests() and not service._live
+            used_end = used_blocks(service)
+            st = service.statistics()
+            assert st.engine is not None and st.engine.num_running == st.engine.num_waiting == 0
+            assert st.num_live_requests == 0
             nursery.cancel_scope.cancel()
         return used_mid, used_end
 

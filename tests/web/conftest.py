@@ -1,37 +1,72 @@
-"""Fixtures for the web tests: an EngineService around the fake engine."""
+"""Fixtures for the web tests: EngineServices around the mock engine (the real LLMEngine, Scheduler and
+BlockManager with a timing-model runner and a word tokenizer), and live servers."""
 
 from __future__ import annotations
 
+import threading
+import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from functools import partial
-import threading
 from typing import Any
 
 import trio
 import trio.testing
 
+from trillm.engine.config import EngineConfig
+from trillm.engine.llm_engine import LLMEngine
+from trillm.engine.mock import LinearCostModel, MockModelSpec, Recording, make_mock_engine
+from trillm.engine.mock.tokenizer import MockTokenizer
+from trillm.engine.sampling_params import SamplingParams
 from trillm.web.service import EngineService, ServiceConfig
-from fake_engine import FakeEngine
+
+SPEC = MockModelSpec(name="mock-model", vocab_size=2000, max_model_len=2048)
+TOKENIZER = MockTokenizer(SPEC.vocab_size)
+DEFAULT_CONFIG = EngineConfig(num_kv_blocks=512, max_num_seqs=32, max_num_batched_tokens=64)
 
 
-class FakeFactory:
-    """Builds FakeEngines (on the engine thread) and remembers them, so tests can poke the live one."""
+class MockFactory:
+    """Builds mock engines (on the engine thread) and remembers them, so tests can poke the live one.
 
-    def __init__(self, **kw: Any) -> None:
-        self.kw = kw
-        self.engines: list[FakeEngine] = []
+    step_delay: each step takes that long, in real time (the engine thread sleeps).
+    """
+
+    def __init__(self, *, config: EngineConfig = DEFAULT_CONFIG, step_delay: float = 0.0, load_delay: float = 0.0,
+                 spec: MockModelSpec = SPEC, recording: Recording | None = None) -> None:
+        self.config = config
+        self.perf = LinearCostModel(step_delay, 0.0, 0.0, step_delay, 0.0, 0.0)
+        self.load_delay = load_delay
+        self.spec = spec
+        self.recording = recording
+        self.engines: list[LLMEngine] = []
         self.threads: list[int] = []  # the thread each engine was built on
 
-    def __call__(self) -> FakeEngine:
-        engine = FakeEngine(**self.kw)
+    def __call__(self) -> LLMEngine:
+        time.sleep(self.load_delay)
+        engine = make_mock_engine(self.config, spec=self.spec, perf=self.perf, recording=self.recording,
+                                  sleep=time.sleep)
         self.engines.append(engine)
         self.threads.append(threading.get_ident())
         return engine
 
     @property
-    def engine(self) -> FakeEngine:
+    def engine(self) -> LLMEngine:
         return self.engines[-1]
+
+    def fail_next_step(self, message: str = "injected engine failure") -> None:
+        """Make the live engine's next step raise (an attribute swap: atomic, so any thread may call it)."""
+        def broken(*args: Any, **kwargs: Any) -> Any:
+            raise RuntimeError(message)
+
+        self.engine.runner.launch = broken  # type: ignore[method-assign]
+
+
+def reference_text(prompt_ids: list[int], max_tokens: int, *, seed: int | None = None, spec: MockModelSpec = SPEC,
+                   recording: Recording | None = None) -> str:
+    """The independent truth for a mock engine's output: the same prompt run alone, offline."""
+    engine = make_mock_engine(DEFAULT_CONFIG, spec=spec, recording=recording)
+    (out,) = engine.generate([prompt_ids], SamplingParams(max_tokens=max_tokens, seed=seed, ignore_eos=True))
+    return out.new_text
 
 
 @asynccontextmanager
@@ -45,7 +80,7 @@ async def running_service(factory: Callable[[], Any], **config: Any) -> AsyncIte
 @asynccontextmanager
 async def running_app(factory: Callable[[], Any], *, service_config: dict[str, Any] | None = None,
                       **server: Any) -> AsyncIterator[Any]:
-    """A quart test client on an app around one running fake service."""
+    """A quart test client on an app around one running service."""
     from trillm.web.app import create_app
     from trillm.web.config import ServerConfig
 
@@ -72,11 +107,11 @@ async def running_server(*factories: Callable[[], Any], service_config: dict[str
                          **server: Any) -> AsyncIterator[Any]:
     """A live hypercorn server on 127.0.0.1 (a free port); yields trillm.web.server.Serving."""
     from trillm.web.config import ServerConfig
-    from trillm.web.server import serve
+    from trillm.web.server import ModelSpec, serve
 
     config = ServerConfig(host="127.0.0.1", port=0, **server)
     async with trio.open_nursery() as nursery:
-        serving = await nursery.start(partial(serve, [(None, f) for f in factories], config,
+        serving = await nursery.start(partial(serve, [ModelSpec(None, f) for f in factories], config,
                                               service_config=ServiceConfig(**(service_config or {}))))
         yield serving
         nursery.cancel_scope.cancel()

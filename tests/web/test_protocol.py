@@ -8,13 +8,11 @@ import pytest
 
 from trillm.engine.errors import InvalidRequest
 from trillm.engine.outputs import FinishReason, RequestOutput, TokenLogprob, Usage
+from trillm.engine.mock.tokenizer import MockTokenizer
 from trillm.web.cli import build_parser, main
 from trillm.web.protocol import Limits, ResponseBuilder, parse_generation
-from trillm.web.stream import merge_outputs
 
-from fake_engine import FakeTokenizer
-
-TOK = FakeTokenizer()
+TOK = MockTokenizer(1000)
 
 
 def parse(body: dict[str, Any], kind: str = "chat", limits: Limits = Limits()) -> Any:
@@ -43,7 +41,7 @@ def test_max_tokens_defaults_and_limits() -> None:
     with pytest.raises(InvalidRequest, match="at most 5"):
         parse({"prompt": "a", "max_tokens": 6}, "completion", Limits(max_tokens_limit=5))
     with pytest.raises(InvalidRequest, match="at most 2"):
-        parse({"prompt": "abc"}, "completion", Limits(max_prompt_tokens=2))
+        parse({"prompt": "a b c"}, "completion", Limits(max_prompt_tokens=2))
 
 
 @pytest.mark.parametrize("body", [
@@ -60,7 +58,7 @@ def test_bad_chat_bodies_are_invalid_requests(body: dict[str, Any]) -> None:
         parse(body)
 
 
-@pytest.mark.parametrize("prompt", [None, 5, [], [1, "a"], ["a", "b"], [10**6]])
+@pytest.mark.parametrize("prompt", [None, 5, [], [1, "a"], ["a", "b"], [10**6], [True]])
 def test_bad_completion_prompts(prompt: Any) -> None:
     with pytest.raises(InvalidRequest):
         parse({"prompt": prompt}, "completion")
@@ -75,7 +73,7 @@ def test_merge_outputs_concatenates_and_keeps_the_latest_state() -> None:
     u1, u2 = Usage(3, 1, 0), Usage(3, 3, 0)
     a = RequestOutput("r", (10,), "a", None, u1, (TokenLogprob(10, -1.0),))
     b = RequestOutput("r", (11, 12), "bc", FinishReason.LENGTH, u2, (TokenLogprob(11, -2.0), TokenLogprob(12, -3.0)))
-    m = merge_outputs(a, b)
+    m = RequestOutput.concat([a, b])
     assert (m.new_token_ids, m.new_text, m.finish_reason, m.usage) == ((10, 11, 12), "abc", FinishReason.LENGTH, u2)
     assert [lp.token_id for lp in m.logprobs or ()] == [10, 11, 12]
 
@@ -91,11 +89,17 @@ def test_n_choices_usage_counts_the_prompt_once() -> None:
                              "prompt_tokens_details": {"cached_tokens": 2}}
 
 
-def test_cli_parses_serve_flags_and_reports_missing_bench(capsys: pytest.CaptureFixture[str]) -> None:
+def test_cli_serve_flags_fill_the_engine_config(capsys: pytest.CaptureFixture[str]) -> None:
+    from trillm.engine.config import EngineConfig, engine_config_from_args
+
     args = build_parser().parse_args(["serve", "--model", "a", "--model", "b", "--port", "9000", "--api-key", "k",
                                       "--max-num-seqs", "8", "--no-prefix-caching", "--max-tokens-limit", "64"])
-    assert args.model == ["a", "b"] and args.port == 9000 and args.api_key == "k"
-    assert args.max_num_seqs == 8 and args.no_prefix_caching and args.max_tokens_limit == 64
+    assert args.model == ["a", "b"] and args.port == 9000 and args.api_key == "k" and args.max_tokens_limit == 64
+    config = engine_config_from_args(args, "a")
+    assert config == EngineConfig(model="a", max_num_seqs=8, enable_prefix_caching=False)  # the rest: defaults
     assert main(["serve", "--model", "a", "--served-model-name", "x", "--served-model-name", "y"]) == 2
     assert "one --served-model-name per --model" in capsys.readouterr().err
+    assert main(["serve", "--mock", "--model", "a"]) == 2
     assert main(["bench", "--help"]) == 0
+    sim = build_parser().parse_args(["simulate", "--synthetic", "--max-num-seqs", "4", "--perf", "polynomial"])
+    assert engine_config_from_args(sim).max_num_seqs == 4 and sim.perf == "polynomial"

@@ -16,7 +16,16 @@ import trio_websocket
 from trillm.engine.config import EngineConfig
 from trillm.engine.llm_engine import LLMEngine
 
+from trillm.engine.outputs import EngineStatistics
+from trillm.web.service import EngineService
+
 from conftest import parse_sse, running_server
+
+
+def engine_stats(service: EngineService) -> EngineStatistics:
+    stats = service.statistics().engine
+    assert stats is not None
+    return stats
 
 MESSAGES = [{"role": "user", "content": "What is two plus two? Please answer in a short sentence, " * 3}]
 
@@ -82,9 +91,9 @@ async def test_disconnect_frees_kv_blocks_within_1s(tiny_model_path: Path) -> No
                     n += line.startswith("data: {")
                     if n >= 4:
                         break
-                assert service.statistics().num_blocks_used > 0
+                assert engine_stats(service).num_blocks_used > 0
             t0 = time.perf_counter()
-            while (s := service.statistics()).num_blocks_used or s.num_running:
+            while (s := engine_stats(service)).num_blocks_used or s.num_running:
                 assert time.perf_counter() - t0 < 1.0
                 await trio.sleep(0.01)
 
@@ -146,7 +155,7 @@ async def test_websocket_multiplex_and_cancel_real(tiny_model_path: Path) -> Non
         assert final[1]["type"] == "cancelled" and final[2]["type"] == "done"
         assert texts[2] == solo and final[2]["usage"]["completion_tokens"] == 8
         t0 = time.perf_counter()
-        while serving.services[0].statistics().num_blocks_used:
+        while engine_stats(serving.services[0]).num_blocks_used:
             assert time.perf_counter() - t0 < 1.0
             await trio.sleep(0.01)
 
@@ -178,7 +187,7 @@ async def test_injected_failure_ends_open_streams_real(tiny_model_path: Path) ->
             assert len(bodies) == 4
             for body in bodies:
                 events = parse_sse(body)
-                assert events[-1] == "[DONE]" and "injected engine failure" in events[-2]["error"]["message"]
+                assert events[-1] == "[DONE]" and "the engine failed" in events[-2]["error"]["message"]
             with trio.fail_after(20):
                 while (await client.get("/health")).status_code != 200:
                     await trio.sleep(0.05)

@@ -1,0 +1,118 @@
+"""`trillm serve`: serve models (or, with --mock, the mock engine) over the OpenAI-compatible API."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import sys
+from functools import partial
+
+from trillm.engine.config import add_engine_arguments, engine_config_from_args
+from trillm.engine.errors import EngineError
+from trillm.engine.mock import add_mock_arguments
+
+HELP = "serve an OpenAI-compatible HTTP/SSE and websocket API"
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+
+
+def configure(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--model", action="append", default=None,
+                   help="model path or GGUF file (default: the bundled SmolLM2-135M-Instruct); repeat to serve "
+                        "several models, each on its own engine thread")
+    p.add_argument("--served-model-name", action="append", default=None,
+                   help="the name clients use (one per --model; default: the model's own)")
+    p.add_argument("--api-key", default=os.environ.get("TRILLM_API_KEY"),
+                   help="require 'Authorization: Bearer KEY' on /v1/* (default: $TRILLM_API_KEY)")
+    p.add_argument("--max-request-bytes", type=int, default=4 << 20)
+    p.add_argument("--max-prompt-tokens", type=int, default=None)
+    p.add_argument("--max-tokens-limit", type=int, default=None, help="the largest max_tokens a request may ask")
+    p.add_argument("--lazy-load", action="store_true", help="load each model on its first request")
+    p.add_argument("--unload-after-idle", type=float, default=None, metavar="SECONDS",
+                   help="free a model after this long without requests (the next request reloads it)")
+    p.add_argument("--log-level", default="info")
+    p.add_argument("--mock", action="store_true",
+                   help="serve the mock engine (the real scheduler with a timing model, no weights); see its flags")
+    p.add_argument("--speedup", type=float, default=1.0, help="--mock: run the timing model this many times faster")
+    add_engine_arguments(p)
+    add_mock_arguments(p)
+
+
+def run(args: argparse.Namespace) -> int:
+    import trio
+
+    from trillm.engine.llm_engine import LLMEngine
+    from trillm.engine.mock import mock_engine_factory
+    from trillm.web.config import ServerConfig
+    from trillm.web.server import ModelSpec, serve
+    from trillm.web.service import ServiceConfig
+
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    models: list[str | None] = args.model or [None]
+    names: list[str | None] = args.served_model_name or [None] * len(models)
+    if len(names) != len(models):
+        return _usage("give one --served-model-name per --model")
+    if args.mock and args.model:
+        return _usage("--mock serves the mock engine; it takes no --model")
+    if args.lazy_load:  # requests must name a model before it is loaded, so fix the names now
+        names = [n or _default_name(m) for n, m in zip(names, models)]
+    try:
+        service_config = ServiceConfig(lazy_load=args.lazy_load, unload_after_idle_s=args.unload_after_idle)
+        config = ServerConfig(host=args.host, port=args.port, api_key=args.api_key,
+                              max_request_bytes=args.max_request_bytes, max_prompt_tokens=args.max_prompt_tokens,
+                              max_tokens_limit=args.max_tokens_limit)
+        if args.mock:
+            specs = [ModelSpec(names[0], mock_engine_factory(args, engine_config_from_args(args), speedup=args.speedup),
+                               inline=True)]
+        else:
+            specs = [ModelSpec(name, partial(LLMEngine, engine_config_from_args(args, model)))
+                     for name, model in zip(names, models)]
+    except (ValueError, OSError, EngineError) as exc:
+        return _usage(str(exc))
+    try:
+        trio.run(partial(serve, specs, config, service_config=service_config, shutdown_trigger=_wait_for_stop_signal))
+    except (KeyboardInterrupt, EngineError, BaseExceptionGroup) as exc:
+        return _exit_code(exc)
+    return 0
+
+
+def _usage(message: str) -> int:
+    print(f"trillm serve: {message}", file=sys.stderr)
+    return 2
+
+
+def _default_name(model: str | None) -> str:
+    if model is None:
+        return DEFAULT_MODEL_NAME
+    name = os.path.basename(os.path.normpath(model))
+    return name.removesuffix(".gguf") or model
+
+
+async def _wait_for_stop_signal() -> None:
+    import trio
+
+    with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+        async for signum in signals:
+            logging.getLogger("trillm.web.cli").info("%s: shutting down", signal.Signals(signum).name)
+            return
+
+
+def _exit_code(exc: BaseException) -> int:
+    """Typed errors (e.g. the model could not be loaded) become one clear line, not a traceback."""
+    if isinstance(exc, BaseExceptionGroup):
+        engine_errors, rest = exc.split(EngineError)
+        if rest is not None and rest.split(KeyboardInterrupt)[1] is not None:
+            raise exc
+        if engine_errors is None:
+            return 0
+        first: BaseException = engine_errors
+        while isinstance(first, BaseExceptionGroup):
+            first = first.exceptions[0]
+        exc = first
+    if isinstance(exc, KeyboardInterrupt):
+        return 0
+    print(f"trillm serve: {exc}", file=sys.stderr)
+    return 1
