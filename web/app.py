@@ -18,10 +18,11 @@ from trillm.web.config import ServerConfig
 from trillm.web.errors import APIError, to_api_error
 from trillm.web.generation import ModelRegistry, any_tokenizer, start_generation
 from trillm.web.metrics import render_metrics
+from trillm.web.playground import register_playground
 from trillm.web.protocol import Kind, ResponseBuilder, chat_prompt_ids
 from trillm.web.service import EngineService, EngineUnavailable, retry_after_seconds
 from trillm.web.sse import sse_stream
-from trillm.web.ws import register_websocket
+from trillm.web.ws import register_websocket, subprotocol_api_key
 
 log = logging.getLogger("trillm.web.app")
 
@@ -63,8 +64,10 @@ def create_app(services: Sequence[EngineService], config: ServerConfig = ServerC
     registry = ModelRegistry(services)
     app.extensions["trillm.registry"] = registry
 
-    def authorized(headers: Any) -> bool:
+    def authorized(headers: Any, offered_key: bytes | None = None) -> bool:
         if config.api_key is None:
+            return True
+        if offered_key is not None and hmac.compare_digest(offered_key, config.api_key.encode()):
             return True
         scheme, _, token = headers.get("Authorization", "").partition(" ")
         return scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), config.api_key.encode())
@@ -81,7 +84,7 @@ def create_app(services: Sequence[EngineService], config: ServerConfig = ServerC
 
     @app.before_websocket
     async def check_ws_auth() -> Response | None:
-        if not authorized(websocket.headers):
+        if not authorized(websocket.headers, subprotocol_api_key(websocket.requested_subprotocols)):
             return error_response(APIError(401, "missing or wrong API key", "authentication_error",
                                            "invalid_api_key"))
         return None
@@ -172,4 +175,5 @@ def create_app(services: Sequence[EngineService], config: ServerConfig = ServerC
         return json_response({"prompt": tokenizer.decode(tokens, skip_special_tokens=False)})
 
     register_websocket(app, registry, config)
+    register_playground(app, registry)
     return app

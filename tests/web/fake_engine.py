@@ -64,7 +64,7 @@ class FakeEngine:
 
     def __init__(self, config: EngineConfig | None = None, *, step_delay: float = 0.0,
                  eos_after: int | None = None, load_delay: float = 0.0, max_model_len: int = 2048,
-                 fail_at_step: int | None = None) -> None:
+                 fail_at_step: int | None = None, script: str | None = None) -> None:
         time.sleep(load_delay)
         self.config = config or EngineConfig(num_kv_blocks=256, max_num_seqs=32, max_num_batched_tokens=64)
         self.tokenizer = FakeTokenizer()
@@ -73,6 +73,7 @@ class FakeEngine:
         self.step_delay = step_delay
         self.eos_after = eos_after
         self.fail_at_step = fail_at_step  # raise on that step (tests set it, any thread)
+        self.script = None if script is None else script.encode()  # every answer: these bytes, then EOS
         self.num_blocks_total = self.config.num_kv_blocks or 256
         self._waiting: deque[_Seq] = deque()
         self._running: dict[str, _Seq] = {}
@@ -178,6 +179,8 @@ class FakeEngine:
 
     def _next_token(self, seq: _Seq) -> int:
         n = len(seq.output)
+        if self.script is not None:
+            return self.script[n] + 3 if n < len(self.script) else EOS
         if self.eos_after is not None and n >= self.eos_after and not seq.params.ignore_eos:
             return EOS
         if seq.params.greedy:
