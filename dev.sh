@@ -10,11 +10,17 @@ PY=${PYTHON:-python3}
 VENV=.venv
 
 setup_os() {
+  [ "$(uname)" = Linux ] || return 0
+  local want=()
   # OpenBLAS: the mlx[cpu] wheel's own BLAS is netlib's reference one (~60x slower for fp32 matmuls).
-  if [ "$(uname)" = Linux ] && ! ls /usr/lib/*/openblas-pthread/libopenblas.so.0 >/dev/null 2>&1; then
+  ls /usr/lib/*/openblas-pthread/libopenblas.so.0 >/dev/null 2>&1 || want+=(libopenblas0-pthread)
+  # Chromium and its WebDriver: the playground's browser tests (tests/web/test_playground_browser.py).
+  command -v chromium >/dev/null 2>&1 || want+=(chromium)
+  command -v chromedriver >/dev/null 2>&1 || want+=(chromium-driver)
+  if [ ${#want[@]} -gt 0 ]; then
     local SUDO=""; [ "$(id -u)" = 0 ] || SUDO=sudo
     $SUDO apt-get update -qq || true
-    $SUDO apt-get install -y -qq libopenblas0-pthread
+    $SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${want[@]}"
   fi
 }
 

@@ -22,5 +22,7 @@ def test_wheel_holds_every_package_under_trillm(tmp_path: Path) -> None:
             rel = init.relative_to(ROOT).as_posix()
             assert f"trillm/{rel}" in names, f"{rel} is missing from the wheel: list it in pyproject packages"
     assert "trillm/kernels/tools/gpu_check.sh" in names
+    for name in ("playground.html", "playground.js", "playground.css"):  # the page at GET /
+        assert f"trillm/web/static/{name}" in names
     entry = zipfile.ZipFile(wheel).read(next(n for n in names if n.endswith("entry_points.txt"))).decode()
     assert "trillm = trillm.web.cli:main" in entry

@@ -18,10 +18,11 @@ from trillm.web.config import ServerConfig
 from trillm.web.errors import APIError, to_api_error
 from trillm.web.generation import ModelRegistry, any_tokenizer, start_generation
 from trillm.web.metrics import render_metrics
+from trillm.web.playground import register_playground
 from trillm.web.protocol import Kind, ResponseBuilder, chat_prompt_ids
-from trillm.web.service import EngineService, EngineUnavailable, ServiceStatistics, retry_after_seconds
+from trillm.web.service import EngineService, EngineUnavailable, retry_after_seconds
 from trillm.web.sse import sse_stream
-from trillm.web.ws import register_websocket
+from trillm.web.ws import register_websocket, subprotocol_api_key
 
 log = logging.getLogger("trillm.web.app")
 
@@ -29,21 +30,6 @@ log = logging.getLogger("trillm.web.app")
 def json_response(obj: dict[str, Any], status: int = 200, headers: dict[str, str] | None = None) -> Response:
     return Response(json.dumps(obj, ensure_ascii=False), status=status, headers=headers or {},
                     content_type="application/json")
-
-
-def stats_json(st: ServiceStatistics) -> dict[str, Any]:
-    engine = st.engine
-    return {
-        "state": st.state.value, "live_requests": st.num_live_requests, "restarts": st.num_restarts,
-        "steps": st.num_steps, "epoch": st.epoch,
-        "engine": None if engine is None else {
-            "running": engine.num_running, "waiting": engine.num_waiting,
-            "kv_blocks_used": engine.num_blocks_used, "kv_blocks_total": engine.num_blocks_total,
-            "prefix_cache_hit_rate": engine.prefix_cache_hit_rate,
-            "prompt_tokens_per_s": engine.prompt_tokens_per_s,
-            "generation_tokens_per_s": engine.generation_tokens_per_s,
-        },
-    }
 
 
 def error_response(err: APIError) -> Response:
@@ -78,8 +64,10 @@ def create_app(services: Sequence[EngineService], config: ServerConfig = ServerC
     registry = ModelRegistry(services)
     app.extensions["trillm.registry"] = registry
 
-    def authorized(headers: Any) -> bool:
+    def authorized(headers: Any, offered_key: bytes | None = None) -> bool:
         if config.api_key is None:
+            return True
+        if offered_key is not None and hmac.compare_digest(offered_key, config.api_key.encode()):
             return True
         scheme, _, token = headers.get("Authorization", "").partition(" ")
         return scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), config.api_key.encode())
@@ -96,7 +84,7 @@ def create_app(services: Sequence[EngineService], config: ServerConfig = ServerC
 
     @app.before_websocket
     async def check_ws_auth() -> Response | None:
-        if not authorized(websocket.headers):
+        if not authorized(websocket.headers, subprotocol_api_key(websocket.requested_subprotocols)):
             return error_response(APIError(401, "missing or wrong API key", "authentication_error",
                                            "invalid_api_key"))
         return None
@@ -162,11 +150,6 @@ def create_app(services: Sequence[EngineService], config: ServerConfig = ServerC
                                for s in registry.services})
         return Response(text, content_type="text/plain; version=0.0.4; charset=utf-8")
 
-    @app.get("/internal/stats")
-    async def internal_stats() -> Response:
-        """What is live right now, per model: the leak check of load tests and the playground's panel."""
-        return json_response({"models": {s.model_name: stats_json(s.statistics()) for s in registry.services}})
-
     @app.post("/tokenize")
     async def tokenize() -> Response:
         body = await json_body()
@@ -193,4 +176,5 @@ def create_app(services: Sequence[EngineService], config: ServerConfig = ServerC
         return json_response({"prompt": tokenizer.decode(tokens, skip_special_tokens=False)})
 
     register_websocket(app, registry, config)
+    register_playground(app, registry)
     return app

@@ -5,12 +5,18 @@ Server -> client: {"type": "delta", "id", "index", "text", "token_ids", "logprob
 then {"type": "done", "id", "usage", "finish_reasons"}; or {"type": "cancelled", "id"}; or
 {"type": "error", "id", "error": {...}}. A malformed message gets an error and the socket stays open.
 Closing the socket cancels the handler (quart-trio), which aborts every generation it started.
+
+Browsers cannot set an Authorization header on a websocket, so a client may instead offer the subprotocols
+"trillm" and "trillm.bearer.<the API key, base64url without padding>"; the server then selects "trillm".
 """
 
 from __future__ import annotations
 
+import base64
+import binascii
 import json
 import logging
+from collections.abc import Iterable
 from typing import Any
 
 import trio
@@ -25,6 +31,21 @@ from trillm.web.protocol import Kind, ResponseBuilder, usage_dict
 from trillm.web.stream import GenerationFailed
 
 log = logging.getLogger("trillm.web.ws")
+
+SUBPROTOCOL = "trillm"
+BEARER_SUBPROTOCOL_PREFIX = "trillm.bearer."
+
+
+def subprotocol_api_key(protocols: Iterable[str]) -> bytes | None:
+    """The API key a client offered as a subprotocol (see the module docstring), or None."""
+    for protocol in protocols:
+        if protocol.startswith(BEARER_SUBPROTOCOL_PREFIX):
+            encoded = protocol[len(BEARER_SUBPROTOCOL_PREFIX):]
+            try:
+                return base64.urlsafe_b64decode(encoded + "=" * (-len(encoded) % 4))
+            except (binascii.Error, ValueError):
+                return None
+    return None
 
 
 class _Session:
@@ -127,7 +148,8 @@ async def _writer(out: trio.MemoryReceiveChannel[str]) -> None:
 def register_websocket(app: QuartTrio, registry: ModelRegistry, config: ServerConfig) -> None:
     @app.websocket("/v1/ws")
     async def ws() -> None:
-        await websocket.accept()
+        # A browser fails the handshake unless the server selects one of the subprotocols it offered.
+        await websocket.accept(subprotocol=SUBPROTOCOL if SUBPROTOCOL in websocket.requested_subprotocols else None)
         send, recv = trio.open_memory_channel[str](256)
         async with trio.open_nursery() as nursery, send:
             nursery.start_soon(_writer, recv)

@@ -12,6 +12,7 @@ from trillm.engine.config import EngineConfig
 from trillm.engine.mock.runner import MockRunner, Recording
 from trillm.engine.mock.timing import LinearCostModel, PerfModel, PolynomialModel, load_perf_model
 from trillm.engine.mock.tokenizer import MockTokenizer
+from trillm.engine.tokenizer import TokenizerLike
 
 if TYPE_CHECKING:
     from trillm.engine.llm_engine import LLMEngine
@@ -58,7 +59,7 @@ class _DType:
 class MockLoadedModel:
     """Duck-types engine.loader.LoadedModel (which imports MLX) with no weights: model is None."""
 
-    tokenizer: MockTokenizer
+    tokenizer: TokenizerLike
     model_id: str
     name: str
     eos_token_ids: frozenset[int]
@@ -79,8 +80,11 @@ class MockLoadedModel:
         return self.spec.weight_bytes
 
     @classmethod
-    def of(cls, spec: MockModelSpec) -> MockLoadedModel:
-        tok = MockTokenizer(spec.vocab_size)
+    def of(cls, spec: MockModelSpec, tokenizer: TokenizerLike | None = None) -> MockLoadedModel:
+        """tokenizer: any other one (its vocabulary must be spec.vocab_size); default the MockTokenizer."""
+        tok = tokenizer if tokenizer is not None else MockTokenizer(spec.vocab_size)
+        if tok.vocab_size != spec.vocab_size:
+            raise ValueError(f"the tokenizer has {tok.vocab_size} tokens, the spec {spec.vocab_size}")
         return cls(tok, f"mock:{spec.name}:{spec.vocab_size}", spec.name, tok.eos_token_ids, spec.max_model_len,
                    spec.num_layers, spec.num_kv_heads, spec.head_dim, _DType(spec.dtype_bytes), spec)
 
@@ -94,6 +98,7 @@ def make_mock_engine(
     speedup: float = 1.0,
     recording: Recording | None = None,
     sleep: Callable[[float], None] | None = None,
+    tokenizer: TokenizerLike | None = None,
 ) -> LLMEngine:
     """An LLMEngine whose runner is a MockRunner (perf defaults to the spec's roofline model).
 
@@ -109,7 +114,7 @@ def make_mock_engine(
         return MockRunner(model, vocab_size=vocab, num_blocks=num_blocks, seed=seed, speedup=speedup,
                           recording=recording, sleep=sleep)
 
-    return LLMEngine(config or EngineConfig(), loaded=MockLoadedModel.of(spec), runner_factory=factory)
+    return LLMEngine(config or EngineConfig(), loaded=MockLoadedModel.of(spec, tokenizer), runner_factory=factory)
 
 
 def add_mock_arguments(parser: argparse.ArgumentParser) -> None:

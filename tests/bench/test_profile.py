@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 
 from trillm.bench import cli
+from trillm.engine.mock import LinearCostModel
 
 
 def test_profile_has_samples_for_every_requested_shape(tiny_model_path: Path, tmp_path: Path) -> None:
@@ -19,5 +20,4 @@ def test_profile_has_samples_for_every_requested_shape(tiny_model_path: Path, tm
     assert all(s["seconds"] > 0 for s in doc["decode"] + doc["prefill"])
     assert {s["tokens"] for s in doc["prefill"]} == {8, 24}
     assert {s["start"] for s in doc["prefill"] if s["tokens"] == 8} == {0, 8}
-    fit = doc["linear_fit"]
-    assert fit["decode_base_s"] > 0 or fit["decode_per_seq_s"] > 0  # fitted, not the defaults
+    assert LinearCostModel(**doc["linear_fit"]) != LinearCostModel()  # fitted to the samples, not the defaults

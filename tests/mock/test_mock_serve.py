@@ -58,7 +58,7 @@ async def test_sse_streams_and_kv_events_websocket() -> None:
         async with httpx.AsyncClient(timeout=5) as client:
             with trio.fail_after(5):
                 while True:  # what load tests check for leaks: nothing live, no KV block held
-                    stats = (await client.get(serving.url + "/internal/stats")).json()["models"]["served-mock"]
+                    (stats,) = (await client.get(serving.url + "/stats")).json()["models"]
                     if stats["live_requests"] == 0 and stats["engine"]["running"] == 0:
                         break
                     await trio.sleep(0.01)

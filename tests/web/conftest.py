@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
 from functools import partial
 from typing import Any
@@ -18,6 +18,7 @@ from trillm.engine.llm_engine import LLMEngine
 from trillm.engine.mock import LinearCostModel, MockModelSpec, Recording, make_mock_engine
 from trillm.engine.mock.tokenizer import MockTokenizer
 from trillm.engine.sampling_params import SamplingParams
+from trillm.engine.tokenizer import TokenizerLike
 from trillm.web.service import EngineService, ServiceConfig
 
 SPEC = MockModelSpec(name="mock-model", vocab_size=2000, max_model_len=2048)
@@ -32,8 +33,10 @@ class MockFactory:
     """
 
     def __init__(self, *, config: EngineConfig = DEFAULT_CONFIG, step_delay: float = 0.0, load_delay: float = 0.0,
-                 spec: MockModelSpec = SPEC, recording: Recording | None = None) -> None:
+                 spec: MockModelSpec = SPEC, recording: Recording | None = None,
+                 tokenizer: TokenizerLike | None = None) -> None:
         self.config = config
+        self.tokenizer = tokenizer
         self.perf = LinearCostModel(step_delay, 0.0, 0.0, step_delay, 0.0, 0.0)
         self.load_delay = load_delay
         self.spec = spec
@@ -44,7 +47,7 @@ class MockFactory:
     def __call__(self) -> LLMEngine:
         time.sleep(self.load_delay)
         engine = make_mock_engine(self.config, spec=self.spec, perf=self.perf, recording=self.recording,
-                                  sleep=time.sleep)
+                                  sleep=time.sleep, tokenizer=self.tokenizer)
         self.engines.append(engine)
         self.threads.append(threading.get_ident())
         return engine
@@ -59,6 +62,36 @@ class MockFactory:
             raise RuntimeError(message)
 
         self.engine.runner.launch = broken  # type: ignore[method-assign]
+
+
+class ByteTokenizer:
+    """One token per UTF-8 byte (id = byte + 3; 0-2 are the mock's specials), so a Recording can spell any text."""
+
+    vocab_size = 259
+    eos_token_ids = frozenset({0, 2})
+    bos_token_id = None
+
+    def encode(self, text: str, *, add_special_tokens: bool = False) -> list[int]:
+        return [b + 3 for b in text.encode()]
+
+    def decode(self, ids: Sequence[int], *, skip_special_tokens: bool = True) -> str:
+        return bytes(i - 3 for i in ids if i >= 3).decode("utf-8", errors="replace")
+
+    def token_bytes(self, token_id: int) -> bytes:
+        return bytes([token_id - 3]) if token_id >= 3 else b""
+
+    def apply_chat_template(self, messages: list[dict[str, Any]], *, tools: list[dict[str, Any]] | None = None,
+                            add_generation_prompt: bool = True, **kw: Any) -> list[int]:
+        text = "".join(f"<{m['role']}>{m.get('content') or ''}\n" for m in messages)
+        return self.encode(text + ("<assistant>" if add_generation_prompt else ""))
+
+
+def scripted(prompt_messages: list[dict[str, Any]], answer: str) -> MockFactory:
+    """Mock engines that answer `prompt_messages` with exactly `answer` (then EOS)."""
+    tok = ByteTokenizer()
+    spec = MockModelSpec(name="mock-model", vocab_size=tok.vocab_size, max_model_len=2048)
+    recording = Recording([(tok.apply_chat_template(prompt_messages), tok.encode(answer) + [2])])
+    return MockFactory(spec=spec, recording=recording, tokenizer=tok)
 
 
 def reference_text(prompt_ids: list[int], max_tokens: int, *, seed: int | None = None, spec: MockModelSpec = SPEC,
