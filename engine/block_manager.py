@@ -40,6 +40,7 @@ class BlockManager:
         self.block_size = block_size
         self.num_blocks = num_blocks
         self.enable_prefix_caching = enable_prefix_caching
+        self._model_id = model_id
         self._root = root_hash(model_id)
         self.blocks = [Block(i) for i in range(num_blocks)]
         # ref_count == 0 blocks, least recently freed first; RESERVED_BLOCK is never handed out.
@@ -82,8 +83,14 @@ class BlockManager:
         """Compute the chained hash of every full block of seq.token_ids not hashed yet."""
         bs = self.block_size
         for i in range(len(seq.block_hashes), seq.num_tokens // bs):
-            parent = seq.block_hashes[i - 1] if i else self._root
+            parent = seq.block_hashes[i - 1] if i else self._root_of(seq)
             seq.block_hashes.append(hash_block(parent, seq.token_ids[i * bs : (i + 1) * bs]))
+
+    def _root_of(self, seq: Sequence) -> bytes:
+        # A salted request's blocks hash apart from everyone else's: its prompts cannot be probed through the
+        # prefix cache (or the KV events), and it hits only blocks computed under the same salt.
+        salt = seq.params.cache_salt
+        return self._root if salt is None else root_hash(f"{self._model_id}\x00salt:{salt}")
 
     def _match(self, seq: Sequence) -> list[int]:
         """Cached blocks for the longest prefix of seq's tokens, leaving at least its last token to compute

@@ -42,37 +42,65 @@ class IncrementalDetokenizer:
         return new_text[len(prefix_text) :] if len(new_text) > len(prefix_text) else ""
 
 
+def _failure(s: str) -> list[int]:
+    """KMP failure function: f[i] = length of the longest proper prefix of s[:i+1] that is also its suffix."""
+    f = [0] * len(s)
+    k = 0
+    for i in range(1, len(s)):
+        while k and s[i] != s[k]:
+            k = f[k - 1]
+        if s[i] == s[k]:
+            k += 1
+        f[i] = k
+    return f
+
+
 class StopStringMatcher:
+    """Stop strings over streamed text in time linear in the text: one KMP automaton per stop string.
+
+    Each automaton's state is the longest prefix of its stop string that the text ends with; the longest of
+    those is the tail held back (it may still grow into a stop). The first stop string to complete ends the
+    request (of several completing on the same character, the one that starts earliest).
+    """
+
     def __init__(self, stop: tuple[str, ...], *, include_stop: bool = False) -> None:
         self._stop = stop
+        self._fail = [_failure(s) for s in stop]
+        self._state = [0] * len(stop)
         self._include = include_stop
         self._pending = ""
-        self._hold = max((len(s) for s in stop), default=0) - 1
 
     def feed(self, text: str) -> tuple[str, str | None]:
         """Returns (text safe to emit, the stop string matched or None)."""
         if not self._stop:
             return text, None
         buf = self._pending + text
-        best: tuple[int, str] | None = None
-        for s in self._stop:
-            i = buf.find(s)
-            if i >= 0 and (best is None or i < best[0]):
-                best = (i, s)
-        if best is not None:
-            i, s = best
-            self._pending = ""
-            return (buf[: i + len(s)] if self._include else buf[:i]), s
-        # Hold back the longest tail that is a prefix of some stop string.
-        keep = 0
-        for n in range(min(self._hold, len(buf)), 0, -1):
-            tail = buf[-n:]
-            if any(s.startswith(tail) for s in self._stop):
-                keep = n
-                break
-        self._pending = buf[len(buf) - keep :] if keep else ""
-        return buf[: len(buf) - keep], None
+        offset = len(self._pending)  # the held-back tail is already reflected in the states
+        for j, ch in enumerate(text):
+            pos = offset + j
+            best: tuple[int, str] | None = None
+            for k, s in enumerate(self._stop):
+                st, fail = self._state[k], self._fail[k]
+                while st and s[st] != ch:
+                    st = fail[st - 1]
+                if s[st] == ch:
+                    st += 1
+                if st == len(s):
+                    begin = pos - len(s) + 1
+                    if best is None or begin < best[0]:
+                        best = (begin, s)
+                    st = fail[st - 1]
+                self._state[k] = st
+            if best is not None:
+                begin, s = best
+                self._pending = ""
+                self._state = [0] * len(self._stop)
+                return (buf[: pos + 1] if self._include else buf[:begin]), s
+        hold = max(self._state)
+        self._pending = buf[len(buf) - hold :] if hold else ""
+        return buf[: len(buf) - hold], None
 
     def flush(self) -> str:
         out, self._pending = self._pending, ""
+        self._state = [0] * len(self._stop)
         return out

@@ -168,8 +168,9 @@ class ModelRunner:
         for i, s in enumerate(launch.seqs):
             lp = None
             p = s.params
-            if result.logprobs is not None and (p.logprobs or p.top_logprobs):
+            chosen = result.logprobs[i] if result.logprobs is not None else None
+            if chosen is not None and (p.logprobs or p.top_logprobs):
                 top = tuple(result.top_logprobs[i]) if result.top_logprobs else ()
-                lp = TokenLogprob(result.token_ids[i], result.logprobs[i], top)
+                lp = TokenLogprob(result.token_ids[i], chosen, top)
             out.append(SampledToken(s, result.token_ids[i], lp))
         return out

@@ -8,10 +8,11 @@ same text whatever else shares the batch.
 from __future__ import annotations
 
 import hashlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import cast
 
 import mlx.core as mx
+import numpy as np
 
 from trillm.engine.sampling_params import SamplingParams
 
@@ -32,7 +33,7 @@ class SampleRow:
 @dataclass(slots=True)
 class SampleResult:
     token_ids: list[int]
-    logprobs: list[float] | None  # chosen tokens' logprobs, when any row asked
+    logprobs: list[float | None] | None  # chosen tokens' logprobs (None for rows that did not ask)
     top_logprobs: list[list[tuple[int, float]]] | None
 
 
@@ -45,6 +46,7 @@ class LazySample:
     chosen_logprobs: mx.array | None = None  # [N]
     top_ids: mx.array | None = None  # [N, k]
     top_logprobs: mx.array | None = None  # [N, k]
+    logprob_rows: list[int] = field(default_factory=list)  # the rows the logprob arrays above cover, in order
 
     def arrays(self) -> list[mx.array]:
         return [a for a in (self.tokens, self.chosen_logprobs, self.top_ids, self.top_logprobs) if a is not None]
@@ -56,13 +58,17 @@ def _row_key(seed: int, index: int) -> mx.array:
 
 
 class Sampler:
-    def __init__(self, seed: int = 0) -> None:
+    def __init__(self, seed: int = 0, vocab_size: int | None = None) -> None:
         self._seed = seed
         self._draws = 0  # unseeded rows still get a reproducible stream per engine
+        # Models with a padded embedding (more logits than tokens) must never sample a padding id.
+        self._vocab_size = vocab_size
 
     def sample(self, logits: mx.array, rows: list[SampleRow]) -> LazySample:
         """Build the sampling graph (nothing is evaluated): logits [N, V] -> tokens [N]."""
         logits = logits.astype(mx.float32)
+        if self._vocab_size is not None and logits.shape[-1] > self._vocab_size:
+            logits = logits[:, : self._vocab_size]
         N, V = logits.shape
         logits = self._apply_biases(logits, rows, V)
 
@@ -70,13 +76,21 @@ class Sampler:
         sampled_rows = [i for i, r in enumerate(rows) if not r.params.greedy]
         tokens = self._sample(logits, rows, sampled_rows, greedy) if sampled_rows else greedy
         out = LazySample(rows, tokens)
-        if any(r.params.logprobs or r.params.top_logprobs for r in rows):
-            logp = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
-            out.chosen_logprobs = mx.take_along_axis(logp, tokens[:, None], axis=-1)[:, 0]
-            k = max(r.params.top_logprobs for r in rows)
+        # Only the rows that asked pay for logprobs, and top-k is a partition, not a full-vocabulary sort.
+        lp_rows = [i for i, r in enumerate(rows) if r.params.logprobs or r.params.top_logprobs]
+        if lp_rows:
+            out.logprob_rows = lp_rows
+            sub = logits if len(lp_rows) == N else logits[mx.array(lp_rows)]
+            chosen = tokens if len(lp_rows) == N else tokens[mx.array(lp_rows)]
+            logp = sub - mx.logsumexp(sub, axis=-1, keepdims=True)
+            out.chosen_logprobs = mx.take_along_axis(logp, chosen[:, None], axis=-1)[:, 0]
+            k = max(rows[i].params.top_logprobs for i in lp_rows)
             if k:
-                out.top_ids = mx.argsort(-logp, axis=-1)[:, :k]
-                out.top_logprobs = mx.take_along_axis(logp, out.top_ids, axis=-1)
+                part = mx.argpartition(-logp, kth=k - 1, axis=-1)[:, :k]
+                vals = mx.take_along_axis(logp, part, axis=-1)
+                order = mx.argsort(-vals, axis=-1)
+                out.top_ids = mx.take_along_axis(part, order, axis=-1)
+                out.top_logprobs = mx.take_along_axis(vals, order, axis=-1)
         return out
 
     def read(self, lazy: LazySample) -> SampleResult:
@@ -85,30 +99,38 @@ class Sampler:
         token_list = cast("list[int]", lazy.tokens.tolist())
         if lazy.chosen_logprobs is None:
             return SampleResult(token_list, None, None)
-        top: list[list[tuple[int, float]]] = [[] for _ in lazy.rows]
-        if lazy.top_ids is not None and lazy.top_logprobs is not None:
-            ids = cast("list[list[int]]", lazy.top_ids.tolist())
-            vals = cast("list[list[float]]", lazy.top_logprobs.tolist())
-            for i, r in enumerate(lazy.rows):
-                top[i] = list(zip(ids[i][: r.params.top_logprobs], vals[i][: r.params.top_logprobs]))
-        chosen = cast("list[float]", lazy.chosen_logprobs.tolist())
+        n = len(lazy.rows)
+        chosen: list[float | None] = [None] * n
+        top: list[list[tuple[int, float]]] = [[] for _ in range(n)]
+        values = cast("list[float]", lazy.chosen_logprobs.tolist())
+        ids = cast("list[list[int]]", lazy.top_ids.tolist()) if lazy.top_ids is not None else None
+        vals = cast("list[list[float]]", lazy.top_logprobs.tolist()) if lazy.top_logprobs is not None else None
+        for j, i in enumerate(lazy.logprob_rows):
+            chosen[i] = values[j]
+            k = lazy.rows[i].params.top_logprobs
+            if k and ids is not None and vals is not None:
+                top[i] = list(zip(ids[j][:k], vals[j][:k]))
         return SampleResult(token_list, chosen, top)
 
     def _apply_biases(self, logits: mx.array, rows: list[SampleRow], V: int) -> mx.array:
         """Penalties, logit_bias and banned tokens; built only for rows that need them."""
-        r_idx: list[int] = []
-        c_idx: list[int] = []
-        vals: list[float] = []
+        r_parts: list[np.ndarray] = []
+        c_parts: list[np.ndarray] = []
+        v_parts: list[np.ndarray] = []
         for i, r in enumerate(rows):
-            pairs = list(r.params.logit_bias) + [(tok, _NEG_INF) for tok in r.banned_token_ids]
-            for tok, bias in pairs:
-                if 0 <= tok < V:
-                    r_idx.append(i)
-                    c_idx.append(tok)
-                    vals.append(bias)
-        if r_idx:
+            ids, values = r.params.logit_bias_arrays
+            if r.banned_token_ids:
+                ids = np.concatenate([ids, np.asarray(r.banned_token_ids, np.int32)])
+                values = np.concatenate([values, np.full(len(r.banned_token_ids), _NEG_INF, np.float32)])
+            if len(ids):
+                keep = ids < V
+                r_parts.append(np.full(int(keep.sum()), i, np.int32))
+                c_parts.append(ids[keep])
+                v_parts.append(values[keep])
+        if r_parts:
             add = mx.zeros(logits.shape, mx.float32)
-            add = add.at[mx.array(r_idx), mx.array(c_idx)].add(mx.array(vals, mx.float32))
+            add = add.at[mx.array(np.concatenate(r_parts)), mx.array(np.concatenate(c_parts))].add(
+                mx.array(np.concatenate(v_parts)))
             logits = logits + add
 
         pen_rows = [i for i, r in enumerate(rows) if r.params.needs_penalties]

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from trillm.engine.errors import InvalidRequest
 
 MAX_TOP_LOGPROBS = 20
@@ -35,7 +37,11 @@ class SamplingParams:
     top_logprobs: int = 0
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    cache_salt: str | None = None  # isolates this request's prefix-cache entries (vLLM's cache_salt)
     extra: dict[str, object] = field(default_factory=dict, compare=False, hash=False)
+    # logit_bias as arrays, built once here rather than in the sampler at every step
+    _bias_ids: np.ndarray = field(init=False, repr=False, compare=False, hash=False)
+    _bias_values: np.ndarray = field(init=False, repr=False, compare=False, hash=False)
 
     def __post_init__(self) -> None:
         def bad(msg: str) -> None:
@@ -61,9 +67,23 @@ class SamplingParams:
             bad(f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {self.top_logprobs!r}")
         if any(not isinstance(s, str) or not s for s in self.stop):
             bad("stop strings must be non-empty strings")
-        for _, bias in self.logit_bias:
+        for tok, bias in self.logit_bias:
             if not -100.0 <= bias <= 100.0:
                 bad(f"logit_bias values must be in [-100, 100], got {bias!r}")
+            if not 0 <= tok < 2**31:
+                bad(f"logit_bias keys must be token ids, got {tok!r}")
+        if any(not 0 <= t < 2**31 for t in self.stop_token_ids):
+            bad("stop_token_ids must be token ids")
+        if self.seed is not None and not -(2**63) < self.seed < 2**63:
+            bad("seed must fit in 64 bits")
+        object.__setattr__(self, "_bias_ids", np.fromiter((t for t, _ in self.logit_bias), np.int32, len(self.logit_bias)))
+        object.__setattr__(self, "_bias_values",
+                           np.fromiter((b for _, b in self.logit_bias), np.float32, len(self.logit_bias)))
+
+    @property
+    def logit_bias_arrays(self) -> tuple[np.ndarray, np.ndarray]:
+        """(token ids int32 [K], biases float32 [K])."""
+        return self._bias_ids, self._bias_values
 
     @property
     def greedy(self) -> bool:

@@ -6,25 +6,31 @@ import hmac
 import json
 import logging
 import os
+from urllib.parse import urlsplit
 from collections.abc import AsyncIterator, Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 import trio
+from pydantic import BaseModel
 from quart import Response, request, websocket
 from quart_trio import QuartTrio
 from werkzeug.exceptions import HTTPException
 
 from trillm.web.config import ServerConfig
 from trillm.web.errors import APIError, to_api_error
-from trillm.web.generation import ModelRegistry, any_tokenizer, start_generation
+from trillm.web.generation import ModelRegistry, any_tokenizer, off_thread, start_generation
 from trillm.web.metrics import render_metrics
 from trillm.web.playground import register_playground
+from trillm.web.openai_schema import (
+    ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest, openapi_document, parse_body,
+)
 from trillm.web.protocol import Kind, ResponseBuilder, chat_prompt_ids
 from trillm.web.service import EngineService, EngineUnavailable, retry_after_seconds
 from trillm.web.sse import sse_stream
 from trillm.web.ws import register_websocket, subprotocol_api_key
 
 log = logging.getLogger("trillm.web.app")
+M = TypeVar("M", bound=BaseModel)
 
 
 def json_response(obj: dict[str, Any], status: int = 200, headers: dict[str, str] | None = None) -> Response:
@@ -36,11 +42,13 @@ def error_response(err: APIError) -> Response:
     return json_response(err.body(), err.status, err.headers)
 
 
-async def json_body() -> dict[str, Any]:
-    body = await request.get_json(force=True, silent=True)
-    if not isinstance(body, dict):
-        raise APIError(400, "the request body must be a JSON object")
-    return body
+async def json_body(model: type[M]) -> M:
+    """The request body validated against `model`. Only application/json is read: a browser can send a
+    text/plain POST to any site without asking first (blind CSRF), never an application/json one."""
+    if request.mimetype != "application/json":
+        raise APIError(415, "the request body must be JSON (Content-Type: application/json)",
+                       code="unsupported_media_type")
+    return parse_body(model, await request.get_data())
 
 
 async def _started(gen: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
@@ -82,8 +90,22 @@ def create_app(services: Sequence[EngineService], config: ServerConfig = ServerC
                                            "authentication_error", "invalid_api_key"))
         return None
 
+    def same_or_allowed_origin(headers: Any) -> bool:
+        # A web page on any site can open a websocket to 127.0.0.1 (browsers send no CORS preflight for
+        # them), so a browser's Origin must be this server's own, or one the operator allowed.
+        origin: str | None = headers.get("Origin")
+        if origin is None:
+            return True  # not a browser
+        if origin in config.allowed_origins:
+            return True
+        host: str = headers.get("Host", "")
+        return urlsplit(origin).netloc.lower() == host.lower()
+
     @app.before_websocket
     async def check_ws_auth() -> Response | None:
+        if not same_or_allowed_origin(websocket.headers):
+            return error_response(APIError(403, "cross-origin websocket refused (see --allowed-origin)",
+                                           "permission_error", "origin_not_allowed"))
         if not authorized(websocket.headers, subprotocol_api_key(websocket.requested_subprotocols)):
             return error_response(APIError(401, "missing or wrong API key", "authentication_error",
                                            "invalid_api_key"))
@@ -105,9 +127,10 @@ def create_app(services: Sequence[EngineService], config: ServerConfig = ServerC
         return error_response(err)
 
     async def generate(kind: Kind) -> Response:
-        body = await json_body()
-        service = registry.select(body.get("model"))
-        req, handle, tokenizer = await start_generation(service, body, kind, config)
+        body: ChatCompletionRequest | CompletionRequest = (
+            await json_body(ChatCompletionRequest) if kind == "chat" else await json_body(CompletionRequest))
+        service = registry.select(body.model)
+        req, handle, tokenizer = await start_generation(service, body, config)
         builder = ResponseBuilder(req, handle.request_ids, tokenizer)
         if req.stream:
             stream = await _started(sse_stream(handle, builder, keepalive_s=config.sse_keepalive_s))
@@ -139,10 +162,16 @@ def create_app(services: Sequence[EngineService], config: ServerConfig = ServerC
 
     @app.get("/health")
     async def health() -> Response:
-        states = {s.model_name: {"state": s.state.value, "restarts": s.num_restarts, "error": s.last_error}
+        # The failure's own text is for the log, not for whoever can reach /health.
+        states = {s.model_name: {"state": s.state.value, "restarts": s.num_restarts,
+                                 "error": None if s.last_error is None else "the engine failed; see the server log"}
                   for s in registry.services}
         ok = all(s.healthy for s in registry.services)
         return json_response({"status": "ok" if ok else "unavailable", "models": states}, 200 if ok else 503)
+
+    @app.get("/openapi.json")
+    async def openapi() -> Response:
+        return json_response(openapi_document())
 
     @app.get("/metrics")
     async def metrics() -> Response:
@@ -152,28 +181,29 @@ def create_app(services: Sequence[EngineService], config: ServerConfig = ServerC
 
     @app.post("/tokenize")
     async def tokenize() -> Response:
-        body = await json_body()
-        service = registry.select(body.get("model"))
+        body = await json_body(TokenizeRequest)
+        service = registry.select(body.model)
         tokenizer = await any_tokenizer(service)
-        if "messages" in body:
-            ids = chat_prompt_ids(body, tokenizer)
-        elif isinstance(body.get("prompt"), str):
-            ids = tokenizer.encode(body["prompt"], add_special_tokens=bool(body.get("add_special_tokens", True)))
+        if body.messages is not None:
+            messages = body.messages
+            ids = await off_thread(lambda: chat_prompt_ids(messages, tokenizer,
+                                                           template_kwargs=body.chat_template_kwargs))
+        elif body.prompt is not None:
+            prompt = body.prompt
+            ids = await off_thread(lambda: tokenizer.encode(prompt, add_special_tokens=body.add_special_tokens))
         else:
             raise APIError(400, "give 'prompt' (a string) or 'messages'")
         return json_response({"tokens": ids, "count": len(ids), "max_model_len": service.max_model_len})
 
     @app.post("/detokenize")
     async def detokenize() -> Response:
-        body = await json_body()
-        service = registry.select(body.get("model"))
-        tokens = body.get("tokens")
-        if not isinstance(tokens, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in tokens):
-            raise APIError(400, "'tokens' must be a list of token ids")
+        body = await json_body(DetokenizeRequest)
+        service = registry.select(body.model)
         tokenizer = await any_tokenizer(service)
-        if any(not 0 <= t < tokenizer.vocab_size for t in tokens):
-            raise APIError(400, "token ids must be in [0, vocab_size)")
-        return json_response({"prompt": tokenizer.decode(tokens, skip_special_tokens=False)})
+        if any(t >= tokenizer.vocab_size for t in body.tokens):
+            raise APIError(400, f"token ids must be in [0, {tokenizer.vocab_size})")
+        tokens = body.tokens
+        return json_response({"prompt": await off_thread(lambda: tokenizer.decode(tokens, skip_special_tokens=False))})
 
     register_websocket(app, registry, config)
     register_playground(app, registry)

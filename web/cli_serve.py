@@ -12,8 +12,12 @@ from functools import partial
 from trillm.engine.config import add_engine_arguments, engine_config_from_args
 from trillm.engine.errors import EngineError
 from trillm.engine.mock import add_mock_arguments
+from trillm.web.config import ServerConfig
 
 HELP = "serve an OpenAI-compatible HTTP/SSE and websocket API"
+_LIMIT_FLAGS = ("max_request_bytes", "max_ws_message_bytes", "max_prompt_bytes", "max_prompt_tokens",
+                "max_tokens_limit", "max_n", "max_stop_strings", "max_stop_string_chars", "max_stop_token_ids",
+                "max_logit_bias", "max_ws_generations", "max_ws_requests")
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 
 
@@ -27,9 +31,12 @@ def configure(p: argparse.ArgumentParser) -> None:
                    help="the name clients use (one per --model; default: the model's own)")
     p.add_argument("--api-key", default=os.environ.get("TRILLM_API_KEY"),
                    help="require 'Authorization: Bearer KEY' on /v1/* (default: $TRILLM_API_KEY)")
-    p.add_argument("--max-request-bytes", type=int, default=4 << 20)
-    p.add_argument("--max-prompt-tokens", type=int, default=None)
-    p.add_argument("--max-tokens-limit", type=int, default=None, help="the largest max_tokens a request may ask")
+    limits = p.add_argument_group("limits on one request (defaults in README)")
+    for field in _LIMIT_FLAGS:
+        default = getattr(ServerConfig(), field)
+        limits.add_argument("--" + field.replace("_", "-"), type=int, default=default, help=f"default: {default}")
+    p.add_argument("--allowed-origin", action="append", default=[], dest="allowed_origins",
+                   help="a web page origin (scheme://host:port) allowed to open the websockets; repeatable")
     p.add_argument("--lazy-load", action="store_true", help="load each model on its first request")
     p.add_argument("--unload-after-idle", type=float, default=None, metavar="SECONDS",
                    help="free a model after this long without requests (the next request reloads it)")
@@ -46,7 +53,6 @@ def run(args: argparse.Namespace) -> int:
 
     from trillm.engine.llm_engine import LLMEngine
     from trillm.engine.mock import mock_engine_factory
-    from trillm.web.config import ServerConfig
     from trillm.web.server import ModelSpec, serve
     from trillm.web.service import ServiceConfig
 
@@ -62,8 +68,8 @@ def run(args: argparse.Namespace) -> int:
     try:
         service_config = ServiceConfig(lazy_load=args.lazy_load, unload_after_idle_s=args.unload_after_idle)
         config = ServerConfig(host=args.host, port=args.port, api_key=args.api_key,
-                              max_request_bytes=args.max_request_bytes, max_prompt_tokens=args.max_prompt_tokens,
-                              max_tokens_limit=args.max_tokens_limit)
+                              allowed_origins=tuple(args.allowed_origins),
+                              **{field: getattr(args, field) for field in _LIMIT_FLAGS})
         if args.mock:
             specs = [ModelSpec(names[0], mock_engine_factory(args, engine_config_from_args(args), speedup=args.speedup),
                                inline=True)]

@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import TypeVar
+
+import trio
 
 from trillm.engine.errors import InvalidRequest, Overloaded
 from trillm.web.config import ServerConfig
 from trillm.web.errors import APIError
-from trillm.web.protocol import GenerationRequest, Kind, parse_generation
+from trillm.web.openai_schema import ChatCompletionRequest, CompletionRequest
+from trillm.web.protocol import GenerationRequest, parse_generation, prompt_bytes
 from trillm.engine.tokenizer import TokenizerLike
 from trillm.web.service import EngineService, EngineUnavailable, ServiceState
 from trillm.web.stream import GenerationHandle
@@ -46,13 +49,31 @@ async def any_tokenizer(service: EngineService) -> TokenizerLike:
     return ready_tokenizer(service) if service.tokenizer is None else service.tokenizer
 
 
-async def start_generation(service: EngineService, body: dict[str, Any], kind: Kind,
+# Prompts this large are templated and tokenized on a worker thread, so the event loop keeps serving streams.
+OFF_THREAD_PROMPT_BYTES = 16 << 10
+
+T = TypeVar("T")
+
+
+async def off_thread(fn: Callable[[], T]) -> T:
+    """Run CPU-bound request work (templates, tokenizers) on a worker thread; the tokenizers are thread-safe."""
+    return await trio.to_thread.run_sync(fn)
+
+
+async def start_generation(service: EngineService, body: ChatCompletionRequest | CompletionRequest,
                            config: ServerConfig) -> tuple[GenerationRequest, GenerationHandle, TokenizerLike]:
     """Parse and submit; typed errors (admission included) become 4xx/5xx before any byte is sent."""
     try:
         await service.ensure_loaded()
         tokenizer = ready_tokenizer(service)
-        req = parse_generation(body, kind, service.model_name, tokenizer, service.max_model_len, config.limits)
+        limits = service.limits
+        assert limits is not None  # set once the model is ready
+        name = service.model_name
+
+        def parse() -> GenerationRequest:
+            return parse_generation(body, name, tokenizer, limits, config.limits)
+
+        req = await off_thread(parse) if prompt_bytes(body) > OFF_THREAD_PROMPT_BYTES else parse()
         handle = service.submit(req.prompt_token_ids, req.params, priority=req.priority)
     except (InvalidRequest, Overloaded, EngineUnavailable):
         service.metrics.on_outcome("rejected")

@@ -5,15 +5,18 @@ Pure functions and small records, no IO, so every rule here is testable without 
 
 from __future__ import annotations
 
+import json
 import time
 import uuid
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from trillm.engine.admission import RequestLimits
 from trillm.engine.errors import InvalidRequest
 from trillm.engine.outputs import FinishReason, RequestOutput, TokenLogprob, Usage
-from trillm.engine.sampling_params import SamplingParams
+from trillm.engine.sampling_params import MAX_TOP_LOGPROBS, SamplingParams
 from trillm.engine.tokenizer import TokenizerLike as Tokenizer
+from trillm.web.openai_schema import ChatCompletionRequest, ChatMessage, CompletionRequest, Tool
 
 Kind = Literal["chat", "completion"]
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for the legacy completions endpoint
@@ -21,11 +24,22 @@ COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for the legacy completio
 
 @dataclass(frozen=True, slots=True)
 class Limits:
-    """Server-side limits on what one request may ask for."""
+    """Server-side caps on what one request may ask for (flags of `trillm serve`; documented in README)."""
 
     max_prompt_tokens: int | None = None
     max_tokens_limit: int | None = None
     max_n: int = 16
+    max_stop_strings: int = 16
+    max_stop_string_chars: int = 256
+    max_stop_token_ids: int = 64
+    max_logit_bias: int = 1024
+    max_prompt_bytes: int = 1 << 20  # text to template and tokenize, checked before doing either
+
+    def __post_init__(self) -> None:
+        for name in ("max_n", "max_stop_strings", "max_stop_string_chars", "max_stop_token_ids", "max_logit_bias",
+                     "max_prompt_bytes"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1")
 
 
 @dataclass(frozen=True, slots=True)
@@ -48,140 +62,146 @@ def _bad(message: str) -> InvalidRequest:
     return InvalidRequest(message)
 
 
-def _get(body: dict[str, Any], key: str, types: type | tuple[type, ...], default: Any = None) -> Any:
-    value = body.get(key)
-    if value is None:
-        return default
-    if isinstance(value, bool) and bool not in (types if isinstance(types, tuple) else (types,)):
-        raise _bad(f"'{key}' must be of type {_type_names(types)}, got a boolean")
-    if not isinstance(value, types):
-        raise _bad(f"'{key}' must be of type {_type_names(types)}, got {type(value).__name__}")
-    return value
-
-
-def _type_names(types: type | tuple[type, ...]) -> str:
-    return " or ".join(t.__name__ for t in (types if isinstance(types, tuple) else (types,)))
-
-
-def _text_of(content: Any) -> str:
-    """A message's content: a string, or OpenAI content parts of which only text is supported."""
-    if content is None or isinstance(content, str):
-        return content or ""
-    if isinstance(content, list):
-        parts = []
-        for part in content:
-            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
-                raise _bad("only text content parts are supported")
-            parts.append(part["text"])
-        return "".join(parts)
-    raise _bad("message 'content' must be a string or a list of content parts")
-
-
-def chat_prompt_ids(body: dict[str, Any], tokenizer: Tokenizer) -> list[int]:
-    """Apply the model's chat template to `messages` (and `tools`)."""
-    messages = body.get("messages")
-    if not isinstance(messages, list) or not messages:
-        raise _bad("'messages' must be a non-empty list")
-    normalized = []
+def _messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
+    """Messages as chat templates want them: text content, tool calls' arguments as objects."""
+    out = []
     for m in messages:
-        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
-            raise _bad("each message must be an object with a string 'role'")
-        normalized.append({**m, "content": _text_of(m.get("content"))})
-    tools = _get(body, "tools", list)
-    kwargs = _get(body, "chat_template_kwargs", dict, {})
+        d: dict[str, Any] = {"role": m.role, "content": m.text}
+        if m.name is not None:
+            d["name"] = m.name
+        if m.tool_call_id is not None:
+            d["tool_call_id"] = m.tool_call_id
+        if m.tool_calls:
+            d["tool_calls"] = [{"id": c.id, "type": c.type,
+                                "function": {"name": c.function.name, "arguments": _json_or_text(c.function.arguments)}}
+                               for c in m.tool_calls]
+        out.append(d)
+    return out
+
+
+def _json_or_text(text: str) -> Any:
     try:
-        return list(tokenizer.apply_chat_template(normalized, tools=tools, add_generation_prompt=True, **kwargs))
+        return json.loads(text) if text else {}
+    except ValueError:
+        return text
+
+
+def prompt_bytes(body: ChatCompletionRequest | CompletionRequest) -> int:
+    """How much text a body asks the server to template and tokenize."""
+    if isinstance(body, ChatCompletionRequest):
+        return sum(len(m.text.encode()) for m in body.messages)
+    prompt = body.prompt
+    if isinstance(prompt, str):
+        return len(prompt.encode())
+    return sum(len(p.encode()) for p in prompt if isinstance(p, str))
+
+
+def chat_prompt_ids(messages: list[ChatMessage], tokenizer: Tokenizer, *, tools: list[Tool] | None = None,
+                    template_kwargs: dict[str, Any] | None = None) -> list[int]:
+    """Apply the model's chat template to `messages` (and `tools`)."""
+    tool_dicts = [t.model_dump(exclude_none=True) for t in tools] if tools else None
+    try:
+        return list(tokenizer.apply_chat_template(_messages(messages), tools=tool_dicts, add_generation_prompt=True,
+                                                  **(template_kwargs or {})))
     except InvalidRequest:
         raise
     except Exception as exc:  # template errors are the request's fault (e.g. a role it does not allow)
         raise _bad(f"the chat template could not be applied: {exc}") from exc
 
 
-def completion_prompt_ids(body: dict[str, Any], tokenizer: Tokenizer) -> list[int]:
-    prompt = body.get("prompt")
+def completion_prompt_ids(body: CompletionRequest, tokenizer: Tokenizer) -> list[int]:
+    prompt = body.prompt
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
         prompt = prompt[0]  # a batch of one
     if isinstance(prompt, str):
         return tokenizer.encode(prompt, add_special_tokens=True)
-    if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-        if any(not 0 <= t < tokenizer.vocab_size for t in prompt):
-            raise _bad("prompt token ids must be in [0, vocab_size)")
-        return list(prompt)
-    raise _bad("'prompt' must be a string or a list of token ids (batches of several prompts are not supported)")
+    if prompt and all(isinstance(t, int) for t in prompt):
+        ids = [t for t in prompt if isinstance(t, int)]
+        if any(t >= tokenizer.vocab_size for t in ids):
+            raise _bad(f"prompt token ids must be in [0, {tokenizer.vocab_size})")
+        return ids
+    raise _bad("'prompt': batches of several prompts are not supported")
 
 
-def sampling_params(body: dict[str, Any], kind: Kind, prompt_len: int, max_model_len: int,
-                    limits: Limits) -> list[SamplingParams]:
+def sampling_params(body: ChatCompletionRequest | CompletionRequest, kind: Kind, prompt_len: int,
+                    model: RequestLimits, limits: Limits) -> list[SamplingParams]:
     """Every sampling parameter the engine has, with OpenAI's names; one SamplingParams per choice."""
-    n = _get(body, "n", int, 1)
-    if not 1 <= n <= limits.max_n:
+    if not body.n <= limits.max_n:
         raise _bad(f"'n' must be in [1, {limits.max_n}]")
-    max_tokens = _get(body, "max_completion_tokens", int) or _get(body, "max_tokens", int)
+    if body.echo is not None and body.echo is not False:
+        raise _bad("'echo' is not supported")
+    if body.best_of is not None and not (type(body.best_of) is int and body.best_of == body.n):
+        raise _bad("'best_of' is not supported (only best_of = n)")
+    if body.suffix is not None and body.suffix != "":
+        raise _bad("'suffix' is not supported")
+    if isinstance(body, ChatCompletionRequest):
+        max_tokens = body.max_completion_tokens or body.max_tokens
+    else:
+        max_tokens = body.max_tokens
     if max_tokens is None:
-        max_tokens = COMPLETIONS_DEFAULT_MAX_TOKENS if kind == "completion" else max(1, max_model_len - prompt_len)
+        # The rest of the context, or of the KV pool if that is smaller, so a request without max_tokens fits.
+        room = min(model.max_model_len, model.num_usable_blocks * model.block_size) - prompt_len
+        max_tokens = COMPLETIONS_DEFAULT_MAX_TOKENS if kind == "completion" else max(1, room)
         if limits.max_tokens_limit is not None:
             max_tokens = min(max_tokens, limits.max_tokens_limit)
     elif limits.max_tokens_limit is not None and max_tokens > limits.max_tokens_limit:
         raise _bad(f"max_tokens is {max_tokens}; this server allows at most {limits.max_tokens_limit}")
-    stop = _get(body, "stop", (str, list), [])
-    stop = (stop,) if isinstance(stop, str) else tuple(stop)
-    if kind == "chat":
-        logprobs = bool(_get(body, "logprobs", bool, False))
-        top_logprobs = _get(body, "top_logprobs", int, 0)
+    stop = body.stop_strings
+    if len(stop) > limits.max_stop_strings:
+        raise _bad(f"'stop' has {len(stop)} strings; this server allows at most {limits.max_stop_strings}")
+    if any(len(s) > limits.max_stop_string_chars for s in stop):
+        raise _bad(f"stop strings may be at most {limits.max_stop_string_chars} characters long")
+    stop_ids = tuple(body.stop_token_ids or ())
+    if len(stop_ids) > limits.max_stop_token_ids:
+        raise _bad(f"'stop_token_ids' has {len(stop_ids)} ids; this server allows at most {limits.max_stop_token_ids}")
+    bias = body.logit_bias or {}
+    if len(bias) > limits.max_logit_bias:
+        raise _bad(f"'logit_bias' has {len(bias)} entries; this server allows at most {limits.max_logit_bias}")
+    logit_bias = tuple((int(k), v) for k, v in bias.items())
+    if any(t >= model.vocab_size for t, _ in logit_bias) or any(t >= model.vocab_size for t in stop_ids):
+        raise _bad(f"token ids in 'logit_bias' and 'stop_token_ids' must be in [0, {model.vocab_size})")
+    if isinstance(body, ChatCompletionRequest):
+        logprobs, top_logprobs = body.logprobs, body.top_logprobs or 0
         if top_logprobs and not logprobs:
             raise _bad("'top_logprobs' requires 'logprobs': true")
+        if body.response_format is not None and body.response_format.type != "text":
+            raise _bad("response_format other than 'text' is not supported")
     else:
-        lp = _get(body, "logprobs", int)
-        logprobs, top_logprobs = lp is not None, lp or 0
-    bias = _get(body, "logit_bias", dict, {})
-    try:
-        logit_bias = tuple((int(k), float(v)) for k, v in bias.items())
-    except (TypeError, ValueError) as exc:
-        raise _bad("'logit_bias' maps token ids to numbers") from exc
-    response_format = _get(body, "response_format", dict)
-    if response_format and response_format.get("type", "text") != "text":
-        raise _bad("response_format other than 'text' is not supported")
-    seed = _get(body, "seed", int)
+        logprobs, top_logprobs = body.logprobs is not None, body.logprobs or 0
+    if top_logprobs > MAX_TOP_LOGPROBS:
+        raise _bad(f"at most {MAX_TOP_LOGPROBS} top logprobs per token")
     common: dict[str, Any] = dict(
-        max_tokens=max_tokens,
-        min_tokens=_get(body, "min_tokens", int, 0),
-        temperature=float(_get(body, "temperature", (int, float), 1.0)),
-        top_p=float(_get(body, "top_p", (int, float), 1.0)),
-        top_k=_get(body, "top_k", int, 0),
-        min_p=float(_get(body, "min_p", (int, float), 0.0)),
-        repetition_penalty=float(_get(body, "repetition_penalty", (int, float), 1.0)),
-        presence_penalty=float(_get(body, "presence_penalty", (int, float), 0.0)),
-        frequency_penalty=float(_get(body, "frequency_penalty", (int, float), 0.0)),
-        logit_bias=logit_bias,
-        stop=stop,
-        stop_token_ids=tuple(_get(body, "stop_token_ids", list, [])),
-        ignore_eos=bool(_get(body, "ignore_eos", bool, False)),
-        logprobs=logprobs,
-        top_logprobs=top_logprobs,
-        skip_special_tokens=bool(_get(body, "skip_special_tokens", bool, True)),
-        include_stop_str_in_output=bool(_get(body, "include_stop_str_in_output", bool, False)),
+        max_tokens=max_tokens, min_tokens=body.min_tokens, temperature=body.temperature, top_p=body.top_p,
+        top_k=max(0, body.top_k), min_p=body.min_p, repetition_penalty=body.repetition_penalty,
+        presence_penalty=body.presence_penalty, frequency_penalty=body.frequency_penalty, logit_bias=logit_bias,
+        stop=stop, stop_token_ids=stop_ids, ignore_eos=body.ignore_eos, logprobs=logprobs,
+        top_logprobs=top_logprobs, skip_special_tokens=body.skip_special_tokens,
+        include_stop_str_in_output=body.include_stop_str_in_output, cache_salt=body.cache_salt,
     )
     # Choice i gets seed + i: reproducible, yet the n choices differ.
-    return [SamplingParams(seed=None if seed is None else seed + i, **common) for i in range(n)]
+    return [SamplingParams(seed=None if body.seed is None else body.seed + i, **common) for i in range(body.n)]
 
 
-def parse_generation(body: dict[str, Any], kind: Kind, model: str, tokenizer: Tokenizer, max_model_len: int,
-                     limits: Limits) -> GenerationRequest:
-    """Validate a request body (raising InvalidRequest) and turn it into prompt ids and params."""
-    if body.get("echo"):
-        raise _bad("'echo' is not supported")
-    ids = chat_prompt_ids(body, tokenizer) if kind == "chat" else completion_prompt_ids(body, tokenizer)
+def parse_generation(body: ChatCompletionRequest | CompletionRequest, model_name: str, tokenizer: Tokenizer,
+                     model: RequestLimits, limits: Limits) -> GenerationRequest:
+    """Turn a validated body into prompt ids and params (raising InvalidRequest for what does not fit)."""
+    kind: Kind = "chat" if isinstance(body, ChatCompletionRequest) else "completion"
+    size = prompt_bytes(body)
+    if size > limits.max_prompt_bytes:
+        raise _bad(f"the prompt has {size} bytes; this server allows at most {limits.max_prompt_bytes}")
+    if isinstance(body, ChatCompletionRequest):
+        ids = chat_prompt_ids(body.messages, tokenizer, tools=body.tools, template_kwargs=body.chat_template_kwargs)
+    else:
+        ids = completion_prompt_ids(body, tokenizer)
     if not ids:
         raise _bad("the prompt is empty")
     if limits.max_prompt_tokens is not None and len(ids) > limits.max_prompt_tokens:
         raise _bad(f"the prompt has {len(ids)} tokens; this server allows at most {limits.max_prompt_tokens}")
-    params = sampling_params(body, kind, len(ids), max_model_len, limits)
-    stream_options = _get(body, "stream_options", dict, {})
+    params = sampling_params(body, kind, len(ids), model, limits)
     return GenerationRequest(
-        kind=kind, model=model, prompt_token_ids=ids, params=params,
-        stream=bool(_get(body, "stream", bool, False)),
-        include_usage=bool(stream_options.get("include_usage", False)),
-        logprobs=params[0].logprobs, priority=_get(body, "priority", int, 0),
+        kind=kind, model=model_name, prompt_token_ids=ids, params=params, stream=body.stream,
+        include_usage=body.stream_options is not None and body.stream_options.include_usage,
+        logprobs=params[0].logprobs, priority=body.priority,
     )
 
 
@@ -263,12 +283,14 @@ class ResponseBuilder:
                      max(u.cached_tokens for u in usages))
 
     # -- non-streaming --
-    def add(self, out: RequestOutput) -> int:
+    def add(self, out: RequestOutput, *, keep: bool = True) -> int:
+        """Account for one delta; keep=False (streaming) keeps only its state, not its text or logprobs."""
         i = self.index[out.request_id]
         c = self.choices[i]
-        c.text += out.new_text
-        if out.logprobs:
-            c.logprobs.extend(out.logprobs)
+        if keep:
+            c.text += out.new_text
+            if out.logprobs:
+                c.logprobs.extend(out.logprobs)
         c.usage = out.usage
         if out.finish_reason is not None:
             c.finish_reason = out.finish_reason
@@ -303,7 +325,7 @@ class ResponseBuilder:
                               "finish_reason": None}]) for i in range(len(self.choices))]
 
     def delta_chunks(self, out: RequestOutput) -> list[dict[str, Any]]:
-        i = self.add(out)
+        i = self.add(out, keep=False)
         chunks = []
         if out.new_text or out.logprobs:
             logprobs = self.logprobs_for(i, out.logprobs)

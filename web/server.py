@@ -37,6 +37,7 @@ def hypercorn_config(config: ServerConfig) -> HypercornConfig:
     hc.backlog = config.backlog
     hc.keep_alive_timeout = config.keep_alive_timeout_s
     hc.graceful_timeout = config.graceful_timeout_s
+    hc.websocket_max_message_size = config.max_ws_message_bytes
     hc.accesslog = None
     hc.errorlog = logging.getLogger("hypercorn.error")
     return hc

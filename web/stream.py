@@ -19,6 +19,14 @@ if TYPE_CHECKING:
     from trillm.web.metrics import ModelMetrics
 
 
+def buffered_size(output: RequestOutput) -> int:
+    """What one delta costs to hold, roughly in bytes: its text, 8 per token id, 16 per logprob number."""
+    size = len(output.new_text.encode()) + 8 * len(output.new_token_ids)
+    for lp in output.logprobs or ():
+        size += 16 + 16 * len(lp.top)
+    return size
+
+
 class GenerationFailed(Exception):
     """The generation ended with an error: the engine failed, or the client fell too far behind."""
 
@@ -28,8 +36,8 @@ class GenerationHandle:
 
     Deltas arrive through `feed` (one engine step at a time) and leave through `receive`. The channel has a
     small fixed buffer; when it is full a request's newer deltas are merged into one pending delta, so a slow
-    client never blocks the engine and memory grows only with text. Past `max_buffered_bytes` of text the
-    handle fails with a clear error and its requests are aborted. A failure (the engine refused a request
+    client never blocks the engine and memory grows only with what is unread. Past `max_buffered_bytes` of
+    unread output (text, token ids and logprobs, see `buffered_size`) the handle fails with a clear error and its requests are aborted. A failure (the engine refused a request
     while adding it, the engine failed, the client lagged) is raised by the next `receive`.
     """
 
@@ -67,7 +75,7 @@ class GenerationHandle:
             return
         if output.finished:
             self._unfinished.discard(rid)
-        self._buffered_bytes += len(output.new_text.encode())
+        self._buffered_bytes += buffered_size(output)
         if rid in self._pending:
             self._pending[rid] = RequestOutput.concat([self._pending[rid], output])
         else:
@@ -107,7 +115,7 @@ class GenerationHandle:
             if not self._pending:
                 raise
             output = self._pending.pop(next(iter(self._pending)))
-        self._buffered_bytes -= len(output.new_text.encode())
+        self._buffered_bytes -= buffered_size(output)
         return output
 
     async def receive(self) -> RequestOutput:
@@ -122,7 +130,7 @@ class GenerationHandle:
             self._raise_if_failed()
             raise
         self._raise_if_failed()  # it may have failed while we waited
-        self._buffered_bytes -= len(output.new_text.encode())
+        self._buffered_bytes -= buffered_size(output)
         return output
 
     async def receive_batch(self, max_items: int = 256) -> list[RequestOutput]:

@@ -19,6 +19,7 @@ import logging
 from collections.abc import Iterable
 from typing import Any
 
+import pydantic_core
 import trio
 from quart import websocket
 from quart_trio import QuartTrio
@@ -27,7 +28,9 @@ from trillm.engine.errors import EngineError
 from trillm.web.config import ServerConfig
 from trillm.web.errors import APIError, to_api_error
 from trillm.web.generation import ModelRegistry, start_generation
-from trillm.web.protocol import Kind, ResponseBuilder, usage_dict
+from trillm.web.openai_schema import ChatCompletionRequest, CompletionRequest, parse_object
+from trillm.web.protocol import ResponseBuilder, usage_dict
+from trillm.web.service import EngineService
 from trillm.web.stream import GenerationFailed
 
 log = logging.getLogger("trillm.web.ws")
@@ -58,6 +61,7 @@ class _Session:
         self.registry = registry
         self.config = config
         self.active: dict[str, trio.CancelScope] = {}
+        self.num_requests = 0  # engine requests (n per generation) running on this socket
 
     async def send(self, msg: dict[str, Any]) -> None:
         await self.out.send(json.dumps(msg, separators=(",", ":"), ensure_ascii=False))
@@ -67,9 +71,10 @@ class _Session:
 
     async def on_message(self, raw: str | bytes) -> None:
         try:
-            msg = json.loads(raw)
-        except (ValueError, UnicodeDecodeError):
-            await self.error(None, APIError(400, "the message is not valid JSON"))
+            # pydantic's parser, as for HTTP bodies: no lone surrogates, bounded nesting.
+            msg = pydantic_core.from_json(raw)
+        except ValueError as exc:
+            await self.error(None, APIError(400, f"the message is not valid JSON: {exc}"))
             return
         if not isinstance(msg, dict):
             await self.error(None, APIError(400, "a message must be a JSON object"))
@@ -114,11 +119,25 @@ class _Session:
             await self.send({"type": "cancelled", "id": gid})
 
     async def _generate(self, gid: str | int, msg: dict[str, Any]) -> None:
-        body = {k: v for k, v in msg.items() if k not in ("type", "id")}
-        endpoint = body.pop("endpoint", None)
-        kind: Kind = "chat" if endpoint == "chat" or (endpoint is None and "messages" in body) else "completion"
-        service = self.registry.select(body.get("model"))
-        req, handle, tokenizer = await start_generation(service, body, kind, self.config)
+        fields = {k: v for k, v in msg.items() if k not in ("type", "id")}
+        endpoint = fields.pop("endpoint", None)
+        chat = endpoint == "chat" or (endpoint is None and "messages" in fields)
+        body: ChatCompletionRequest | CompletionRequest = (
+            parse_object(ChatCompletionRequest, fields) if chat else parse_object(CompletionRequest, fields))
+        n = body.n
+        if self.num_requests + n > self.config.max_ws_requests:
+            raise APIError(429, f"this socket runs at most {self.config.max_ws_requests} requests at once "
+                                "(counting each of n choices)")
+        service = self.registry.select(body.model)
+        self.num_requests += n
+        try:
+            await self._stream(gid, service, body)
+        finally:
+            self.num_requests -= n
+
+    async def _stream(self, gid: str | int, service: EngineService, body: ChatCompletionRequest | CompletionRequest,
+                      ) -> None:
+        req, handle, tokenizer = await start_generation(service, body, self.config)
         builder = ResponseBuilder(req, handle.request_ids, tokenizer)
         with handle:
             while True:
@@ -127,7 +146,7 @@ class _Session:
                 except trio.EndOfChannel:
                     break
                 for out in outputs:
-                    i = builder.add(out)
+                    i = builder.add(out, keep=False)
                     await self.send({
                         "type": "delta", "id": gid, "index": i, "text": out.new_text,
                         "token_ids": list(out.new_token_ids), "logprobs": builder.logprobs_for(i, out.logprobs),

@@ -2,21 +2,30 @@
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import pytest
 
+from trillm.engine.admission import RequestLimits
 from trillm.engine.errors import InvalidRequest
 from trillm.engine.outputs import FinishReason, RequestOutput, TokenLogprob, Usage
 from trillm.engine.mock.tokenizer import MockTokenizer
 from trillm.web.cli import build_parser, main
-from trillm.web.protocol import Limits, ResponseBuilder, parse_generation
+from trillm.web.openai_schema import ChatCompletionRequest, CompletionRequest, parse_body
+from trillm.web.protocol import GenerationRequest, Limits, ResponseBuilder, parse_generation
 
 TOK = MockTokenizer(1000)
 
 
-def parse(body: dict[str, Any], kind: str = "chat", limits: Limits = Limits()) -> Any:
-    return parse_generation(body, kind, "m", TOK, 100, limits)  # type: ignore[arg-type]
+MODEL = RequestLimits(max_model_len=100, block_size=16, num_usable_blocks=1000, vocab_size=TOK.vocab_size,
+                      max_waiting=10)
+
+
+def parse(body: dict[str, Any], kind: str = "chat", limits: Limits = Limits()) -> GenerationRequest:
+    """Through the same two steps as the server: the declared body model, then the translation."""
+    schema = ChatCompletionRequest if kind == "chat" else CompletionRequest
+    return parse_generation(parse_body(schema, json.dumps(body)), "m", TOK, MODEL, limits)
 
 
 def test_sampling_parameters_map_to_engine_names() -> None:
