@@ -1,6 +1,6 @@
 """Run the shared kernel bodies on the CPU: g++ plus one std::thread per GPU thread.
 
-A host prelude maps the names the bodies use (see trillm.kernels._build) onto C++20: thread indices are
+A host prelude maps the names the bodies use (see trillm.kernels.backend) onto C++20: thread indices are
 thread_locals, simd_sum/simd_max exchange values through a per-simdgroup std::barrier, BARRIER() is a
 threadgroup std::barrier, and SHARED is `static` (threadgroups run one at a time). The kernel text,
 template constants and launch wrapper are exactly what Metal/CUDA get, so this checks the algorithm
@@ -21,17 +21,17 @@ from typing import Any
 import numpy as np
 
 import trillm.kernels  # noqa: F401  (BLAS before mlx)
-from trillm.kernels.cuda_compile import template_decls
+from trillm.kernels.tools.variants import template_decls
 import mlx.core as mx
 
-from trillm.kernels import _build
+from trillm.kernels import backend as kb
 
 BACKEND = "emulate"
 CACHE_DIR = Path(tempfile.gettempdir()) / "trillm-kernel-emulator"
 _C_TYPES = {mx.float32: "float", mx.float16: "_Float16", mx.int32: "int32_t"}
 _NP_TYPES = {mx.float32: np.float32, mx.float16: np.float16, mx.int32: np.int32}
 
-HOST_PRELUDE = _build.COMMON_PRELUDE + """
+HOST_PRELUDE = kb.COMMON_PRELUDE + """
 #include <barrier>
 #include <cmath>
 #include <cstddef>
@@ -47,6 +47,7 @@ static thread_local std::barrier<>* emu_group;
 #define SHARED static
 #define BARRIER() emu_group->arrive_and_wait()
 #define EXPF(x) std::exp(x)
+#define UNROLL _Pragma("GCC unroll 16")
 static float simd_sum(float x) {
   emu_warp->vals[thread_index_in_simdgroup] = x;
   emu_warp->bar.arrive_and_wait();
@@ -140,6 +141,6 @@ def emulator_factory(*, name: str, input_names: list[str], output_names: list[st
 
 
 def install() -> None:
-    """Register the emulator as back-end "emulate" for trillm.kernels._build.build."""
-    _build.FACTORIES[BACKEND] = emulator_factory
-    _build.PRELUDES[BACKEND] = HOST_PRELUDE
+    """Register the emulator as back-end "emulate" for trillm.kernels.backend.build."""
+    kb.FACTORIES[BACKEND] = emulator_factory
+    kb.PRELUDES[BACKEND] = HOST_PRELUDE
