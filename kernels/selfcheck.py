@@ -120,9 +120,14 @@ def cache_dir() -> Path:
 
 
 def select_kernels(
-    shapes: ModelShapes, mode: str = "auto", *, ops: Sequence[KernelOp] = ENGINE_OPS, timing_iters: int = 5
+    shapes: ModelShapes, mode: str = "auto", *, ops: Sequence[KernelOp] | None = None, timing_iters: int = 5
 ) -> KernelSelection:
-    """Check, time and choose each op's implementation for `shapes` (see the module docstring)."""
+    """Check, time and choose each op's implementation for `shapes` (see the module docstring).
+
+    `ops` defaults to ENGINE_OPS; the selection's attention and gather fall back to their references when
+    `ops` leaves them out.
+    """
+    ops = ENGINE_OPS if ops is None else ops
     if mode not in MODES:
         raise ValueError(f"kernels mode must be one of {MODES}, got {mode!r}")
     t0 = time.perf_counter()

@@ -17,7 +17,7 @@ from werkzeug.exceptions import HTTPException
 from trillm.web.config import ServerConfig
 from trillm.web.errors import APIError, to_api_error
 from trillm.web.generation import ModelRegistry, any_tokenizer, start_generation
-from trillm.web.metrics import render_metrics
+from trillm.web.metrics import render_kernel_metrics, render_metrics
 from trillm.web.playground import register_playground
 from trillm.web.protocol import Kind, ResponseBuilder, chat_prompt_ids
 from trillm.web.service import EngineService, EngineUnavailable, retry_after_seconds
@@ -30,6 +30,15 @@ log = logging.getLogger("trillm.web.app")
 def json_response(obj: dict[str, Any], status: int = 200, headers: dict[str, str] | None = None) -> Response:
     return Response(json.dumps(obj, ensure_ascii=False), status=status, headers=headers or {},
                     content_type="application/json")
+
+
+def kernels_json(service: EngineService) -> dict[str, Any] | None:
+    """Which implementation each kernel op runs and why (the engine's start-up self-check); None before it ran."""
+    report = service.kernel_report
+    if report is None:
+        return None
+    return {"mode": report.mode, "backend": report.backend,
+            "ops": {r.op: {"implementation": r.implementation, "reason": r.reason} for r in report.ops}}
 
 
 def error_response(err: APIError) -> Response:
@@ -139,8 +148,8 @@ def create_app(services: Sequence[EngineService], config: ServerConfig = ServerC
 
     @app.get("/health")
     async def health() -> Response:
-        states = {s.model_name: {"state": s.state.value, "restarts": s.num_restarts, "error": s.last_error}
-                  for s in registry.services}
+        states = {s.model_name: {"state": s.state.value, "restarts": s.num_restarts, "kernels": kernels_json(s),
+                                 "error": s.last_error} for s in registry.services}
         ok = all(s.healthy for s in registry.services)
         return json_response({"status": "ok" if ok else "unavailable", "models": states}, 200 if ok else 503)
 
@@ -148,6 +157,8 @@ def create_app(services: Sequence[EngineService], config: ServerConfig = ServerC
     async def metrics() -> Response:
         text = render_metrics({s.model_name: (s.metrics, s.statistics().engine, s.healthy)
                                for s in registry.services})
+        text += render_kernel_metrics({s.model_name: s.kernel_report.implementations()
+                                       for s in registry.services if s.kernel_report is not None})
         return Response(text, content_type="text/plain; version=0.0.4; charset=utf-8")
 
     @app.post("/tokenize")

@@ -26,7 +26,7 @@ from trillm.kernels.kv_gather import kv_gather_ref
 from trillm.kernels.layout import ModelShapes
 from trillm.kernels.paged_attention import KERNELS as ATTENTION_KERNELS
 from trillm.kernels.paged_attention import OP as ATTENTION_OP
-from trillm.kernels.paged_attention import paged_attention_kernel, paged_attention_ref
+from trillm.kernels.paged_attention import launch_plan, paged_attention_kernel, paged_attention_ref
 from trillm.kernels.selfcheck import (
     CACHE_ENV, KernelCheckError, KernelFallbackWarning, select_kernels,
 )  # fmt: skip
@@ -191,9 +191,21 @@ def test_the_shared_kernel_body_passes_the_self_check_in_the_emulator(monkeypatc
     """The real Metal/CUDA body (via the g++ emulator) through every check case: B 1 and 9, L 1, 3 and chunk, splits."""
     kernel_emulator.install()
     _install(monkeypatch, lambda *a, **k: paged_attention_kernel(kernel_emulator.BACKEND, *a, **k))
-    shapes = ModelShapes(4, 2, 32, 16, mx.float32, max_batch=2, chunk=8, max_context=200)  # splits: 3 partitions
+    shapes = ModelShapes(4, 2, 32, 16, mx.float32, max_batch=2, chunk=8, max_context=140)
+    assert launch_plan(kernel_emulator.BACKEND, 1, 4, 2, 1, 32, 160).num_parts == 2  # the long row splits
     monkeypatch.setattr(selfcheck, "time_kernel", lambda *a: (0.0, 1.0))  # the emulator is not a speed
     with warnings.catch_warnings():
         warnings.simplefilter("error", KernelFallbackWarning)
         report = select_kernels(shapes, "strict").report
     assert report.implementation("paged_attention") == "cpu", report
+
+
+def test_command_line(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    args = ["--preset", "smollm2-135m", "--dtype", "float32", "--max-batch", "2", "--chunk", "8"]
+    assert selfcheck.main(args) == 2  # no kernel registered for cpu: nothing to check
+    _install(monkeypatch, wrong)
+    out = tmp_path / "report.json"
+    assert selfcheck.main([*args, "--json", str(out)]) == 1
+    assert "check failed" in capsys.readouterr().out
+    (entry,) = json.loads(out.read_text())
+    assert entry["report"]["ops"][0]["failed"] is True
