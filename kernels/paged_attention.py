@@ -476,6 +476,8 @@ def paged_attention_cuda(
     )
 
 
+# Back-end -> implementation. The CPU extension's wrapper registers itself here only when it imports:
+#     KERNELS["cpu"] = Kernel(paged_attention_cpu, cpu_supports)
 KERNELS: dict[str, Kernel] = {
     "metal": Kernel(paged_attention_metal, gpu_supports),
     "cuda": Kernel(paged_attention_cuda, gpu_supports),
