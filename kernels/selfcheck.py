@@ -163,8 +163,8 @@ def _select_op(
             _warn(op, backend, f"cached result of an earlier start: {cached.reason}")
         return replace(cached, cached=True), ref
     failure = check_kernel(op, kernel, shapes)
-    if failure is None and cached is not None:
-        return replace(cached, cached=True), kernel.fn
+    if failure is None and cached is not None and cached.implementation == backend:
+        return replace(cached, cached=True), kernel.fn  # checked now; timed by an earlier start
     if failure is None:
         try:
             kernel_ms, ref_ms = time_kernel(op, kernel, shapes, iters)

@@ -12,8 +12,10 @@ from __future__ import annotations
 
 import ctypes
 import hashlib
+import os
 import subprocess
 import tempfile
+import threading
 from functools import cache
 from pathlib import Path
 from typing import Any
@@ -112,12 +114,16 @@ def _compile(source: str) -> ctypes.CDLL:
     CACHE_DIR.mkdir(parents=True, exist_ok=True)
     lib = CACHE_DIR / f"k{hashlib.sha256(source.encode()).hexdigest()[:16]}.so"
     if not lib.exists():
-        src = lib.with_suffix(".cpp")
+        # Other test processes share this cache: build under private names, then publish atomically.
+        tmp = lib.with_name(f"{lib.stem}.{os.getpid()}.{threading.get_ident()}")
+        src = tmp.with_suffix(".cpp")
         src.write_text(source)
-        cmd = ["g++", "-std=c++20", "-O1", "-shared", "-fPIC", "-pthread", "-w", str(src), "-o", str(lib)]
+        cmd = ["g++", "-std=c++20", "-O1", "-shared", "-fPIC", "-pthread", "-w", str(src), "-o", str(tmp)]
         proc = subprocess.run(cmd, capture_output=True, text=True)
+        src.unlink(missing_ok=True)
         if proc.returncode:
             raise RuntimeError(f"emulator compile failed:\n{proc.stderr[-4000:]}")
+        os.replace(tmp, lib)
     return ctypes.CDLL(str(lib))
 
 

@@ -1,6 +1,6 @@
-"""The GPU kernels' launch plan, sources and variants: what a review of the Metal path asked for, checked here.
+"""The GPU kernels' launch plan, sources and variants, checked without running a kernel.
 
-Nothing runs a kernel: launches are recorded (tools/variants.py) or inspected.
+Launches are recorded (tools/variants.py) or the kernel text is inspected.
 """
 
 from __future__ import annotations
