@@ -1,6 +1,6 @@
 """`trillm bench kernels`: the paged-KV kernels and references against gather + mx.fast SDPA.
 
-Times paged decode attention (kernel where a GPU back-end exists, the reference always) and
+Times paged decode attention (this back-end's kernel where it has one, the reference always) and
 `mx.fast.scaled_dot_product_attention` on already-gathered contiguous K/V, over contexts x batches;
 reports ms, effective GB/s (K+V bytes read / time) and the fraction of peak memory bandwidth (a measured
 read bandwidth on CPU, a known-peak table on GPU). Also: kv_write in place (donated) vs copying, gather,
@@ -21,9 +21,11 @@ import trillm.kernels  # noqa: F401  (BLAS before mlx)
 import mlx.core as mx
 
 from trillm.bench.results import int_list, new_results_dir, write_meta
-from trillm.kernels._dispatch import kernel_backend
-from trillm.kernels.kv_cache import kv_gather, kv_gather_ref, kv_write_ref
-from trillm.kernels.paged_attention import paged_attention, paged_attention_ref
+from trillm.kernels.backend import kernel_backend
+from trillm.kernels.kv_gather import kv_gather, kv_gather_ref
+from trillm.kernels.kv_write import kv_write_ref
+from trillm.kernels.paged_attention import KERNELS as ATTENTION_KERNELS
+from trillm.kernels.paged_attention import paged_attention_ref
 
 # (num_q_heads, num_kv_heads, head_dim, layers)
 SHAPES = {"smollm2": (9, 3, 64, 30), "llama8b": (32, 8, 128, 32)}
@@ -86,8 +88,8 @@ def bench_attention(
     kv_bytes = 2 * batch * ctx * hkv * d * dtype.size
     row: dict[str, Any] = dict(batch=batch, context=ctx, kv_mb=round(kv_bytes / 2**20, 2))
     timings = {"reference": lambda: paged_attention_ref(*args, scale=d**-0.5)}
-    if kernel_backend() is not None:
-        timings["kernel"] = lambda: paged_attention(*args, scale=d**-0.5)
+    if (kernel := ATTENTION_KERNELS.get(kernel_backend() or "")) is not None:
+        timings["kernel"] = lambda: kernel.fn(*args, scale=d**-0.5)
     keys = kv_gather_ref(p["k_pool"], p["block_tables"], ctx)
     values = kv_gather_ref(p["v_pool"], p["block_tables"], ctx)
     mx.eval(keys, values)
@@ -171,7 +173,8 @@ def main(argv: list[str] | None = None) -> int:
     dtype = getattr(mx, args.dtype)
     shape = SHAPES[args.shape]
     device, peak = device_peak(args.peak_gbs)
-    print(f"device {mx.default_device()} ({device}), peak {peak:.1f} GB/s, kernels: {kernel_backend() or 'none'}, "
+    print(f"device {mx.default_device()} ({device}), peak {peak:.1f} GB/s, kernel back-end: {kernel_backend()} "
+          f"({'has' if kernel_backend() in ATTENTION_KERNELS else 'no'} attention kernel), "
           f"shape {args.shape} Hq/Hkv/D={shape[:3]}, {args.dtype}, block {args.block_size}")  # fmt: skip
     result: dict[str, Any] = dict(device=device, peak_gbs=peak, backend=kernel_backend(), shape=args.shape,
                                   dtype=args.dtype, block_size=args.block_size, attention=[])  # fmt: skip

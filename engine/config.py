@@ -7,6 +7,7 @@ from dataclasses import MISSING, dataclass, fields
 from typing import Any
 
 from trillm.engine.errors import InvalidRequest
+from trillm.kernels.selfcheck import MODES as KERNEL_MODES
 
 
 @dataclass(frozen=True, slots=True)
@@ -24,6 +25,7 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     seed: int = 0  # seeds unseeded sampling
     pipeline_decode: bool = True  # queue decode step n+1 before reading step n back
+    kernels: str = "auto"  # start-up kernel self-check: auto (fall back per op), strict (fail), ref (references)
 
     def __post_init__(self) -> None:
         if self.block_size <= 0 or self.block_size & (self.block_size - 1):
@@ -38,6 +40,8 @@ class EngineConfig:
             raise InvalidRequest(f"max_waiting must be >= 0, got {self.max_waiting}")
         if self.kv_cache_memory_gb <= 0:
             raise InvalidRequest("kv_cache_memory_gb must be > 0")
+        if self.kernels not in KERNEL_MODES:
+            raise InvalidRequest(f"kernels must be one of {', '.join(KERNEL_MODES)}, got {self.kernels!r}")
 
 
 # field -> (flag, help); booleans that default to True get a --no-... flag. The defaults are the dataclass's.
@@ -54,6 +58,8 @@ _FLAGS: dict[str, tuple[str, str]] = {
     "pipeline_decode": ("--no-pipeline-decode", "read each decode step back before queuing the next"),
     "dtype": ("--dtype", "float32, float16 or bfloat16 (default: float32 on CPU, the checkpoint's on GPU)"),
     "seed": ("--engine-seed", "seed of unseeded sampling"),
+    "kernels": ("--kernels", "auto: check each kernel against its reference at start, fall back per op; "
+                             "strict: fail at start instead; ref: run the references only"),
 }
 
 
@@ -70,8 +76,9 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         if isinstance(default, bool):
             g.add_argument(flag, dest=name, action="store_false" if default else "store_true", help=help_text)
         else:
-            kind = {"dtype": str, "kv_cache_memory_gb": float}.get(name, int)
-            g.add_argument(flag, dest=name, type=kind, default=default, help=f"{help_text} (default: {default})")
+            kind = {"dtype": str, "kernels": str, "kv_cache_memory_gb": float}.get(name, int)
+            g.add_argument(flag, dest=name, type=kind, default=default, help=f"{help_text} (default: {default})",
+                           choices=KERNEL_MODES if name == "kernels" else None)
 
 
 def engine_config_from_args(args: argparse.Namespace, model: str | None = None) -> EngineConfig:

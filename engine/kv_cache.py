@@ -5,10 +5,10 @@ mlx-lm's attention layers call `cache.update_and_fetch(keys, values)`, read `cac
 batch: per-row offsets, writes through `trillm.kernels.kv_write`, and a dense view through `kv_gather`.
 
 THE attention seam (the only one): `install_paged_attention(model)` rebinds `scaled_dot_product_attention`
-in the model's own modules to `paged_sdpa`, which sends paged caches to `trillm.kernels.paged_attention`
-(Metal/CUDA kernels, or the pure-mx reference on CPU) and everything else to mlx-lm's original. Without the
-seam the model still runs correctly on the gathered K/V and the mask; MLX's laziness means the unused
-gather costs nothing when the seam is in place.
+in the model's own modules to `paged_sdpa`, which sends paged caches to paged attention (the implementation
+the engine's start-up kernel self-check chose: a kernel, or the pure-mx reference) and everything else to
+mlx-lm's original. Without the seam the model still runs correctly on the gathered K/V and the mask; MLX's
+laziness means the unused gather costs nothing when the seam is in place.
 """
 
 from __future__ import annotations
@@ -21,8 +21,8 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 
-from trillm.kernels.kv_cache import kv_gather, kv_write
-from trillm.kernels.paged_attention import paged_attention
+from trillm.kernels import kv_write
+from trillm.kernels.selfcheck import KernelSelection, unchecked
 
 
 @dataclass(frozen=True, slots=True)
@@ -41,9 +41,12 @@ class BatchLayout:
 class KVPool:
     """Per-layer K and V pools, [num_blocks, block_size, num_kv_heads, head_dim] each."""
 
-    def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: mx.Dtype) -> None:
+    def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
+                 dtype: mx.Dtype, *, kernels: KernelSelection | None = None) -> None:
         shape = (num_blocks, block_size, num_kv_heads, head_dim)
         self.block_size = block_size
+        # The attention and gather implementations the engine's self-check chose; else the dispatchers.
+        self.kernels = kernels or unchecked()
         self.keys = [mx.zeros(shape, dtype) for _ in range(num_layers)]
         self.values = [mx.zeros(shape, dtype) for _ in range(num_layers)]
         mx.eval(self.keys, self.values)
@@ -97,8 +100,9 @@ class PagedKVCache:
             pool.keys[self.layer], pool.values[self.layer], flat_k, flat_v, lay.slot_mapping)
         # Dense view for models that bypass the seam; lazy, so free when unused.
         max_len = self._padded_len()
-        return (kv_gather(pool.keys[self.layer], lay.block_tables, max_len),
-                kv_gather(pool.values[self.layer], lay.block_tables, max_len))
+        gather = pool.kernels.kv_gather
+        return (gather(pool.keys[self.layer], lay.block_tables, max_len),
+                gather(pool.values[self.layer], lay.block_tables, max_len))
 
     def _padded_len(self) -> int:
         bs = self.pool.block_size
@@ -116,8 +120,9 @@ class PagedKVCache:
 
     def attend(self, queries: mx.array, *, scale: float, sinks: mx.array | None = None) -> mx.array:
         lay = self._layout
-        return paged_attention(queries, self.pool.keys[self.layer], self.pool.values[self.layer],
-                               lay.block_tables, lay.context_lens, scale=scale, sinks=sinks)
+        attention = self.pool.kernels.paged_attention
+        return attention(queries, self.pool.keys[self.layer], self.pool.values[self.layer],
+                         lay.block_tables, lay.context_lens, scale=scale, sinks=sinks)
 
     # mlx-lm's cache protocol, for code that inspects caches.
     def is_trimmable(self) -> bool:

@@ -13,7 +13,7 @@ from trillm.engine.admission import RequestLimits
 from trillm.engine.block_manager import BlockManager
 from trillm.engine.config import EngineConfig
 from trillm.engine.detokenizer import IncrementalDetokenizer, StopStringMatcher
-from trillm.engine.errors import InvalidRequest, UnknownRequest
+from trillm.engine.errors import InvalidRequest, ModelLoadError, UnknownRequest
 from trillm.engine.loader import LoadedModel
 from trillm.engine.outputs import EngineStatistics, FinishReason, RequestOutput, Usage
 from trillm.engine.runner import Launch, Runner
@@ -24,6 +24,7 @@ from trillm.engine.sequence import Sequence, SequenceStatus
 
 if TYPE_CHECKING:
     from trillm.engine.mock.model import MockLoadedModel
+    from trillm.kernels.selfcheck import KernelReport
 
 _RATE_WINDOW_S = 10.0
 
@@ -75,6 +76,7 @@ class LLMEngine:
         self.limits = RequestLimits(self.max_model_len, bs, self.block_manager.num_usable_blocks,
                                     self.tokenizer.vocab_size, config.max_waiting)
         self.scheduler = Scheduler(config, self.block_manager, self.limits, self.eos_token_ids)
+        self.kernel_report: KernelReport | None = None  # which implementation each kernel op runs (MLX runner)
         self.runner: Runner = runner_factory(num_blocks) if runner_factory is not None else self._mlx_runner(num_blocks)
         self._pipelined = config.pipeline_decode and self.runner.supports_launch_ahead
         self._inflight: Launch | None = None  # a decode step launched ahead, not read back yet
@@ -87,14 +89,28 @@ class LLMEngine:
         self._recent_sums = [0, 0]  # running sums over _recent, so statistics() is O(1)
 
     def _mlx_runner(self, num_blocks: int) -> Runner:
+        import mlx.core as mx
+
         from trillm.engine.kv_cache import KVPool
         from trillm.engine.model_runner import ModelRunner
         from trillm.engine.sampler import Sampler
+        from trillm.kernels.layout import ModelShapes
+        from trillm.kernels.selfcheck import KernelCheckError, select_kernels
 
-        lm = self.loaded
+        lm, config = self.loaded, self.config
         assert isinstance(lm, LoadedModel), "the MLX runner needs a loaded model"
-        pool = KVPool(lm.num_layers, num_blocks, self.config.block_size, lm.num_kv_heads, lm.head_dim, lm.dtype)
-        return ModelRunner(lm.model, pool, Sampler(self.config.seed))
+        sinks = any(isinstance(getattr(m, "sinks", None), mx.array) for _, m in lm.model.named_modules())
+        shapes = ModelShapes(lm.num_attention_heads, lm.num_kv_heads, lm.head_dim, config.block_size, lm.dtype,
+                             sinks=sinks, max_batch=config.max_num_seqs, chunk=config.max_num_batched_tokens,
+                             max_context=self.max_model_len)  # fmt: skip
+        try:  # on the engine thread: the kernels compile (and their check runs) on the stream serving uses
+            kernels = select_kernels(shapes, config.kernels)
+        except KernelCheckError as exc:
+            raise ModelLoadError(f"--kernels strict: {exc}") from exc
+        self.kernel_report = kernels.report
+        pool = KVPool(lm.num_layers, num_blocks, config.block_size, lm.num_kv_heads, lm.head_dim, lm.dtype,
+                      kernels=kernels)  # fmt: skip
+        return ModelRunner(lm.model, pool, Sampler(config.seed))
 
     # ---- requests ----------------------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, *, priority: int = 0) -> None:

@@ -43,6 +43,7 @@ class LoadedModel:
     num_kv_heads: int
     head_dim: int
     dtype: mx.Dtype
+    num_attention_heads: int
 
     @property
     def num_parameters(self) -> int:
@@ -180,6 +181,7 @@ def _loaded(
         num_kv_heads=int(get("num_key_value_heads") or heads),
         head_dim=int(head_dim),
         dtype=dtype,
+        num_attention_heads=int(heads),
     )
 
 

@@ -29,4 +29,74 @@ padding lands in memory that exists.
 
 from __future__ import annotations
 
+import random
+from dataclasses import dataclass
+
+import mlx.core as mx
+
 RESERVED_BLOCK = 0  # padding target for block tables; never allocated to a sequence
+
+
+@dataclass(frozen=True, slots=True)
+class ModelShapes:
+    """What the kernels see of one model on one engine: the pool layout, the attention flavour, the bounds.
+
+    The start-up self-check runs each kernel on these shapes; the dispatchers build one per call to ask
+    whether a kernel handles it (the bounds then keep their defaults).
+    """
+
+    num_q_heads: int
+    num_kv_heads: int
+    head_dim: int
+    block_size: int
+    dtype: mx.Dtype
+    window: int | None = None  # sliding-window attention
+    sinks: bool = False  # attention sinks (one extra logit per head)
+    max_batch: int = 9  # most sequences in one decode step
+    chunk: int = 64  # prefill chunk (query tokens per row)
+    max_context: int = 4096  # longest context a row can reach
+
+    def __post_init__(self) -> None:
+        if self.num_q_heads % self.num_kv_heads:
+            raise ValueError(f"num_q_heads {self.num_q_heads} is not a multiple of num_kv_heads {self.num_kv_heads}")
+        if min(self.block_size, self.head_dim, self.max_batch, self.chunk, self.max_context) < 1:
+            raise ValueError(f"shapes must be positive: {self}")
+        if self.window is not None and self.window < 1:
+            raise ValueError(f"window must be >= 1, got {self.window}")
+
+
+@dataclass(frozen=True, slots=True)
+class PagedBatch:
+    """Random K/V for rows of given lengths, in shuffled pool blocks, with decode/prefill queries."""
+
+    q: mx.array  # [B, Hq, L, D]
+    k_pool: mx.array  # [num_blocks, bs, Hkv, D]
+    v_pool: mx.array
+    block_tables: mx.array  # int32 [B, max_blocks]; padding -> RESERVED_BLOCK
+    context_lens: mx.array  # int32 [B]
+
+
+def random_batch(shapes: ModelShapes, lens: list[int], num_queries: int, seed: int = 0) -> PagedBatch:
+    """A batch laid out as above: block 0 reserved, rows in shuffled blocks, one padding column per table.
+
+    Pool slots no row owns hold random values too, so a kernel that reads outside a row's blocks shows.
+    """
+    bs, hkv, d = shapes.block_size, shapes.num_kv_heads, shapes.head_dim
+    per_row = [-(-n // bs) for n in lens]
+    num_blocks = 1 + sum(per_row) + 1
+    k2, k3, k4 = mx.random.split(mx.random.key(seed), 3)
+    order = list(range(1, num_blocks))
+    random.Random(seed).shuffle(order)
+    width = max(per_row) + 1
+    tables = []
+    for n_blocks in per_row:
+        row, order = order[:n_blocks], order[n_blocks:]
+        tables.append(row + [RESERVED_BLOCK] * (width - n_blocks))
+    pool_shape = (num_blocks, bs, hkv, d)
+    return PagedBatch(
+        q=mx.random.normal((len(lens), shapes.num_q_heads, num_queries, d), key=k2).astype(shapes.dtype),
+        k_pool=mx.random.normal(pool_shape, key=k3).astype(shapes.dtype),
+        v_pool=mx.random.normal(pool_shape, key=k4).astype(shapes.dtype),
+        block_tables=mx.array(tables, dtype=mx.int32),
+        context_lens=mx.array(lens, dtype=mx.int32),
+    )

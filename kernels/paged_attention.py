@@ -1,17 +1,367 @@
 """Attention over the paged KV pool: decode (L == 1) and one prefill chunk (L > 1) through block tables.
 
-Pool layout and the meaning of block_tables / context_lens: see `trillm.kernels.layout`.
+Pool layout and the meaning of block_tables / context_lens: `trillm.kernels.layout`.
+
+One op, one file (as mlx-lm's gated_delta.py): the shared Metal/CUDA kernel source, the pure-mx reference
+`paged_attention_ref`, the per-back-end entry points `paged_attention_metal` / `paged_attention_cuda`, and the
+dispatcher `paged_attention`.
+
+Back-end contract. `KERNELS` maps a back-end name ("metal", "cuda", "cpu"; see `trillm.kernels.backend`) to
+a `Kernel`: a function with exactly `paged_attention_ref`'s signature and semantics, plus `supports(shapes)`
+saying why it cannot run a model's shapes (or None). The dispatcher runs `KERNELS[kernel_backend()]` when it
+exists and supports the call, else the reference. The CPU back-end plugs in the same way: the MLX C++
+extension's wrapper `paged_attention_cpu(...)` goes in this file and is registered as `KERNELS["cpu"]` only
+when the extension imports. Whatever the back-end, the engine's start-up self-check
+(`trillm.kernels.selfcheck`) runs `OP.check_cases` against the reference (finite, within `TOLERANCES`), times
+`OP.timing_cases`, and falls back to the reference per op.
+
+The GPU kernels. A threadgroup (NW simdgroups of 32 lanes) owns R = QT * HPG rows: QT consecutive queries
+of one sequence times HPG query heads that share one KV head, so each K/V token is read once for all of
+them. Each lane holds D / 32 contiguous values of the head dim; simdgroups stride over the tokens of one
+context partition with an online softmax (flash-decoding). Simdgroups are merged in threadgroup memory;
+with one partition the kernel writes the output, otherwise it writes per-partition (max, sum, unnormalised
+output) and a reduction kernel merges partitions and the sinks. Only decode splits the context (prefill
+has query tiles for parallelism); how finely is a per-back-end `SplitPolicy`.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Protocol
+
 import mlx.core as mx
 
-from trillm.kernels._dispatch import kernel_backend
-from trillm.kernels.kv_cache import _gather_blocks
-from trillm.kernels import _attention_kernels as _k
+from trillm.kernels.backend import (
+    Case, Kernel, KernelOp, KernelSpec, at_least_8, build, float32_params, int32_params, kernel_backend,
+)  # fmt: skip
+from trillm.kernels.kv_gather import kv_gather_ref
+from trillm.kernels.layout import ModelShapes, random_batch
+
+NUM_SIMDGROUPS = 4  # NW: 128 threads per threadgroup
+MAX_ROWS_X_D = 1024  # R * D bound: keeps per-lane registers and threadgroup memory (16 KB) in check
+GPU_DTYPES = (mx.float32, mx.float16, mx.bfloat16)
+
+# Kernel against reference, (atol, rtol) per dtype: the kernels sum in another order (online softmax over
+# partitions) and Metal compiles them with fast math.
+TOLERANCES: dict[mx.Dtype, tuple[float, float]] = {
+    mx.float32: (1e-4, 1e-4), mx.float16: (5e-3, 5e-3), mx.bfloat16: (3e-2, 3e-2),
+}  # fmt: skip
+
+_MAIN_INPUTS = ("q", "k_pool", "v_pool", "block_tables", "context_lens", "sinks", "scale", "meta")
+
+# Template constants: T, D, BS, HKV, HQ, HPG, QT, NW, WINDOW (0 = none), HAS_SINKS.
+# meta (int32): [max_blocks, num_parts, part_size, L]; scale (float32): [scale]. Every input has >= 8
+# elements (see backend.int32_params), so MLX builds one variant per template tuple.
+_MAIN_BODY = """
+  constexpr int DPL = D / 32;
+  constexpr int R = QT * HPG;
+  constexpr int REP = HQ / HKV;
+  constexpr int KV_ROW = HKV * D;
+  constexpr int KV_BLOCK = BS * KV_ROW;
+  const int max_blocks = meta[0];
+  const int num_parts = meta[1];
+  const int part_size = meta[2];
+  const int L = meta[3];
+  const int gx = threadgroup_position_in_grid.x;
+  const int part = gx % num_parts;
+  const int qtile = gx / num_parts;
+  const int h0 = threadgroup_position_in_grid.y * HPG;
+  const int b = threadgroup_position_in_grid.z;
+  const int lane = thread_index_in_simdgroup;
+  const int warp = simdgroup_index_in_threadgroup;
+  const int tid = thread_position_in_threadgroup.x;
+  const int kvh = h0 / REP;
+  const int ctx = context_lens[b];
+  const float sc = scale[0];
+
+  // Row r = qi * HPG + hh: query qtile * QT + qi (absolute position ctx - L + i), head h0 + hh.
+  int pos[QT];
+  int lo[QT];
+  int tok_lo = 2147483647;
+  int tok_hi = 0;
+  UNROLL for (int qi = 0; qi < QT; ++qi) {
+    const int i = qtile * QT + qi;
+    pos[qi] = (i < L) ? ctx - L + i : -1;
+    lo[qi] = (WINDOW > 0) ? MAXI(0, pos[qi] - WINDOW + 1) : 0;
+    if (i < L) {
+      tok_lo = MINI(tok_lo, lo[qi]);
+      tok_hi = MAXI(tok_hi, pos[qi] + 1);
+    }
+  }
+  // Tokens past the table do not exist: a longer context_len must not read the next row's table.
+  tok_hi = MINI(tok_hi, max_blocks * BS);
+  float qv[R][DPL];
+  float m[R];
+  float l[R];
+  float acc[R][DPL];
+  UNROLL for (int r = 0; r < R; ++r) {
+    const int i = qtile * QT + r / HPG;
+    const size_t qrow = ((size_t)(b * HQ + h0 + r % HPG) * L + MINI(i, L - 1)) * D + lane * DPL;
+    UNROLL for (int e = 0; e < DPL; ++e) {
+      qv[r][e] = static_cast<float>(q[qrow + e]) * sc;
+      acc[r][e] = 0.0f;
+    }
+    m[r] = NEG_INF;
+    l[r] = 0.0f;
+  }
+
+  const int start = MAXI(part * part_size, tok_lo);
+  const int end = MINI((part + 1) * part_size, tok_hi);
+  // 64-bit arithmetic once per block (Apple GPUs emulate 64-bit multiplies); offsets within a block are int.
+  const int lane_off = kvh * D + lane * DPL;
+  int cur = -1;
+  auto kb = k_pool;
+  auto vb = v_pool;
+  for (int t = start + warp; t < end; t += NW) {
+    const int j = t / BS;
+    if (j != cur) {
+      cur = j;
+      const size_t blk = (size_t)block_tables[b * max_blocks + j];
+      kb = k_pool + blk * KV_BLOCK;
+      vb = v_pool + blk * KV_BLOCK;
+    }
+    const int off = (t - j * BS) * KV_ROW + lane_off;
+    float kf[DPL];
+    float vf[DPL];
+    UNROLL for (int e = 0; e < DPL; ++e) {
+      kf[e] = static_cast<float>(kb[off + e]);
+      vf[e] = static_cast<float>(vb[off + e]);
+    }
+    UNROLL for (int r = 0; r < R; ++r) {
+      float s = 0.0f;
+      UNROLL for (int e = 0; e < DPL; ++e) {
+        s += qv[r][e] * kf[e];
+      }
+      s = simd_sum(s);
+      const bool ok = t >= lo[r / HPG] && t <= pos[r / HPG];
+      const float mn = ok ? MAXF(m[r], s) : m[r];
+      const float alpha = EXPF(m[r] - mn);
+      const float p = ok ? EXPF(s - mn) : 0.0f;
+      l[r] = l[r] * alpha + p;
+      m[r] = mn;
+      UNROLL for (int e = 0; e < DPL; ++e) {
+        acc[r][e] = acc[r][e] * alpha + p * vf[e];
+      }
+    }
+  }
+
+  // Merge the simdgroups' partial softmax states.
+  SHARED float sm_m[NW * R];
+  SHARED float sm_l[NW * R];
+  SHARED float sm_o[NW * R * D];
+  UNROLL for (int r = 0; r < R; ++r) {
+    if (lane == 0) {
+      sm_m[warp * R + r] = m[r];
+      sm_l[warp * R + r] = l[r];
+    }
+    UNROLL for (int e = 0; e < DPL; ++e) {
+      sm_o[(warp * R + r) * D + lane * DPL + e] = acc[r][e];
+    }
+  }
+  BARRIER();
+  for (int idx = tid; idx < R * D; idx += NW * 32) {
+    const int r = idx / D;
+    const int d = idx % D;
+    const int i = qtile * QT + r / HPG;
+    const int h = h0 + r % HPG;
+    if (i < L) {
+      float M = NEG_INF;
+      UNROLL for (int w = 0; w < NW; ++w) {
+        M = MAXF(M, sm_m[w * R + r]);
+      }
+      float S = 0.0f;
+      float O = 0.0f;
+      UNROLL for (int w = 0; w < NW; ++w) {
+        const float c = EXPF(sm_m[w * R + r] - M);
+        S += sm_l[w * R + r] * c;
+        O += sm_o[(w * R + r) * D + d] * c;
+      }
+      const size_t row = (size_t)(b * HQ + h) * L + i;
+@EPILOGUE@
+    }
+  }
+"""
+
+_FINAL_EPILOGUE = """
+      float Mf = M;
+      if (HAS_SINKS) {
+        Mf = MAXF(M, sinks[h]);
+      }
+      const float c = EXPF(M - Mf);
+      float denom = S * c;
+      if (HAS_SINKS) {
+        denom += EXPF(sinks[h] - Mf);
+      }
+      out[row * D + d] = static_cast<T>(O * c / denom);
+"""
+
+_PARTIAL_EPILOGUE = """
+      const size_t slot = row * num_parts + part;
+      o_part[slot * D + d] = O;
+      if (d == 0) {
+        m_part[slot] = M;
+        l_part[slot] = S;
+      }
+"""
+
+# One threadgroup of D threads per (b, h, i) row; merges the partitions' (max, sum, output) and the sink.
+_REDUCE_BODY = """
+  const int num_parts = meta[1];
+  const int L = meta[3];
+  const size_t row = threadgroup_position_in_grid.x;
+  const int d = thread_position_in_threadgroup.x;
+  const int h = (int)((row / L) % HQ);
+  float M = NEG_INF;
+  for (int p = 0; p < num_parts; ++p) {
+    M = MAXF(M, m_part[row * num_parts + p]);
+  }
+  if (HAS_SINKS) {
+    M = MAXF(M, sinks[h]);
+  }
+  float S = 0.0f;
+  float O = 0.0f;
+  for (int p = 0; p < num_parts; ++p) {
+    const size_t slot = row * num_parts + p;
+    const float c = EXPF(m_part[slot] - M);
+    S += l_part[slot] * c;
+    O += o_part[slot * D + d] * c;
+  }
+  if (HAS_SINKS) {
+    S += EXPF(sinks[h] - M);
+  }
+  out[row * D + d] = static_cast<T>(O / S);
+"""
+
+ATTN_FINAL = KernelSpec("paged_attn_final", _MAIN_INPUTS, ("out",), _MAIN_BODY.replace("@EPILOGUE@", _FINAL_EPILOGUE))
+ATTN_PARTIAL = KernelSpec(
+    "paged_attn_partial", _MAIN_INPUTS, ("o_part", "m_part", "l_part"), _MAIN_BODY.replace("@EPILOGUE@", _PARTIAL_EPILOGUE)
+)
+ATTN_REDUCE = KernelSpec("paged_attn_reduce", ("o_part", "m_part", "l_part", "sinks", "meta"), ("out",), _REDUCE_BODY)
 
 
+@dataclass(frozen=True, slots=True)
+class SplitPolicy:
+    """How finely decode splits each row's context over threadgroups (flash-decoding) on one back-end."""
+
+    target_threadgroups: int  # enough threadgroups to fill the GPU when the batch alone does not
+    min_partition: int  # fewest context tokens per threadgroup (16 per simdgroup): below it, no split
+
+
+# MLX's own decode attention (sdpa_vector_2pass) splits into 32-1024 blocks on every Apple GPU. Metal: 128
+# threadgroups keep the 8-40 cores of M-series GPUs busy; CUDA: about two per SM of an H100/H200 (132 SMs).
+SPLIT_POLICIES: dict[str, SplitPolicy] = {"metal": SplitPolicy(128, 64), "cuda": SplitPolicy(264, 64)}
+DEFAULT_SPLIT = SplitPolicy(128, 64)
+
+
+@dataclass(frozen=True, slots=True)
+class LaunchPlan:
+    """Tile sizes and partitions of one call."""
+
+    hpg: int  # query heads per threadgroup (dividing the GQA ratio)
+    qt: int  # queries per threadgroup
+    num_parts: int  # context partitions (decode only); > 1 adds the reduction kernel
+    part_size: int  # context tokens per partition
+    num_qtiles: int
+
+    @property
+    def threadgroups_per_row(self) -> int:
+        return self.num_qtiles * self.num_parts
+
+
+def heads_per_group(rep: int, head_dim: int) -> int:
+    """Largest divisor of the GQA ratio that keeps HPG <= 8 and HPG * D within MAX_ROWS_X_D."""
+    return max(h for h in range(1, min(rep, 8) + 1) if rep % h == 0 and h * head_dim <= MAX_ROWS_X_D)
+
+
+def launch_plan(
+    backend: str, batch: int, num_q_heads: int, num_kv_heads: int, num_queries: int, head_dim: int, max_tokens: int
+) -> LaunchPlan:
+    """HPG heads x QT queries per threadgroup, and (decode) the context partitions for `backend`.
+
+    `max_tokens` is the block table's width in tokens. Prefill keeps one partition whatever the context: a
+    split would size the partial-output buffer B x Hq x L x num_parts x D. Its QT depends only on the model,
+    so every prefill length runs one kernel variant.
+    """
+    if num_q_heads % num_kv_heads:
+        raise ValueError(f"num_q_heads {num_q_heads} is not a multiple of num_kv_heads {num_kv_heads}")
+    if head_dim % 32:
+        raise ValueError(f"head_dim must be a multiple of 32 for the kernels, got {head_dim}")
+    hpg = heads_per_group(num_q_heads // num_kv_heads, head_dim)
+    if num_queries == 1:
+        qt = 1
+        policy = SPLIT_POLICIES.get(backend, DEFAULT_SPLIT)
+        wanted = -(-policy.target_threadgroups // (batch * (num_q_heads // hpg)))
+        num_parts = max(1, min(wanted, max_tokens // policy.min_partition))
+    else:
+        qt = max(1, min(8 // hpg, MAX_ROWS_X_D // (hpg * head_dim)))
+        num_parts = 1
+    return LaunchPlan(hpg, qt, num_parts, -(-max_tokens // num_parts), -(-num_queries // qt))
+
+
+def gpu_supports(shapes: ModelShapes) -> str | None:
+    """Why the Metal/CUDA kernels cannot run these shapes, or None."""
+    if shapes.head_dim % 32 or shapes.head_dim > MAX_ROWS_X_D:
+        return f"head_dim {shapes.head_dim} is not a multiple of 32 up to {MAX_ROWS_X_D}"
+    if shapes.dtype not in GPU_DTYPES:
+        return f"dtype {shapes.dtype} is not float32/float16/bfloat16"
+    return None
+
+
+def paged_attention_kernel(
+    backend: str,
+    q: mx.array,
+    k_pool: mx.array,
+    v_pool: mx.array,
+    block_tables: mx.array,
+    context_lens: mx.array,
+    *,
+    scale: float,
+    window: int | None = None,
+    sinks: mx.array | None = None,
+) -> mx.array:
+    """Launch the paged attention kernels on `backend` (any name in backend.FACTORIES). Shapes as the reference."""
+    b, hq, length, d = q.shape
+    _, bs, hkv, _ = k_pool.shape
+    max_blocks = block_tables.shape[1]
+    if window is not None and window < 1:
+        raise ValueError(f"window must be >= 1, got {window}")
+    if k_pool.dtype != q.dtype or v_pool.dtype != q.dtype:
+        raise ValueError(f"q {q.dtype} and the pools {k_pool.dtype}/{v_pool.dtype} must share a dtype")
+    plan = launch_plan(backend, b, hq, hkv, length, d, max_blocks * bs)
+    nt = NUM_SIMDGROUPS * 32
+    meta = int32_params(max_blocks, plan.num_parts, plan.part_size, length)
+    sinks_in = at_least_8(sinks.astype(mx.float32)) if sinks is not None else float32_params()
+    tables = block_tables if block_tables.dtype == mx.int32 else block_tables.astype(mx.int32)
+    lens = context_lens if context_lens.dtype == mx.int32 else context_lens.astype(mx.int32)
+    inputs = [q, k_pool, v_pool, at_least_8(tables), at_least_8(lens), sinks_in, float32_params(scale), meta]
+    template = [
+        ("T", q.dtype), ("D", d), ("BS", bs), ("HKV", hkv), ("HQ", hq), ("HPG", plan.hpg),
+        ("QT", plan.qt), ("NW", NUM_SIMDGROUPS), ("WINDOW", window or 0), ("HAS_SINKS", sinks is not None),
+    ]  # fmt: skip
+    grid = (plan.threadgroups_per_row * nt, hq // plan.hpg, b)
+    if plan.num_parts == 1:
+        outs: list[mx.array] = build(backend, ATTN_FINAL)(
+            inputs=inputs, template=template, grid=grid, threadgroup=(nt, 1, 1),
+            output_shapes=[q.shape], output_dtypes=[q.dtype],
+        )  # fmt: skip
+        return outs[0]
+    rows = b * hq * length
+    o_part, m_part, l_part = build(backend, ATTN_PARTIAL)(
+        inputs=inputs, template=template[:-1], grid=grid, threadgroup=(nt, 1, 1),  # no HAS_SINKS: the reduction adds them
+        # (max, sum) flat and >= 8 elements, so the reduction's inputs never switch address space
+        output_shapes=[(rows, plan.num_parts, d), (max(rows * plan.num_parts, 8),), (max(rows * plan.num_parts, 8),)],
+        output_dtypes=[mx.float32, mx.float32, mx.float32],
+    )  # fmt: skip
+    reduced: list[mx.array] = build(backend, ATTN_REDUCE)(
+        inputs=[o_part, m_part, l_part, sinks_in, meta],
+        template=[("T", q.dtype), ("D", d), ("HQ", hq), ("HAS_SINKS", sinks is not None)],
+        grid=(rows * d, 1, 1), threadgroup=(d, 1, 1),
+        output_shapes=[q.shape], output_dtypes=[q.dtype],
+    )  # fmt: skip
+    return reduced[0]
+
+
+# ---------------------------------------------------------------- reference
 def paged_attention_ref(
     q: mx.array,
     k_pool: mx.array,
@@ -28,16 +378,18 @@ def paged_attention_ref(
     Shapes: q [B, Hq, L, D]; k_pool, v_pool [num_blocks, bs, Hkv, D]; block_tables int32 [B, max_blocks];
     context_lens int32 [B]; sinks [Hq] or None -> [B, Hq, L, D] in q's dtype.
     Query i of row b sits at position context_lens[b] - L + i and sees positions <= its own
-    (and > pos - window when window is set). The whole table width is gathered, so pass a table trimmed
-    to the batch's longest row; reading max(context_lens) here would force a host sync every layer.
+    (and > pos - window when window is set) that the table holds. The whole table width is gathered, so
+    pass a table trimmed to the batch's longest row; reading max(context_lens) here would force a host sync
+    every layer.
     """
     if window is not None and window < 1:
         raise ValueError(f"window must be >= 1, got {window}")
     if q.shape[2] == 1:
         return _decode_ref(q, k_pool, v_pool, block_tables, context_lens, scale, window, sinks)
-    keys = _gather_blocks(k_pool, block_tables)  # [B, Hkv, N, D], N = max_blocks * bs
-    values = _gather_blocks(v_pool, block_tables)
-    mask = attention_mask(context_lens, q.shape[2], keys.shape[2], window)
+    n = block_tables.shape[1] * k_pool.shape[1]
+    keys = kv_gather_ref(k_pool, block_tables, n)  # [B, Hkv, N, D]
+    values = kv_gather_ref(v_pool, block_tables, n)
+    mask = attention_mask(context_lens, q.shape[2], n, window)
     if sinks is not None and sinks.dtype != q.dtype:
         sinks = sinks.astype(q.dtype)
     return mx.fast.scaled_dot_product_attention(q, keys, values, scale=scale, mask=mask, sinks=sinks)
@@ -89,6 +441,7 @@ def attention_mask(context_lens: mx.array, num_queries: int, num_keys: int, wind
     return allowed
 
 
+# ---------------------------------------------------------------- back-ends
 def paged_attention_metal(
     q: mx.array,
     k_pool: mx.array,
@@ -100,8 +453,10 @@ def paged_attention_metal(
     window: int | None = None,
     sinks: mx.array | None = None,
 ) -> mx.array:
-    """`paged_attention` as Metal kernels (decode: flash-decoding; L > 1: prefill). Shapes as the reference."""
-    return _k.paged_attention_kernel("metal", q, k_pool, v_pool, block_tables, context_lens, scale, window, sinks)
+    """`paged_attention` as Metal kernels. Shapes as the reference."""
+    return paged_attention_kernel(
+        "metal", q, k_pool, v_pool, block_tables, context_lens, scale=scale, window=window, sinks=sinks
+    )
 
 
 def paged_attention_cuda(
@@ -115,10 +470,30 @@ def paged_attention_cuda(
     window: int | None = None,
     sinks: mx.array | None = None,
 ) -> mx.array:
-    """`paged_attention` as CUDA kernels (decode: flash-decoding; L > 1: prefill). Shapes as the reference."""
-    return _k.paged_attention_kernel("cuda", q, k_pool, v_pool, block_tables, context_lens, scale, window, sinks)
+    """`paged_attention` as CUDA kernels. Shapes as the reference."""
+    return paged_attention_kernel(
+        "cuda", q, k_pool, v_pool, block_tables, context_lens, scale=scale, window=window, sinks=sinks
+    )
 
 
+# Back-end -> implementation. The CPU extension's wrapper registers itself here only when it imports:
+#     KERNELS["cpu"] = Kernel(paged_attention_cpu, cpu_supports)
+KERNELS: dict[str, Kernel] = {
+    "metal": Kernel(paged_attention_metal, gpu_supports),
+    "cuda": Kernel(paged_attention_cuda, gpu_supports),
+}
+
+
+class PagedAttentionFn(Protocol):
+    """The signature every implementation shares (`paged_attention_ref`'s)."""
+
+    def __call__(
+        self, q: mx.array, k_pool: mx.array, v_pool: mx.array, block_tables: mx.array, context_lens: mx.array,
+        *, scale: float, window: int | None = None, sinks: mx.array | None = None,
+    ) -> mx.array: ...  # fmt: skip
+
+
+# ---------------------------------------------------------------- dispatcher
 def paged_attention(
     q: mx.array,
     k_pool: mx.array,
@@ -133,12 +508,62 @@ def paged_attention(
     """Causal attention of q [B, Hq, L, D] over each row's cached K/V -> [B, Hq, L, D] in q's dtype.
 
     L == 1 is decode; L > 1 is one prefill chunk whose own K/V are already written to the pool
-    (kv_write first), attending to its cached prefix through the table. Kernel on Metal/CUDA, else
-    the reference (TRILLM_KERNELS=ref forces it).
+    (kv_write first), attending to its cached prefix through the table. Runs this back-end's kernel when
+    it has one for these shapes, else the reference (TRILLM_KERNELS=ref forces it). Unchecked: the engine
+    runs what its start-up self-check chose instead (`trillm.kernels.selfcheck`).
     """
-    backend = kernel_backend()
-    if backend is None or not _k.kernel_supports(q, k_pool):
-        return paged_attention_ref(
-            q, k_pool, v_pool, block_tables, context_lens, scale=scale, window=window, sinks=sinks
-        )
-    return _k.paged_attention_kernel(backend, q, k_pool, v_pool, block_tables, context_lens, scale, window, sinks)
+    kernel = None
+    if k_pool.dtype == q.dtype:
+        shapes = ModelShapes(q.shape[1], k_pool.shape[2], q.shape[3], k_pool.shape[1], q.dtype, window, sinks is not None)
+        kernel = OP.kernel_for(kernel_backend(), shapes)
+    impl: PagedAttentionFn = kernel.fn if kernel is not None else paged_attention_ref
+    return impl(q, k_pool, v_pool, block_tables, context_lens, scale=scale, window=window, sinks=sinks)
+
+
+# ---------------------------------------------------------------- self-check cases
+CHECK_BATCHES = (1, 9)  # 9: more rows than MLX's 8-element `constant` address-space threshold
+CHECK_QUERIES = (1, 3)  # plus the model's prefill chunk
+CHECK_LONG_CONTEXT = 1029  # splits decode into partitions on every back-end's policy
+
+
+def _case(shapes: ModelShapes, label: str, lens: list[int], num_queries: int, seed: int) -> Case:
+    batch = random_batch(shapes, lens, num_queries, seed)
+    sinks = None
+    if shapes.sinks:
+        sinks = mx.random.normal((shapes.num_q_heads,), key=mx.random.key(seed + 1)) * 2
+    args = (batch.q, batch.k_pool, batch.v_pool, batch.block_tables, batch.context_lens)
+    return Case(label, args, {"scale": shapes.head_dim**-0.5, "window": shapes.window, "sinks": sinks})
+
+
+def _check_cases(shapes: ModelShapes) -> list[Case]:
+    """Every variant serving launches: decode with one and with several partitions, prefill tiles, B in {1, 9}."""
+    cases: list[Case] = []
+    top = shapes.max_context
+    for num_queries in sorted({*CHECK_QUERIES, min(shapes.chunk, top)}):
+        for batch in CHECK_BATCHES:
+            for long in (False, True):
+                ladder = [num_queries + k for k in (0, 1, shapes.block_size - 1, shapes.block_size, 2 * shapes.block_size + 3)]
+                lens = [min(ladder[i % len(ladder)], top) for i in range(batch)]
+                if long:
+                    lens[-1] = min(max(CHECK_LONG_CONTEXT, num_queries), top)
+                label = f"B={batch} L={num_queries} contexts {min(lens)}..{max(lens)}"
+                cases.append(_case(shapes, label, lens, num_queries, seed=len(cases)))
+    return cases
+
+
+def _timing_cases(shapes: ModelShapes) -> list[Case]:
+    """Decode at batch 1 and at the largest batch, and one prefill chunk after one chunk of prefix."""
+    top = shapes.max_context
+    big = shapes.max_batch
+    chunk = min(shapes.chunk, top)
+    return [
+        _case(shapes, "decode B=1", [min(2048, top)], 1, seed=100),
+        _case(shapes, f"decode B={big}", [min(512, top, max(1, 65536 // big))] * big, 1, seed=101),
+        _case(shapes, f"prefill L={chunk}", [min(2 * chunk, top)], chunk, seed=102),
+    ]
+
+
+OP = KernelOp(
+    name="paged_attention", reference=paged_attention_ref, kernels=KERNELS,
+    check_cases=_check_cases, timing_cases=_timing_cases, tolerances=TOLERANCES,
+)  # fmt: skip

@@ -2,6 +2,7 @@ import trillm.kernels  # BLAS first  # noqa: F401, I001
 
 """Shared session fixtures: a tiny random llama folder, it loaded, and the real default model (SmolLM2)."""
 
+import os
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -10,6 +11,19 @@ import pytest
 from tiny_model import build_tiny_model
 from trillm.engine.errors import ModelNotFound
 from trillm.engine.loader import LoadedModel, default_model_path, load_model
+from trillm.kernels.selfcheck import CACHE_ENV
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _kernel_cache(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    """Engines' kernel self-check decisions go to a temporary folder, never the user's ~/.cache."""
+    before = os.environ.get(CACHE_ENV)
+    os.environ[CACHE_ENV] = str(tmp_path_factory.mktemp("kernel-cache"))
+    yield
+    if before is None:
+        os.environ.pop(CACHE_ENV, None)
+    else:
+        os.environ[CACHE_ENV] = before
 
 
 @pytest.fixture(scope="session")

@@ -19,7 +19,7 @@ from werkzeug.exceptions import HTTPException
 from trillm.web.config import ServerConfig
 from trillm.web.errors import APIError, to_api_error
 from trillm.web.generation import ModelRegistry, any_tokenizer, off_thread, start_generation
-from trillm.web.metrics import render_metrics
+from trillm.web.metrics import render_kernel_metrics, render_metrics
 from trillm.web.playground import register_playground
 from trillm.web.openai_schema import (
     ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest, openapi_document, parse_body,
@@ -36,6 +36,15 @@ M = TypeVar("M", bound=BaseModel)
 def json_response(obj: dict[str, Any], status: int = 200, headers: dict[str, str] | None = None) -> Response:
     return Response(json.dumps(obj, ensure_ascii=False), status=status, headers=headers or {},
                     content_type="application/json")
+
+
+def kernels_json(service: EngineService) -> dict[str, Any] | None:
+    """Which implementation each kernel op runs and why (the engine's start-up self-check); None before it ran."""
+    report = service.kernel_report
+    if report is None:
+        return None
+    return {"mode": report.mode, "backend": report.backend,
+            "ops": {r.op: {"implementation": r.implementation, "reason": r.reason} for r in report.ops}}
 
 
 def error_response(err: APIError) -> Response:
@@ -163,7 +172,7 @@ def create_app(services: Sequence[EngineService], config: ServerConfig = ServerC
     @app.get("/health")
     async def health() -> Response:
         # The failure's own text is for the log, not for whoever can reach /health.
-        states = {s.model_name: {"state": s.state.value, "restarts": s.num_restarts,
+        states = {s.model_name: {"state": s.state.value, "restarts": s.num_restarts, "kernels": kernels_json(s),
                                  "error": None if s.last_error is None else "the engine failed; see the server log"}
                   for s in registry.services}
         ok = all(s.healthy for s in registry.services)
@@ -177,6 +186,8 @@ def create_app(services: Sequence[EngineService], config: ServerConfig = ServerC
     async def metrics() -> Response:
         text = render_metrics({s.model_name: (s.metrics, s.statistics().engine, s.healthy)
                                for s in registry.services})
+        text += render_kernel_metrics({s.model_name: s.kernel_report.implementations()
+                                       for s in registry.services if s.kernel_report is not None})
         return Response(text, content_type="text/plain; version=0.0.4; charset=utf-8")
 
     @app.post("/tokenize")

@@ -113,3 +113,14 @@ def render_metrics(
     for model, (_, _, healthy) in models.items():
         lines.append(f'trillm_model_healthy{{model="{_escape(model)}"}} {int(healthy)}')
     return "\n".join(lines) + "\n"
+
+
+def render_kernel_metrics(models: Mapping[str, Mapping[str, str]]) -> str:
+    """Which implementation each kernel op runs, per model: op -> "metal" / "cuda" / "cpu" / "reference"."""
+    lines = ["# HELP trillm_kernel_implementation 1 for the implementation each kernel op runs (start-up self-check).",
+             "# TYPE trillm_kernel_implementation gauge"]  # fmt: skip
+    for model, ops in models.items():
+        for op, impl in ops.items():
+            lines.append(f'trillm_kernel_implementation{{model="{_escape(model)}",op="{_escape(op)}",'
+                         f'implementation="{_escape(impl)}"}} 1')  # fmt: skip
+    return "\n".join(lines) + "\n"

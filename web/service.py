@@ -34,6 +34,7 @@ from trillm.engine.llm_engine import LLMEngine
 from trillm.engine.outputs import EngineStatistics
 from trillm.engine.sampling_params import SamplingParams
 from trillm.engine.tokenizer import TokenizerLike
+from trillm.kernels.selfcheck import KernelReport
 from trillm.web.metrics import ModelMetrics
 from trillm.web.stream import GenerationFailed, GenerationHandle
 
@@ -105,6 +106,7 @@ class EngineService:
         self.tokenizer: TokenizerLike | None = None
         self.limits: RequestLimits | None = None
         self._stats: EngineStatistics | None = None
+        self.kernel_report: KernelReport | None = None  # the running engine's kernel self-check
         self._inbox: list[Work] = []
         self._unapplied = 0  # submissions in the inbox or in flight: not yet in the engine's waiting count
         self._wakeup = trio.Event()
@@ -269,6 +271,7 @@ class EngineService:
         self._stats = stats
         self.tokenizer = engine.tokenizer
         self.limits = engine.limits
+        self.kernel_report = engine.kernel_report
         self.model_name = self._served_name or engine.model_name
         self._epoch += 1
         self._up_since = trio.current_time()

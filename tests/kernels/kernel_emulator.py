@@ -1,6 +1,6 @@
 """Run the shared kernel bodies on the CPU: g++ plus one std::thread per GPU thread.
 
-A host prelude maps the names the bodies use (see trillm.kernels._build) onto C++20: thread indices are
+A host prelude maps the names the bodies use (see trillm.kernels.backend) onto C++20: thread indices are
 thread_locals, simd_sum/simd_max exchange values through a per-simdgroup std::barrier, BARRIER() is a
 threadgroup std::barrier, and SHARED is `static` (threadgroups run one at a time). The kernel text,
 template constants and launch wrapper are exactly what Metal/CUDA get, so this checks the algorithm
@@ -12,8 +12,10 @@ from __future__ import annotations
 
 import ctypes
 import hashlib
+import os
 import subprocess
 import tempfile
+import threading
 from functools import cache
 from pathlib import Path
 from typing import Any
@@ -21,17 +23,17 @@ from typing import Any
 import numpy as np
 
 import trillm.kernels  # noqa: F401  (BLAS before mlx)
-from trillm.kernels.cuda_compile import template_decls
+from trillm.kernels.tools.variants import template_decls
 import mlx.core as mx
 
-from trillm.kernels import _build
+from trillm.kernels import backend as kb
 
 BACKEND = "emulate"
 CACHE_DIR = Path(tempfile.gettempdir()) / "trillm-kernel-emulator"
 _C_TYPES = {mx.float32: "float", mx.float16: "_Float16", mx.int32: "int32_t"}
 _NP_TYPES = {mx.float32: np.float32, mx.float16: np.float16, mx.int32: np.int32}
 
-HOST_PRELUDE = _build.COMMON_PRELUDE + """
+HOST_PRELUDE = kb.COMMON_PRELUDE + """
 #include <barrier>
 #include <cmath>
 #include <cstddef>
@@ -47,6 +49,7 @@ static thread_local std::barrier<>* emu_group;
 #define SHARED static
 #define BARRIER() emu_group->arrive_and_wait()
 #define EXPF(x) std::exp(x)
+#define UNROLL _Pragma("GCC unroll 16")
 static float simd_sum(float x) {
   emu_warp->vals[thread_index_in_simdgroup] = x;
   emu_warp->bar.arrive_and_wait();
@@ -111,12 +114,16 @@ def _compile(source: str) -> ctypes.CDLL:
     CACHE_DIR.mkdir(parents=True, exist_ok=True)
     lib = CACHE_DIR / f"k{hashlib.sha256(source.encode()).hexdigest()[:16]}.so"
     if not lib.exists():
-        src = lib.with_suffix(".cpp")
+        # Other test processes share this cache: build under private names, then publish atomically.
+        tmp = lib.with_name(f"{lib.stem}.{os.getpid()}.{threading.get_ident()}")
+        src = tmp.with_suffix(".cpp")
         src.write_text(source)
-        cmd = ["g++", "-std=c++20", "-O1", "-shared", "-fPIC", "-pthread", "-w", str(src), "-o", str(lib)]
+        cmd = ["g++", "-std=c++20", "-O1", "-shared", "-fPIC", "-pthread", "-w", str(src), "-o", str(tmp)]
         proc = subprocess.run(cmd, capture_output=True, text=True)
+        src.unlink(missing_ok=True)
         if proc.returncode:
             raise RuntimeError(f"emulator compile failed:\n{proc.stderr[-4000:]}")
+        os.replace(tmp, lib)
     return ctypes.CDLL(str(lib))
 
 
@@ -140,6 +147,6 @@ def emulator_factory(*, name: str, input_names: list[str], output_names: list[st
 
 
 def install() -> None:
-    """Register the emulator as back-end "emulate" for trillm.kernels._build.build."""
-    _build.FACTORIES[BACKEND] = emulator_factory
-    _build.PRELUDES[BACKEND] = HOST_PRELUDE
+    """Register the emulator as back-end "emulate" for trillm.kernels.backend.build."""
+    kb.FACTORIES[BACKEND] = emulator_factory
+    kb.PRELUDES[BACKEND] = HOST_PRELUDE

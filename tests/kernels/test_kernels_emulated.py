@@ -2,11 +2,13 @@
 
 Same kernel text, template constants, launch plan and grid as on a GPU (see kernel_emulator.py), so the
 algorithm (paging, GQA grouping, online softmax, split-K partitions + reduction, window, sinks, prefill
-tiles) is verified numerically here; GPU-specific behaviour (memory model, speed) is not.
+tiles, the table bound) is verified numerically here; GPU-specific behaviour (memory model, speed) is not.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import importlib
 import shutil
 
 import numpy as np
@@ -17,14 +19,14 @@ import mlx.core as mx
 
 import kernel_emulator
 from paged_cases import make_case
-from trillm.kernels import _attention_kernels as attn
-from trillm.kernels import _kv_cache_kernels as kvk
-from trillm.kernels.kv_cache import copy_blocks_ref, kv_gather_ref, kv_write_ref
-from trillm.kernels.paged_attention import paged_attention_ref
+from trillm.kernels.kv_gather import kv_gather_kernel, kv_gather_ref
+from trillm.kernels.paged_attention import launch_plan, paged_attention_kernel, paged_attention_ref
 
 pytestmark = pytest.mark.skipif(shutil.which("g++") is None, reason="g++ not found: the CPU kernel emulator needs it")
 EMU = kernel_emulator.BACKEND
-LONG = attn.PARTITION_SIZE + 5  # two partitions: the split-K kernel plus the reduction
+# The module (trillm.kernels re-exports the dispatcher under the same name).
+attention_module = importlib.import_module("trillm.kernels.paged_attention")
+LONG = 517  # past 8 partitions of the decode split policy's 64-token minimum
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -32,40 +34,51 @@ def _emulator() -> None:
     kernel_emulator.install()
 
 
-# (lens, L, bs, rep, d, window, with_sinks, dtype)
+# (lens, L, bs, rep, d, window, with_sinks, dtype, split)
 CASES = [
-    pytest.param([16, 17, 40, 1], 1, 16, 3, 64, None, False, mx.float32, id="decode-gqa3-ragged"),
-    pytest.param([LONG, 32, 33], 1, 32, 4, 128, 37, True, mx.float32, id="decode-splitk-window-sinks"),
-    pytest.param([16, 17, 23], 5, 16, 1, 64, 7, True, mx.float32, id="prefill-mha-window-sinks"),
-    pytest.param([LONG, 9], 2, 16, 8, 64, None, True, mx.float32, id="prefill-splitk-gqa8"),
-    pytest.param([33, 20], 4, 16, 2, 64, None, False, mx.float16, id="prefill-f16"),
+    pytest.param([16, 17, 40, 1], 1, 16, 3, 64, None, False, mx.float32, False, id="decode-gqa3-ragged"),
+    pytest.param([LONG, 32, 33], 1, 32, 4, 128, 37, True, mx.float32, True, id="decode-splitk-window-sinks"),
+    pytest.param([LONG], 1, 16, 2, 32, None, False, mx.float32, True, id="decode-splitk-batch1"),
+    pytest.param([16, 17, 23], 5, 16, 1, 64, 7, True, mx.float32, False, id="prefill-mha-window-sinks"),
+    pytest.param([LONG, 9], 2, 16, 8, 64, None, True, mx.float32, False, id="prefill-long-gqa8"),
+    pytest.param([33, 20], 4, 16, 2, 64, None, False, mx.float16, False, id="prefill-f16"),
 ]
 
 
-@pytest.mark.parametrize("lens, num_queries, bs, rep, d, window, with_sinks, dtype", CASES)
-def test_attention_kernel_body(lens, num_queries, bs, rep, d, window, with_sinks, dtype) -> None:  # type: ignore[no-untyped-def]
+@pytest.mark.parametrize("lens, num_queries, bs, rep, d, window, with_sinks, dtype, split", CASES)
+def test_attention_kernel_body(lens, num_queries, bs, rep, d, window, with_sinks, dtype, split) -> None:  # type: ignore[no-untyped-def]
     case = make_case(lens, bs=bs, hkv=1 if rep == 8 else 2, rep=rep, d=d, num_queries=num_queries, dtype=dtype)
     hq = case.q.shape[1]
-    plan = attn.launch_plan(len(lens), hq, hq // rep, num_queries, d, case.block_tables.shape[1] * bs)
-    assert (plan["num_parts"] > 1) == (max(lens) > attn.PARTITION_SIZE)  # the split-K cases really split
+    plan = launch_plan(EMU, len(lens), hq, hq // rep, num_queries, d, case.block_tables.shape[1] * bs)
+    assert (plan.num_parts > 1) == split  # the split-K cases really split; prefill never does
     sinks = mx.array(np.linspace(-1.0, 1.5, hq, dtype=np.float32)) if with_sinks else None
     args = (case.q, case.k_pool, case.v_pool, case.block_tables, case.context_lens)
-    got = attn.paged_attention_kernel(EMU, *args, d**-0.5, window, sinks)
+    got = paged_attention_kernel(EMU, *args, scale=d**-0.5, window=window, sinks=sinks)
     want = paged_attention_ref(*args, scale=d**-0.5, window=window, sinks=sinks)
     tol = 1e-5 if dtype == mx.float32 else 2e-3
     np.testing.assert_allclose(np.array(got.astype(mx.float32)), np.array(want.astype(mx.float32)), atol=tol, rtol=tol)
 
 
-def test_kv_cache_kernel_bodies() -> None:
+@pytest.mark.parametrize("num_queries", [1, 3])
+def test_context_past_the_table_reads_only_the_table(num_queries: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A context_len beyond max_blocks x block_size must not read the next row's table (Metal never bounds-checks).
+
+    The partition bounds are made loose on purpose (part_size far past the table), so only the body's own
+    bound keeps the token loop inside the table.
+    """
+    plan = attention_module.launch_plan
+    monkeypatch.setattr(attention_module, "launch_plan", lambda *a: dataclasses.replace(plan(*a), part_size=1 << 20))
+    case = make_case([40, 40], bs=16, hkv=2, rep=2, d=64, num_queries=num_queries, dtype=mx.float32, seed=3)
+    tables = case.block_tables[:, :2]  # 32 tokens: row 0's "40" runs 8 tokens past its table
+    lens = mx.array([40, 30], dtype=mx.int32)
+    args = (case.q, case.k_pool, case.v_pool, tables, lens)
+    got = paged_attention_kernel(EMU, *args, scale=0.125)
+    want = paged_attention_ref(*args, scale=0.125)  # attends to the 32 positions the table holds
+    np.testing.assert_allclose(np.array(got), np.array(want), atol=1e-5, rtol=1e-5)
+
+
+def test_gather_kernel_body() -> None:
     case = make_case([16, 17, 40], bs=16, hkv=2, rep=1, d=64, num_queries=1, dtype=mx.float32)
     for max_len in (1, 16, 17, 40):
-        got = kvk.kv_gather_kernel(EMU, case.k_pool, case.block_tables, max_len)
+        got = kv_gather_kernel(EMU, case.k_pool, case.block_tables, max_len)
         assert mx.array_equal(got, kv_gather_ref(case.k_pool, case.block_tables, max_len))
-    slots = mx.array([3, 33, 48], dtype=mx.int32)
-    new = mx.random.normal((3, 2, 64), key=mx.random.key(0))
-    got_k, got_v = kvk.kv_write_kernel(EMU, case.k_pool, case.v_pool, new, -new, slots)
-    want_k, want_v = kv_write_ref(mx.array(case.k_pool), mx.array(case.v_pool), new, -new, slots)
-    assert mx.array_equal(got_k, want_k) and mx.array_equal(got_v, want_v)
-    src, dst = mx.array([1, 2], dtype=mx.int32), mx.array([3, 4], dtype=mx.int32)
-    got = kvk.copy_blocks_kernel(EMU, case.k_pool, src, dst)
-    assert mx.array_equal(got, copy_blocks_ref(mx.array(case.k_pool), src, dst))

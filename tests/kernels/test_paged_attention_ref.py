@@ -1,4 +1,4 @@
-"""paged_attention_ref against mx.fast SDPA on the equivalent contiguous inputs, across the issue's grid."""
+"""paged_attention_ref against mx.fast SDPA on the equivalent contiguous inputs, over shapes, dtypes, ragged rows."""
 
 from __future__ import annotations
 

@@ -17,13 +17,11 @@ MLX (0.32.4, mlx/backend/cuda/custom_kernel.cpp) JIT-compiles a `cuda_kernel` bo
 MLX's device headers ship only as strings inside the mlx-cuda wheel's libmlx.so: `fetch_headers`
 downloads that wheel (~90 MB, not installed) and extracts them into HEADER_DIR.
 
-    python -m trillm.kernels.cuda_compile fetch     # once: headers -> ~/.cache/trillm/mlx-cuda-headers
-    python -m trillm.kernels.cuda_compile check     # compile every CUDA kernel variant
+    python -m trillm.kernels.tools.cuda_compile fetch     # once: headers -> ~/.cache/trillm/mlx-cuda-headers
+    python -m trillm.kernels.tools.cuda_compile check     # compile every CUDA kernel variant
 """
 
 from __future__ import annotations
-
-from typing import Any
 
 import argparse
 import os
@@ -39,7 +37,8 @@ from pathlib import Path
 
 import mlx.core as mx
 
-from trillm.kernels._build import KernelSpec, header_for
+from trillm.kernels.backend import header_for
+from trillm.kernels.tools.variants import TemplateArg, Variant, default_variants, template_decls
 
 HEADER_DIR = Path(os.environ.get("TRILLM_MLX_CUDA_HEADERS", Path.home() / ".cache/trillm/mlx-cuda-headers"))
 NVCC = os.environ.get("NVCC", shutil.which("nvcc") or "/usr/local/bin/nvcc")
@@ -58,26 +57,11 @@ _DEFAULT_HEADER = """
 #define inf cuda::std::numeric_limits<float>::infinity()
 
 """
-def template_decls(template: Any, types: dict[Any, str]) -> list[str]:
-    """MLX's template arguments as C++ declarations: bools/ints become constexprs, dtypes become usings."""
-    decls = []
-    for name, arg in template:
-        if isinstance(arg, bool):
-            decls.append(f"  constexpr bool {name} = {'true' if arg else 'false'};")
-        elif isinstance(arg, int):
-            decls.append(f"  constexpr int {name} = {arg};")
-        else:
-            decls.append(f"  using {name} = {types[arg]};")
-    return decls
-
-
 _CUDA_TYPES = {
     mx.bool_: "bool", mx.int8: "int8_t", mx.int16: "int16_t", mx.int32: "int32_t", mx.int64: "int64_t",
     mx.uint8: "uint8_t", mx.uint16: "uint16_t", mx.uint32: "uint32_t", mx.uint64: "uint64_t",
     mx.float16: "__half", mx.bfloat16: "__nv_bfloat16", mx.float32: "float", mx.float64: "double",
 }  # fmt: skip
-
-TemplateArg = tuple[str, "int | bool | mx.Dtype"]
 
 
 def headers_present(header_dir: Path = HEADER_DIR) -> bool:
@@ -105,7 +89,7 @@ def extract_headers(libmlx: bytes, header_dir: Path) -> list[Path]:
     return written
 
 
-def fetch_headers(header_dir: Path = HEADER_DIR, version: str = mx.__version__) -> list[Path]:
+def fetch_headers(header_dir: Path = HEADER_DIR, version: str = str(getattr(mx, "__version__", ""))) -> list[Path]:
     """Download the mlx-cuda-13 wheel (not installed; ~90 MB) and extract its device headers."""
     with tempfile.TemporaryDirectory() as tmp:
         cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "-q", f"mlx-cuda-13=={version}", "-d", tmp]
@@ -126,16 +110,6 @@ def _template_hash(template: list[TemplateArg]) -> str:
         else:
             parts.append("_" + _CUDA_TYPES[arg])
     return "".join(parts)
-
-
-@dataclass(frozen=True, slots=True)
-class Variant:
-    """One instantiation of a kernel: its input/output dtypes and template arguments."""
-
-    spec: KernelSpec
-    input_dtypes: tuple[mx.Dtype, ...]
-    output_dtypes: tuple[mx.Dtype, ...]
-    template: tuple[TemplateArg, ...]
 
 
 def wrapper_source(v: Variant) -> str:
@@ -187,29 +161,14 @@ def compile_variants(variants: list[Variant], header_dir: Path = HEADER_DIR, job
 
 
 def all_variants() -> list[Variant]:
-    """One instantiation of every CUDA kernel, spread over the pool dtypes and the tile shapes we launch.
+    """The variants the default shapes launch on CUDA (see variants.DEFAULT_SHAPES), recorded from the launch code.
 
-    Shapes: GQA decode (HPG=3, QT=1, D=64), prefill with a window and sinks (HPG=1, QT=8, D=128), and a
-    mixed tile (HPG=4, QT=2); each as the single-partition and the split-K kernel.
+    CUDA has no `constant` address space: variants that differ only there are one kernel.
     """
-    from trillm.kernels import _attention_kernels as attn
-    from trillm.kernels import _kv_cache_kernels as kv
-
-    f32, f16, bf16, i32 = mx.float32, mx.float16, mx.bfloat16, mx.int32
-    variants = []
-    for dt, (hpg, qt, window, sinks, d) in ((f32, (3, 1, 0, False, 64)), (f16, (1, 8, 128, True, 128)),
-                                            (bf16, (4, 2, 0, True, 128))):  # fmt: skip
-        main_in = (dt, dt, dt, i32, i32, f32, f32, i32)
-        template = (("T", dt), ("D", d), ("BS", 16), ("HKV", 2), ("HQ", 2 * hpg * 2), ("HPG", hpg),
-                    ("QT", qt), ("NW", attn.NUM_SIMDGROUPS), ("WINDOW", window))  # fmt: skip
-        variants.append(Variant(attn.ATTN_FINAL, main_in, (dt,), template + (("HAS_SINKS", sinks),)))
-        variants.append(Variant(attn.ATTN_PARTIAL, main_in, (f32, f32, f32), template))
-    variants.append(Variant(attn.ATTN_REDUCE, (f32, f32, f32, f32, i32), (bf16,),
-                            (("T", bf16), ("D", 128), ("HQ", 8), ("HAS_SINKS", True))))  # fmt: skip
-    for dt, spec in ((f16, kv.GATHER), (bf16, kv.COPY)):
-        variants.append(Variant(spec, (dt, i32, i32), (dt,), (("T", dt), ("BS", 16), ("HKV", 2), ("D", 64))))
-    variants.append(Variant(kv.WRITE, (f32,) * 4 + (i32, i32), (f32, f32), (("T", f32), ("HKV", 2), ("D", 64))))
-    return variants
+    seen: dict[tuple[object, ...], Variant] = {}
+    for v in default_variants("cuda"):
+        seen.setdefault((v.spec, v.input_dtypes, v.output_dtypes, v.template), v)
+    return list(seen.values())
 
 
 def compile_together(variants: list[Variant], header_dir: Path = HEADER_DIR) -> CompileResult | None:
@@ -232,7 +191,7 @@ def compile_together(variants: list[Variant], header_dir: Path = HEADER_DIR) -> 
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m trillm.kernels.cuda_compile", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m trillm.kernels.tools.cuda_compile", description=__doc__.split("\n")[0])
     parser.add_argument("command", choices=["fetch", "check", "source"])
     parser.add_argument("--header-dir", type=Path, default=HEADER_DIR)
     parser.add_argument("--jobs", type=int, default=os.cpu_count() or 2)

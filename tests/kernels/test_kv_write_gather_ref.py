@@ -1,4 +1,4 @@
-"""kv_write / kv_gather / copy_blocks references: round trips against the dense data they came from."""
+"""kv_write / kv_gather references: round trips against the dense data they came from."""
 
 from __future__ import annotations
 
@@ -8,7 +8,9 @@ import pytest
 import trillm.kernels  # noqa: F401  (BLAS before mlx)
 import mlx.core as mx
 
-from trillm.kernels.kv_cache import copy_blocks, copy_blocks_ref, kv_gather, kv_gather_ref, kv_write, kv_write_ref
+from trillm.kernels import kv_gather, kv_write
+from trillm.kernels.kv_gather import kv_gather_ref
+from trillm.kernels.kv_write import kv_write_ref
 
 
 def _slots(tables: np.ndarray, b: int, positions: range, bs: int) -> np.ndarray:
@@ -68,13 +70,3 @@ def test_gather_lengths(max_len: int) -> None:
         np.testing.assert_array_equal(got[b], flat[slots].transpose(1, 0, 2))
     with pytest.raises(ValueError):
         kv_gather_ref(pool, tables, 49)
-
-
-def test_copy_blocks() -> None:
-    pool = mx.arange(6 * 16 * 2 * 32, dtype=mx.float32).reshape(6, 16, 2, 32)
-    before = np.array(pool)
-    out = np.array(copy_blocks(pool, mx.array([1, 2], dtype=mx.int32), mx.array([4, 5], dtype=mx.int32)))
-    expect = before.copy()
-    expect[[4, 5]] = before[[1, 2]]
-    np.testing.assert_array_equal(out, expect)
-    np.testing.assert_array_equal(np.array(copy_blocks_ref(mx.array(before), mx.array([3]), mx.array([0]))[0]), before[3])

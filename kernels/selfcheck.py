@@ -1,0 +1,330 @@
+"""Start-up self-check: each kernel the engine will use, run against its reference on the model's shapes.
+
+For every op (`ENGINE_OPS`) whose back-end has a kernel for the model's shapes, `select_kernels`:
+  1. runs the op's check cases (B in {1, 9}, query lengths {1, 3, chunk}, contexts that split decode into
+     partitions), so every kernel variant serving will launch is compiled here rather than mid-serving;
+     results must be finite and within the op's documented tolerances, or exactly equal where the op says
+  2. on an exception or a mismatch, falls back to the reference for that op alone, with one warning that
+     names the op, the back-end and the error text (mode "strict" raises `KernelCheckError` instead)
+  3. times kernel against reference on the op's timing cases (decode at batch 1 and at the largest batch,
+     one prefill chunk) and keeps the faster
+Modes: "auto" (the default, as above), "strict", "ref" (every op runs its reference, nothing is checked;
+TRILLM_KERNELS=ref forces the same). The result is a `KernelSelection`: the chosen implementation of each op,
+and a frozen `KernelReport` saying which runs and why (for /health and /metrics).
+
+Decisions are cached on disk, one JSON file per (mlx version, device, back-end, op, shapes, digest of the
+kernel sources) under $TRILLM_KERNEL_CACHE (default ~/.cache/trillm/kernels). A cached "kernel" decision
+still runs the check (it compiles the variants) but skips the timing; a cached fallback skips both, except
+in "strict" mode, which always checks.
+
+    python -m trillm.kernels.selfcheck [--preset NAME ...] [--dtype ...] [--json FILE]
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import inspect
+import json
+import os
+import statistics
+import sys
+import time
+import warnings
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+
+from trillm.kernels.backend import Kernel, KernelOp, forced_reference, kernel_backend
+from trillm.kernels.kv_gather import OP as KV_GATHER
+from trillm.kernels.kv_gather import KvGatherFn, kv_gather, kv_gather_ref
+from trillm.kernels.layout import ModelShapes
+from trillm.kernels.paged_attention import OP as PAGED_ATTENTION
+from trillm.kernels.paged_attention import PagedAttentionFn, paged_attention, paged_attention_ref
+
+MODES = ("auto", "strict", "ref")
+CACHE_ENV = "TRILLM_KERNEL_CACHE"
+ENGINE_OPS: tuple[KernelOp, ...] = (PAGED_ATTENTION, KV_GATHER)
+REFERENCE = "reference"
+MLX_VERSION = str(getattr(mx, "__version__", "unknown"))  # (mlx's stubs omit __version__)
+_PACKAGE_DIR = Path(__file__).resolve().parent
+
+
+class KernelCheckError(RuntimeError):
+    """A kernel failed its start-up check in "strict" mode."""
+
+
+class KernelFallbackWarning(RuntimeWarning):
+    """A kernel failed its start-up check; its op runs the reference."""
+
+
+@dataclass(frozen=True, slots=True)
+class OpReport:
+    """Which implementation one op runs, and why."""
+
+    op: str
+    implementation: str  # the back-end whose kernel runs ("metal", "cuda", "cpu"), or "reference"
+    backend: str | None  # the back-end considered (None: references forced)
+    reason: str
+    kernel_ms: float | None = None  # summed medians over the timing cases
+    reference_ms: float | None = None
+    cached: bool = False  # decided by an earlier run's cached result
+    failed: bool = False  # the kernel raised or mismatched (now, or in the cached run)
+
+
+@dataclass(frozen=True, slots=True)
+class KernelReport:
+    """The self-check's outcome for one engine."""
+
+    mode: str
+    backend: str | None
+    device: str
+    ops: tuple[OpReport, ...]
+    seconds: float  # time the check and the timing took
+
+    def implementation(self, op: str) -> str:
+        return next(r.implementation for r in self.ops if r.op == op)
+
+    def implementations(self) -> dict[str, str]:
+        return {r.op: r.implementation for r in self.ops}
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass(frozen=True, slots=True)
+class KernelSelection:
+    """The implementation of each engine op, as chosen, and the report."""
+
+    report: KernelReport
+    paged_attention: PagedAttentionFn
+    kv_gather: KvGatherFn
+
+
+def unchecked() -> KernelSelection:
+    """The per-call dispatchers, for code that builds caches without an engine (tests, benchmarks)."""
+    report = KernelReport("unchecked", kernel_backend(), device_description(), (), 0.0)
+    return KernelSelection(report, paged_attention, kv_gather)
+
+
+def device_description() -> str:
+    info = mx.device_info() if hasattr(mx, "device_info") else {}
+    return f"{mx.default_device()} {info.get('device_name', '')} {info.get('architecture', '')}".strip()
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get(CACHE_ENV) or Path.home() / ".cache" / "trillm" / "kernels")
+
+
+def select_kernels(
+    shapes: ModelShapes, mode: str = "auto", *, ops: Sequence[KernelOp] | None = None, timing_iters: int = 5
+) -> KernelSelection:
+    """Check, time and choose each op's implementation for `shapes` (see the module docstring).
+
+    `ops` defaults to ENGINE_OPS; the selection's attention and gather fall back to their references when
+    `ops` leaves them out.
+    """
+    ops = ENGINE_OPS if ops is None else ops
+    if mode not in MODES:
+        raise ValueError(f"kernels mode must be one of {MODES}, got {mode!r}")
+    t0 = time.perf_counter()
+    backend = None if mode == "ref" else kernel_backend()
+    chosen: dict[str, Callable[..., Any]] = {}
+    reports = []
+    for op in ops:
+        op_report, fn = _select_op(op, shapes, backend, mode, timing_iters)
+        reports.append(op_report)
+        chosen[op.name] = fn
+    report = KernelReport(mode, backend, device_description(), tuple(reports), round(time.perf_counter() - t0, 3))
+    pa = chosen.get(PAGED_ATTENTION.name, paged_attention_ref)
+    kg = chosen.get(KV_GATHER.name, kv_gather_ref)
+    return KernelSelection(report, pa, kg)
+
+
+def _select_op(
+    op: KernelOp, shapes: ModelShapes, backend: str | None, mode: str, iters: int
+) -> tuple[OpReport, Callable[..., Any]]:
+    ref = op.reference
+    if backend is None:
+        why = "TRILLM_KERNELS=ref" if forced_reference() else "kernels mode ref"
+        return OpReport(op.name, REFERENCE, None, f"references forced ({why})"), ref
+    kernel = op.kernels.get(backend)
+    if kernel is None:
+        return OpReport(op.name, REFERENCE, backend, f"no {backend} kernel for this op"), ref
+    if (why_not := kernel.supports(shapes)) is not None:
+        return OpReport(op.name, REFERENCE, backend, f"the {backend} kernel does not handle these shapes: {why_not}"), ref
+    key = cache_key(op, kernel, backend, shapes)
+    cached = _read_cache(key)
+    if cached is not None and cached.implementation == REFERENCE and not (mode == "strict" and cached.failed):
+        if cached.failed:
+            _warn(op, backend, f"cached result of an earlier start: {cached.reason}")
+        return replace(cached, cached=True), ref
+    failure = check_kernel(op, kernel, shapes)
+    if failure is None and cached is not None and cached.implementation == backend:
+        return replace(cached, cached=True), kernel.fn  # checked now; timed by an earlier start
+    if failure is None:
+        try:
+            kernel_ms, ref_ms = time_kernel(op, kernel, shapes, iters)
+        except Exception as exc:  # noqa: BLE001  (any failure of the kernel means: use the reference)
+            failure = f"timing: {_error_text(exc)}"
+    if failure is not None:
+        if mode == "strict":
+            raise KernelCheckError(f"{op.name}: the {backend} kernel failed its start-up check: {failure}")
+        _warn(op, backend, failure)
+        result = OpReport(op.name, REFERENCE, backend, f"check failed: {failure}", failed=True)
+        _write_cache(key, result)
+        return result, ref
+    if kernel_ms <= ref_ms:
+        result = OpReport(op.name, backend, backend, "checked, faster than the reference", kernel_ms, ref_ms)
+    else:
+        result = OpReport(op.name, REFERENCE, backend, "checked, slower than the reference", kernel_ms, ref_ms)
+    _write_cache(key, result)
+    return result, kernel.fn if result.implementation == backend else ref
+
+
+def _warn(op: KernelOp, backend: str, failure: str) -> None:
+    warnings.warn(f"{op.name}: the {backend} kernel failed its start-up check, running the reference instead: "
+                  f"{failure}", KernelFallbackWarning, stacklevel=4)  # fmt: skip
+
+
+def _error_text(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {exc}".strip()
+
+
+def check_kernel(op: KernelOp, kernel: Kernel, shapes: ModelShapes) -> str | None:
+    """Run every check case on kernel and reference; None when all agree, else what went wrong."""
+    for case in op.check_cases(shapes):
+        try:
+            got = kernel.fn(*case.args, **case.kwargs)
+            mx.eval(got)
+        except Exception as exc:  # noqa: BLE001  (build errors, launch errors, anything: report it)
+            return f"{case.label}: {_error_text(exc)}"
+        want = op.reference(*case.args, **case.kwargs)
+        mx.eval(want)
+        if (problem := compare(got, want, op.exact, op.tolerances.get(want.dtype, (0.0, 0.0)))) is not None:
+            return f"{case.label}: {problem}"
+    return None
+
+
+def compare(got: Any, want: mx.array, exact: bool, tolerance: tuple[float, float]) -> str | None:
+    """None when `got` matches `want` (exactly, or finite and within (atol, rtol)), else the mismatch."""
+    if not isinstance(got, mx.array) or got.shape != want.shape or got.dtype != want.dtype:
+        desc = f"{got.shape} {got.dtype}" if isinstance(got, mx.array) else type(got).__name__
+        return f"returned {desc}, expected {want.shape} {want.dtype}"
+    if exact:
+        return None if mx.array_equal(got, want).item() else "differs from the reference (exact equality required)"
+    g, w = got.astype(mx.float32), want.astype(mx.float32)
+    if not mx.all(mx.isfinite(g)).item():
+        return "non-finite output"
+    atol, rtol = tolerance
+    excess = mx.abs(g - w) - (atol + rtol * mx.abs(w))
+    if bool(mx.any(excess > 0).item()):
+        err = mx.max(mx.abs(g - w)).item()
+        return f"max |kernel - reference| = {err:.3g} exceeds atol {atol:g} + rtol {rtol:g} x |reference|"
+    return None
+
+
+def time_kernel(op: KernelOp, kernel: Kernel, shapes: ModelShapes, iters: int) -> tuple[float, float]:
+    """(kernel, reference) ms: sum over the timing cases of each one's median, measured interleaved."""
+    totals = [0.0, 0.0]
+    for case in op.timing_cases(shapes):
+        mx.eval([a for a in case.args if isinstance(a, mx.array)])
+        fns = (kernel.fn, op.reference)
+        samples: list[list[float]] = [[], []]
+        for i in range(iters + 1):
+            for which, fn in enumerate(fns):
+                t0 = time.perf_counter()
+                mx.eval(fn(*case.args, **case.kwargs))
+                if i:  # the first round warms up
+                    samples[which].append((time.perf_counter() - t0) * 1e3)
+        for which in (0, 1):
+            totals[which] += statistics.median(samples[which])
+    return round(totals[0], 4), round(totals[1], 4)
+
+
+# ---------------------------------------------------------------- decision cache
+def sources_digest(kernel: Kernel) -> str:
+    """Hash of this package's files (kernel texts, launch code, a built extension) and the kernel's module."""
+    h = hashlib.sha256()
+    files = sorted(p for p in _PACKAGE_DIR.iterdir() if p.suffix in (".py", ".so", ".dylib", ".pyd", ".metal", ".cu"))
+    fn_file = inspect.getsourcefile(kernel.fn) if inspect.isfunction(kernel.fn) else None
+    for path in files + ([Path(fn_file)] if fn_file else []):
+        h.update(path.name.encode())
+        h.update(path.read_bytes())
+    h.update(getattr(kernel.fn, "__qualname__", repr(kernel.fn)).encode())
+    return h.hexdigest()
+
+
+def cache_key(op: KernelOp, kernel: Kernel, backend: str, shapes: ModelShapes) -> str:
+    fields = {f: str(getattr(shapes, f)) for f in shapes.__dataclass_fields__}
+    parts = dict(mlx=MLX_VERSION, device=device_description(), backend=backend, op=op.name, shapes=fields,
+                 sources=sources_digest(kernel))  # fmt: skip
+    return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:32]
+
+
+def _read_cache(key: str) -> OpReport | None:
+    try:
+        data = json.loads((cache_dir() / f"{key}.json").read_text())
+        return OpReport(**data)
+    except (OSError, ValueError, TypeError):
+        return None
+
+
+def _write_cache(key: str, report: OpReport) -> None:
+    path = cache_dir() / f"{key}.json"
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(asdict(report)))
+        os.replace(tmp, path)
+    except OSError:
+        pass  # a read-only home only costs the next start its timing pass
+
+
+# ---------------------------------------------------------------- command line
+PRESETS: dict[str, ModelShapes] = {
+    "smollm2-135m": ModelShapes(9, 3, 64, 16, mx.float32),
+    "qwen2.5-0.5b": ModelShapes(14, 2, 64, 16, mx.float32),
+    "llama-3-8b": ModelShapes(32, 8, 128, 16, mx.float32),
+    "sinks-window": ModelShapes(64, 8, 64, 16, mx.float32, window=128, sinks=True),
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Check every preset x dtype; exit 1 when a kernel failed, 2 when this device has no kernels at all."""
+    parser = argparse.ArgumentParser(prog="python -m trillm.kernels.selfcheck", description=__doc__.split("\n")[0])
+    parser.add_argument("--preset", action="append", choices=sorted(PRESETS), help="default: all")
+    parser.add_argument("--dtype", action="append", choices=["float32", "float16", "bfloat16"], help="default: all")
+    parser.add_argument("--max-batch", type=int, default=64)
+    parser.add_argument("--chunk", type=int, default=512)
+    parser.add_argument("--mode", choices=MODES, default="auto")
+    parser.add_argument("--json", type=Path, help="write the reports here")
+    args = parser.parse_args(argv)
+    backend = kernel_backend()
+    print(f"mlx {MLX_VERSION}, device {device_description()}, kernel back-end {backend}", flush=True)
+    if backend is None or not any(backend in op.kernels for op in ENGINE_OPS):
+        print(f"no kernels to check on back-end {backend}", file=sys.stderr)
+        return 2
+    failed = False
+    out = []
+    for name in args.preset or sorted(PRESETS):
+        for dtype in args.dtype or ["float32", "float16", "bfloat16"]:
+            shapes = replace(PRESETS[name], dtype=getattr(mx, dtype), max_batch=args.max_batch, chunk=args.chunk)
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", KernelFallbackWarning)  # the report below says it
+                report = select_kernels(shapes, args.mode).report
+            for r in report.ops:
+                failed |= r.failed
+                timing = f" kernel {r.kernel_ms} ms vs reference {r.reference_ms} ms" if r.kernel_ms is not None else ""
+                print(f"{name:>13} {dtype:>8} {r.op:>16}: {r.implementation:<9} {r.reason}{timing}", flush=True)
+            out.append(dict(preset=name, dtype=dtype, report=report.as_dict()))
+    if args.json:
+        args.json.write_text(json.dumps(out, indent=2))
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
