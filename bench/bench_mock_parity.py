@@ -4,7 +4,7 @@ Runs the same trace twice through the same client code (bench/simulate.py): once
 the threaded EngineService on the real clock, once against the mock engine (timing model fitted by
 `trillm bench profile`, run first unless --profile is given) on the virtual clock. Both share the engine
 config, so the scheduler makes the same decisions. Reports TTFT and ITL p50/p90 of both and the relative
-error of the prediction (the issue's bar: within +-20%). A benchmark that reports its error, never a test.
+error of the prediction (the bar: within +-20%). A benchmark that reports its error, never a test.
 
     .venv/bin/python -m trillm.bench.bench_mock_parity [--profile P.json] [--num-requests 12] [--rate 0.5]
 """

@@ -1,7 +1,7 @@
 """`trillm bench peers`: trillm and mlx_lm.server side by side on one model folder, dtype and BLAS.
 
 Both (plus a trillm with its prefix cache off, for the multi-turn target) run on loopback; every workload
-runs against each in turn, alternating the order, and the ratios are checked against issue 5's targets.
+runs against each in turn, alternating the order, and the ratios are checked against the project's targets.
 """
 
 from __future__ import annotations
@@ -27,12 +27,12 @@ from trillm.bench.servers import ServerProcess, free_port, mlx_lm_command, trill
 from trillm.bench.workloads import Workload, multi_turn, random_lengths
 
 TRILLM, MLX_LM, NO_CACHE = "trillm", "mlx_lm.server", "trillm-no-cache"
-HIGH = "high-concurrency"  # issue 5 sets its targets at concurrency 32 (--high-concurrency)
+HIGH = "high-concurrency"  # the targets are set at concurrency 32 (--high-concurrency)
 
 
 @dataclass(frozen=True, slots=True)
 class TargetCheck:
-    """One of issue 5's targets, as measured."""
+    """One of the targets, as measured."""
 
     workload: str
     metric: str

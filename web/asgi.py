@@ -3,7 +3,7 @@
 hypercorn closes the socket inside the app's final `send()`; quart-trio has already seen `http.disconnect`
 and cancels the request nursery while that send waits at its checkpoint. The close never happens: a
 `Connection: close` response never reaches EOF and idle keep-alive connections never time out. Shielding
-the final `http.response.body` send lets hypercorn finish closing (see platform.md section 7).
+the final `http.response.body` send lets hypercorn finish closing (upstream reports: hypercorn #106, #241, #210).
 """
 
 from __future__ import annotations
