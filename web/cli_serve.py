@@ -7,17 +7,18 @@ import logging
 import os
 import signal
 import sys
+from dataclasses import fields
 from functools import partial
 
 from trillm.engine.config import add_engine_arguments, engine_config_from_args
 from trillm.engine.errors import EngineError
 from trillm.engine.mock import add_mock_arguments
 from trillm.web.config import ServerConfig
+from trillm.web.protocol import Limits
 
 HELP = "serve an OpenAI-compatible HTTP/SSE and websocket API"
-_LIMIT_FLAGS = ("max_request_bytes", "max_ws_message_bytes", "max_prompt_bytes", "max_prompt_tokens",
-                "max_tokens_limit", "max_n", "max_stop_strings", "max_stop_string_chars", "max_stop_token_ids",
-                "max_logit_bias", "max_ws_generations", "max_ws_requests")
+_LIMIT_FLAGS = tuple(f.name for f in fields(Limits))  # what one request may ask: web/protocol.py Limits
+_SERVER_FLAGS = ("max_request_bytes", "max_ws_message_bytes", "max_ws_generations", "max_ws_requests")
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 
 
@@ -32,9 +33,12 @@ def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("--api-key", default=os.environ.get("TRILLM_API_KEY"),
                    help="require 'Authorization: Bearer KEY' on /v1/* (default: $TRILLM_API_KEY)")
     limits = p.add_argument_group("limits on one request (defaults in README)")
-    for field in _LIMIT_FLAGS:
-        default = getattr(ServerConfig(), field)
-        limits.add_argument("--" + field.replace("_", "-"), type=int, default=default, help=f"default: {default}")
+    for name in _LIMIT_FLAGS:
+        default = getattr(Limits(), name)
+        limits.add_argument("--" + name.replace("_", "-"), type=int, default=default, help=f"default: {default}")
+    for name in _SERVER_FLAGS:
+        default = getattr(ServerConfig(), name)
+        limits.add_argument("--" + name.replace("_", "-"), type=int, default=default, help=f"default: {default}")
     p.add_argument("--allowed-origin", action="append", default=[], dest="allowed_origins",
                    help="a web page origin (scheme://host:port) allowed to open the websockets; repeatable")
     p.add_argument("--lazy-load", action="store_true", help="load each model on its first request")
@@ -69,7 +73,8 @@ def run(args: argparse.Namespace) -> int:
         service_config = ServiceConfig(lazy_load=args.lazy_load, unload_after_idle_s=args.unload_after_idle)
         config = ServerConfig(host=args.host, port=args.port, api_key=args.api_key,
                               allowed_origins=tuple(args.allowed_origins),
-                              **{field: getattr(args, field) for field in _LIMIT_FLAGS})
+                              limits=Limits(**{name: getattr(args, name) for name in _LIMIT_FLAGS}),
+                              **{name: getattr(args, name) for name in _SERVER_FLAGS})
         if args.mock:
             specs = [ModelSpec(names[0], mock_engine_factory(args, engine_config_from_args(args), speedup=args.speedup),
                                inline=True)]

@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 import time
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any, Literal
 
 from trillm.engine.admission import RequestLimits
@@ -36,10 +36,10 @@ class Limits:
     max_prompt_bytes: int = 1 << 20  # text to template and tokenize, checked before doing either
 
     def __post_init__(self) -> None:
-        for name in ("max_n", "max_stop_strings", "max_stop_string_chars", "max_stop_token_ids", "max_logit_bias",
-                     "max_prompt_bytes"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1")
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if value is not None and value < 1:
+                raise ValueError(f"{f.name} must be >= 1")
 
 
 @dataclass(frozen=True, slots=True)

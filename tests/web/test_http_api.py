@@ -11,6 +11,7 @@ import trio
 
 from trillm.web.app import create_app
 from trillm.web.config import ServerConfig
+from trillm.web.protocol import Limits
 from trillm.web.service import EngineService
 from trillm.engine.config import EngineConfig
 
@@ -112,7 +113,8 @@ async def error_of(r: Any) -> dict[str, Any]:
 
 async def test_errors_use_openai_shape_and_status() -> None:
     small = MockModelSpec(name="mock-model", vocab_size=SPEC.vocab_size, max_model_len=64)
-    async with running_app(MockFactory(spec=small), max_tokens_limit=100, max_request_bytes=2048) as client:
+    async with running_app(MockFactory(spec=small), limits=Limits(max_tokens_limit=100),
+                           max_request_bytes=2048) as client:
         r = await client.post("/v1/chat/completions", data=b"{not json", headers={"Content-Type": "application/json"})
         assert r.status_code == 400
         await error_of(r)
