@@ -1,0 +1,157 @@
+"""trillm's CPU extension (kernels/cpu/): each primitive against its reference on the GPU kernels' grid,
+the dispatcher's choice, and the build: cached, rebuilt from a clean cache, and a failed build falling back."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import warnings
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import trillm.kernels  # noqa: F401  (BLAS before mlx)
+import mlx.core as mx
+
+from paged_cases import TOLERANCES, make_case
+from trillm.kernels import cpu_ext
+import importlib
+
+pa = importlib.import_module("trillm.kernels.paged_attention")  # the module (the package re-exports the function)
+from trillm.kernels.paged_attention import paged_attention, paged_attention_cpu, paged_attention_ref
+
+# The suite must test the kernels it ships: a missing extension fails here unless it was turned off on purpose.
+pytestmark = pytest.mark.skipif(
+    os.environ.get(cpu_ext.DISABLE_ENV, "").lower() in ("0", "off", "false", "no"),
+    reason=f"{cpu_ext.DISABLE_ENV} turns the CPU extension off",
+)
+PARTITION = 512  # the GPU kernels' and the CPU primitive's context partition
+
+
+@pytest.fixture(scope="module")
+def ext() -> object:
+    module = cpu_ext.load()
+    assert module is not None, f"the CPU extension did not load: {cpu_ext.status().reason}"
+    assert module.PARTITION_SIZE == PARTITION
+    return module
+
+
+def _lens(bs: int, num_queries: int, long: bool) -> list[int]:
+    lens = [bs, bs + 1, 2 * bs + 7, 3 * bs, max(1, num_queries)]
+    return lens + [PARTITION * 2 + 5] if long else lens  # three partitions: the split plus the reduction
+
+
+def _assert_close(got: mx.array, want: mx.array, dtype: mx.Dtype) -> None:
+    atol, rtol = TOLERANCES[dtype]
+    np.testing.assert_allclose(np.array(got.astype(mx.float32)), np.array(want.astype(mx.float32)), atol=atol, rtol=rtol)
+
+
+@pytest.mark.parametrize("dtype", [mx.float32, mx.float16, mx.bfloat16], ids=["f32", "f16", "bf16"])
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("rep", [1, 3, 4, 8])
+@pytest.mark.parametrize("bs", [16, 32])
+@pytest.mark.parametrize("num_queries", [1, 6], ids=["decode", "prefill"])
+@pytest.mark.parametrize("window, with_sinks, long", [(None, False, False), (None, False, True), (37, True, True)])
+def test_paged_attention_cpu_matches_reference(ext: object, num_queries: int, bs: int, rep: int, d: int,
+                                               dtype: mx.Dtype, window: int | None, with_sinks: bool,
+                                               long: bool) -> None:  # fmt: skip
+    case = make_case(_lens(bs, num_queries, long), bs=bs, hkv=2, rep=rep, d=d, num_queries=num_queries, dtype=dtype)
+    sinks = mx.array(np.linspace(-1, 1, 2 * rep, dtype=np.float32)) if with_sinks else None
+    args = (case.q, case.k_pool, case.v_pool, case.block_tables, case.context_lens)
+    want = paged_attention_ref(*args, scale=d**-0.5, window=window, sinks=sinks)
+    got = paged_attention_cpu(*args, scale=d**-0.5, window=window, sinks=sinks)
+    assert got.shape == want.shape and got.dtype == want.dtype
+    _assert_close(got, want, dtype)
+
+
+@pytest.mark.parametrize("num_queries", [40, 70], ids=["one-tile-per-row-group", "ragged-tiles"])
+def test_paged_attention_cpu_long_prefill_chunk(ext: object, num_queries: int) -> None:
+    # Query tiles of several queries x heads, a chunk crossing partitions, and a cached prefix before it.
+    case = make_case([PARTITION + 90, num_queries, 700], bs=16, hkv=3, rep=3, d=64, num_queries=num_queries,
+                     dtype=mx.float32)  # fmt: skip
+    args = (case.q, case.k_pool, case.v_pool, case.block_tables, case.context_lens)
+    _assert_close(paged_attention_cpu(*args, scale=0.125), paged_attention_ref(*args, scale=0.125), mx.float32)
+
+
+def _spy(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """Count the dispatcher's calls into the CPU primitive."""
+    calls: list[int] = []
+    real = pa.paged_attention_cpu
+
+    def counted(*args: object, **kwargs: object) -> mx.array:
+        calls.append(1)
+        return real(*args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(pa, "paged_attention_cpu", counted)
+    return calls
+
+
+def test_dispatcher_runs_the_cpu_primitive_unless_references_are_forced(ext: object,
+                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    case = make_case([20, 33], bs=16, hkv=1, rep=3, d=64, num_queries=1, dtype=mx.float32)
+    args = (case.q, case.k_pool, case.v_pool, case.block_tables, case.context_lens)
+    calls = _spy(monkeypatch)
+    out = paged_attention(*args, scale=0.125)
+    assert len(calls) == 1
+    monkeypatch.setenv("TRILLM_KERNELS", "ref")
+    ref = paged_attention(*args, scale=0.125)
+    assert len(calls) == 1
+    _assert_close(out, ref, mx.float32)
+
+
+def test_cache_key_follows_the_sources(tmp_path: Path) -> None:
+    for src in cpu_ext.source_files():
+        (tmp_path / src.name).write_bytes(src.read_bytes())
+    key = cpu_ext.cache_key(tmp_path)
+    assert key == cpu_ext.cache_key(cpu_ext.SOURCE_DIR)
+    (tmp_path / "thread_pool.cpp").write_text((tmp_path / "thread_pool.cpp").read_text() + "\n// changed\n")
+    assert cpu_ext.cache_key(tmp_path) != key
+
+
+def test_failed_build_falls_back_to_the_references_with_one_warning(monkeypatch: pytest.MonkeyPatch,
+                                                                     tmp_path: Path) -> None:
+    monkeypatch.setenv(cpu_ext.CACHE_ENV, str(tmp_path))  # an empty cache: the build must run, and fails
+    monkeypatch.setenv("PATH", str(tmp_path / "no-tools"))  # no cmake, no compiler
+    with pytest.raises(cpu_ext.BuildError, match="not found"):
+        cpu_ext.build()
+    cpu_ext._load.cache_clear()
+    calls = _spy(monkeypatch)
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            case = make_case([20, 33], bs=16, hkv=1, rep=3, d=64, num_queries=1, dtype=mx.float32)
+            args = (case.q, case.k_pool, case.v_pool, case.block_tables, case.context_lens)
+            outs = [paged_attention(*args, scale=0.125) for _ in range(3)]
+        msgs = [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)]
+        assert len(msgs) == 1 and "running the pure-mx references" in msgs[0] and "not found" in msgs[0], msgs
+        assert not cpu_ext.status().available and cpu_ext.load() is None
+        assert not calls
+        _assert_close(outs[0], paged_attention_ref(*args, scale=0.125), mx.float32)
+    finally:
+        cpu_ext._load.cache_clear()  # the next user loads the real, cached extension again
+
+
+SMOKE = """
+import trillm.kernels
+import mlx.core as mx
+from trillm.kernels import cpu_ext
+path = cpu_ext.build()
+assert str(path).startswith(%r), path
+ext = cpu_ext.load()
+assert ext is not None, cpu_ext.status()
+q = mx.ones((1, 2, 1, 64)); pool = mx.ones((3, 16, 1, 64))
+out = ext.paged_attention(q, pool, pool, mx.array([[1, 2]]), mx.array([20]), scale=0.125)
+assert mx.allclose(out, mx.ones_like(out)).item()
+print("built", path)
+"""
+
+
+def test_extension_builds_from_a_clean_cache(tmp_path: Path) -> None:
+    # What a fresh machine does on first use (dev.sh setup does it ahead): configure, compile, cache, load.
+    env = dict(os.environ, **{cpu_ext.CACHE_ENV: str(tmp_path)})
+    proc = subprocess.run([sys.executable, "-c", SMOKE % str(tmp_path)], env=env, capture_output=True, text=True,
+                          timeout=600)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "built" in proc.stdout and list(tmp_path.glob("*/_trillm_cpu*"))
