@@ -14,6 +14,12 @@ NB_MODULE(_trillm_cpu, m) {
   m.def("paged_attention", &trillm_cpu::paged_attention, "q"_a, "k_pool"_a, "v_pool"_a, "block_tables"_a,
         "context_lens"_a, nb::kw_only(), "scale"_a, "window"_a = 0, "sinks"_a = nb::none(),
         "stream"_a = nb::none(), "Paged attention over the KV pool (see trillm.kernels.paged_attention).");
+  m.def("rms_norm", &trillm_cpu::rms_norm, "x"_a, "weight"_a, "eps"_a, nb::kw_only(), "stream"_a = nb::none(),
+        "RMSNorm over the last axis (as mx.fast.rms_norm).");
+  m.def("rope", &trillm_cpu::rope, "x"_a, "dims"_a, nb::kw_only(), "traditional"_a, "base"_a, "scale"_a,
+        "offset"_a, "stream"_a = nb::none(), "RoPE (as mx.fast.rope, forward); offset: int32 [1] or [B].");
+  m.def("silu_mul", &trillm_cpu::silu_mul, "gate"_a, "up"_a, nb::kw_only(), "stream"_a = nb::none(),
+        "silu(gate) * up.");
   m.def("num_threads", [] { return trillm_cpu::ThreadPool::get().size(); },
         "Threads the kernels split their work across (TRILLM_CPU_THREADS, default: usable cores).");
   m.def("heads_per_group", &trillm_cpu::heads_per_group, "rep"_a, "head_dim"_a);

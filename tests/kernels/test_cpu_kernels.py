@@ -21,6 +21,9 @@ import importlib
 
 pa = importlib.import_module("trillm.kernels.paged_attention")  # the module (the package re-exports the function)
 from trillm.kernels.paged_attention import paged_attention, paged_attention_cpu, paged_attention_ref
+from trillm.kernels.rms_norm import rms_norm_cpu, rms_norm_ref
+from trillm.kernels.rope import rope_cpu, rope_ref
+from trillm.kernels.silu_mul import silu_mul_cpu, silu_mul_ref
 
 # The suite must test the kernels it ships: a missing extension fails here unless it was turned off on purpose.
 pytestmark = pytest.mark.skipif(
@@ -155,3 +158,53 @@ def test_extension_builds_from_a_clean_cache(tmp_path: Path) -> None:
                           timeout=600)  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "built" in proc.stdout and list(tmp_path.glob("*/_trillm_cpu*"))
+
+
+@pytest.mark.parametrize("dtype", [mx.float32, mx.float16, mx.bfloat16], ids=["f32", "f16", "bf16"])
+@pytest.mark.parametrize("shape", [(1, 1, 576), (3, 7, 64), (2, 5, 3, 128), (300, 96)])
+def test_rms_norm_cpu_matches_reference(ext: object, shape: tuple[int, ...], dtype: mx.Dtype) -> None:
+    x = (mx.random.normal(shape, key=mx.random.key(1)) * 3).astype(dtype)
+    w = mx.random.normal((shape[-1],), key=mx.random.key(2)).astype(dtype)
+    got = rms_norm_cpu(x, w, 1e-5)
+    assert got.shape == x.shape and got.dtype == dtype
+    _assert_close(got, rms_norm_ref(x, w, 1e-5), dtype)
+
+
+@pytest.mark.parametrize("dtype", [mx.float32, mx.float16, mx.bfloat16], ids=["f32", "f16", "bf16"])
+@pytest.mark.parametrize("traditional", [True, False], ids=["traditional", "half-split"])
+@pytest.mark.parametrize("offset", [0, 37, "per-row"])
+@pytest.mark.parametrize("layout", ["head-major view", "contiguous", "3-d", "partial dims"])
+def test_rope_cpu_matches_reference(ext: object, layout: str, offset: int | str, traditional: bool,
+                                    dtype: mx.Dtype) -> None:  # fmt: skip
+    B, L, H, D = 3, 5, 4, 64
+    base = mx.random.normal((B, L, H, D), key=mx.random.key(3)).astype(dtype)
+    x = base.transpose(0, 2, 1, 3)  # what mlx-lm's attention passes: a strided view
+    dims = D
+    if layout == "contiguous":
+        x = mx.contiguous(x)
+    elif layout == "3-d":
+        x = base[:, :, 0, :]
+    elif layout == "partial dims":
+        dims = 32
+    off: int | mx.array = mx.array([3, 900, 2048], mx.int32) if offset == "per-row" else int(offset)
+    kw = dict(traditional=traditional, base=10000.0, scale=1.0, offset=off)
+    got = rope_cpu(x, dims, **kw)  # type: ignore[arg-type]
+    want = rope_ref(x, dims, **kw)  # type: ignore[arg-type]
+    assert got.shape == want.shape and got.dtype == dtype
+    atol, rtol = TOLERANCES[dtype]
+    if offset == "per-row" and dtype == mx.float32:
+        # At position ~2k the float32 angle itself is off by ~1e-4 rad: both differ from a float64 truth by that
+        # much (the reference more: 2.4e-4 vs 1.5e-4), so they can only agree to about twice it.
+        atol = 5e-4
+    np.testing.assert_allclose(np.array(got.astype(mx.float32)), np.array(want.astype(mx.float32)), atol=atol,
+                               rtol=rtol)  # fmt: skip
+
+
+@pytest.mark.parametrize("dtype", [mx.float32, mx.float16, mx.bfloat16], ids=["f32", "f16", "bf16"])
+@pytest.mark.parametrize("shape", [(1, 1, 1536), (2, 33, 1536), (7, 3)])
+def test_silu_mul_cpu_matches_reference(ext: object, shape: tuple[int, ...], dtype: mx.Dtype) -> None:
+    gate = (mx.random.normal(shape, key=mx.random.key(4)) * 6).astype(dtype)  # both tails of the sigmoid
+    up = mx.random.normal(shape, key=mx.random.key(5)).astype(dtype)
+    got = silu_mul_cpu(gate, up)
+    assert got.shape == gate.shape and got.dtype == dtype
+    _assert_close(got, silu_mul_ref(gate, up), dtype)
