@@ -26,6 +26,7 @@ from trillm.kernels import BLAS
 import mlx.core as mx  # noqa: E402
 
 from trillm.bench.results import new_results_dir, write_meta  # noqa: E402
+from trillm.engine.fused_ops import fused_ops  # noqa: E402
 from trillm.engine.kv_cache import KVPool  # noqa: E402
 from trillm.engine.loader import LoadedModel, load_model  # noqa: E402
 from trillm.engine.model_runner import ModelRunner, prepare_inputs  # noqa: E402
@@ -34,7 +35,9 @@ from trillm.engine.sampling_params import SamplingParams  # noqa: E402
 from trillm.engine.sequence import Sequence  # noqa: E402
 from trillm.kernels._dispatch import kernel_backend  # noqa: E402
 from trillm.kernels.kv_cache import kv_write  # noqa: E402
+from trillm.kernels import cpu_ext  # noqa: E402
 from trillm.kernels.paged_attention import paged_attention  # noqa: E402
+from trillm.kernels.silu_mul import silu_mul  # noqa: E402
 
 BLOCK_SIZE = 16
 KINDS = (
@@ -168,10 +171,8 @@ def isolated_parts(setup: Setup, iters: int) -> dict[str, float]:
             out += [layer.input_layernorm(x), layer.post_attention_layernorm(x)]
         return out + [inner.norm(x)]
 
-    from mlx_lm.models.activations import swiglu
-
     def activations() -> list[mx.array]:
-        return [swiglu(hid, hid) for _ in layers]
+        return [silu_mul(hid, hid) for _ in layers]
 
     def rope() -> list[mx.array]:
         out = []
@@ -216,7 +217,8 @@ def isolated_parts(setup: Setup, iters: int) -> dict[str, float]:
         "norms": norms, "activations (SiLU-gate)": activations, "RoPE": rope, "residual adds": residuals,
         "layout copies": layout_copies, "embedding": embedding, "sampling": sampling,
     }  # fmt: skip
-    return {kind: time_ms(fns[kind], iters) for kind in KINDS}
+    with fused_ops():  # the model's norms and RoPE run what the engine's forward runs
+        return {kind: time_ms(fns[kind], iters) for kind in KINDS}
 
 
 def profile_case(loaded: LoadedModel, case: Case, iters: int) -> dict[str, Any]:
@@ -263,6 +265,14 @@ def markdown(results: list[dict[str, Any]], header: str) -> str:
     return "\n".join(lines)
 
 
+def _kernels() -> str:
+    if kernel_backend() is not None:
+        return kernel_backend() or ""
+    if cpu_ext.enabled() and cpu_ext.load() is not None:
+        return f"trillm CPU primitives ({cpu_ext.load().SIMD}, {cpu_ext.load().num_threads()} threads)"  # type: ignore[union-attr]
+    return "pure-mx references"
+
+
 def _cases(text: str) -> list[Case]:
     out = []
     for item in text.split(","):
@@ -292,7 +302,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     loaded = load_model(args.model)
     header = (f"Model {loaded.name} ({loaded.num_parameters / 1e6:.1f}M params, {loaded.dtype}), BLAS {BLAS.name}, "
-              f"attention kernels: {kernel_backend() or 'reference'}; ms per step (share of the measured step)")
+              f"kernels: {_kernels()}; ms per step (share of the measured step)")
     print(header, flush=True)
     results = []
     for case in _cases(args.cases):

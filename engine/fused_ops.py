@@ -1,6 +1,8 @@
-"""trillm's fused ops inside an mlx-lm model: RMSNorm, RoPE and the SwiGLU activation through trillm.kernels.
+"""trillm's ops inside an mlx-lm model: linear layers (and a tied LM head), RMSNorm, RoPE and the SwiGLU
+activation, through trillm.kernels.
 
-`install_fused_ops(model)` swaps the model's `nn.RMSNorm` and `nn.RoPE` modules for subclasses (same
+`install_fused_ops(model)` swaps the model's `nn.Linear`, `nn.Embedding`, `nn.RMSNorm` and `nn.RoPE` modules
+for subclasses (same
 parameters, same attributes) and rebinds `swiglu` in the model's own mlx-lm modules, the way
 `install_paged_attention` rebinds attention. They run trillm's ops (the CPU primitives on CPU, the
 references elsewhere) only inside `fused_ops()`, which ModelRunner.forward enters: anything else that runs
@@ -17,6 +19,7 @@ from contextvars import ContextVar
 import mlx.core as mx
 import mlx.nn as nn
 
+from trillm.kernels.linear import linear
 from trillm.kernels.rms_norm import rms_norm
 from trillm.kernels.rope import rope
 from trillm.kernels.silu_mul import silu_mul
@@ -33,6 +36,23 @@ def fused_ops() -> Iterator[None]:
         yield
     finally:
         _ACTIVE.reset(token)
+
+
+class FusedLinear(nn.Linear):
+    def __call__(self, x: mx.array) -> mx.array:
+        if _ACTIVE.get():
+            y = linear(x, self.weight)
+            return y + self.bias if "bias" in self else y
+        out: mx.array = super().__call__(x)
+        return out
+
+
+class FusedEmbedding(nn.Embedding):
+    def as_linear(self, x: mx.array) -> mx.array:  # a tied LM head
+        if _ACTIVE.get():
+            return linear(x, self.weight)
+        out: mx.array = super().as_linear(x)
+        return out
 
 
 class FusedRMSNorm(nn.RMSNorm):
@@ -60,6 +80,15 @@ def _fused_swiglu(original: Callable[[mx.array, mx.array], mx.array]) -> Callabl
 
 
 def _replacement(child: object) -> nn.Module | None:
+    if type(child) is nn.Linear:
+        out_dims, in_dims = child.weight.shape
+        lin = FusedLinear(in_dims, out_dims, bias="bias" in child)
+        lin.update(dict(child.parameters()))
+        return lin
+    if type(child) is nn.Embedding:
+        emb = FusedEmbedding(*child.weight.shape)
+        emb.weight = child.weight
+        return emb
     if type(child) is nn.RMSNorm:
         norm = FusedRMSNorm(child.weight.shape[0], eps=child.eps)
         norm.weight = child.weight

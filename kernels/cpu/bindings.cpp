@@ -20,6 +20,8 @@ NB_MODULE(_trillm_cpu, m) {
         "offset"_a, "stream"_a = nb::none(), "RoPE (as mx.fast.rope, forward); offset: int32 [1] or [B].");
   m.def("silu_mul", &trillm_cpu::silu_mul, "gate"_a, "up"_a, nb::kw_only(), "stream"_a = nb::none(),
         "silu(gate) * up.");
+  m.def("linear", &trillm_cpu::linear, "x"_a, "weight"_a, nb::kw_only(), "stream"_a = nb::none(),
+        "x @ weight.T for few rows (float32; K a multiple of 16).");
   m.def("num_threads", [] { return trillm_cpu::ThreadPool::get().size(); },
         "Threads the kernels split their work across (TRILLM_CPU_THREADS, default: usable cores).");
   m.def("heads_per_group", &trillm_cpu::heads_per_group, "rep"_a, "head_dim"_a);

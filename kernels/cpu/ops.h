@@ -48,6 +48,22 @@ mx::array rope(const mx::array& x, int dims, bool traditional, float base, float
 // silu(gate) * up, as mlx-lm's swiglu.
 mx::array silu_mul(const mx::array& gate, const mx::array& up, mx::StreamOrDevice s = {});
 
+// y = x @ weight.T for few rows (decode): x [..., K], weight [N, K], float32, K a multiple of 16.
+mx::array linear(const mx::array& x, const mx::array& weight, mx::StreamOrDevice s = {});
+
+class Linear : public mx::Primitive {
+ public:
+  explicit Linear(mx::Stream stream) : mx::Primitive(stream) {}
+  void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override;
+  void eval_gpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override;
+  const char* name() const override {
+    return "TrillmLinear";
+  }
+  bool is_equivalent(const mx::Primitive&) const override {
+    return true;
+  }
+};
+
 class RMSNorm : public mx::Primitive {
  public:
   RMSNorm(mx::Stream stream, float eps) : mx::Primitive(stream), eps_(eps) {}

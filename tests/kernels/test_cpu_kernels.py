@@ -21,6 +21,7 @@ import importlib
 
 pa = importlib.import_module("trillm.kernels.paged_attention")  # the module (the package re-exports the function)
 from trillm.kernels.paged_attention import paged_attention, paged_attention_cpu, paged_attention_ref
+from trillm.kernels.linear import linear_cpu, linear_ref
 from trillm.kernels.rms_norm import rms_norm_cpu, rms_norm_ref
 from trillm.kernels.rope import rope_cpu, rope_ref
 from trillm.kernels.silu_mul import silu_mul_cpu, silu_mul_ref
@@ -208,3 +209,24 @@ def test_silu_mul_cpu_matches_reference(ext: object, shape: tuple[int, ...], dty
     got = silu_mul_cpu(gate, up)
     assert got.shape == gate.shape and got.dtype == dtype
     _assert_close(got, silu_mul_ref(gate, up), dtype)
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8])
+@pytest.mark.parametrize("n, k", [(576, 576), (192, 576), (1536, 576), (576, 1536), (49152, 64), (37, 48)])
+def test_linear_cpu_matches_blas(ext: object, rows: int, n: int, k: int) -> None:
+    x = mx.random.normal((rows, 1, k), key=mx.random.key(6))
+    w = mx.random.normal((n, k), key=mx.random.key(7)) / k**0.5
+    got = linear_cpu(x, w)
+    assert got.shape == (rows, 1, n)
+    _assert_close(got, linear_ref(x, w), mx.float32)
+
+
+def test_linear_dispatch_keeps_many_rows_on_blas(ext: object, monkeypatch: pytest.MonkeyPatch) -> None:
+    lin = importlib.import_module("trillm.kernels.linear")
+    calls: list[int] = []
+    real = lin.linear_cpu
+    monkeypatch.setattr(lin, "linear_cpu", lambda x, w: calls.append(x.shape[0]) or real(x, w))
+    w = mx.random.normal((64, 32))
+    for rows in (1, lin.MAX_ROWS, lin.MAX_ROWS + 1, 512):
+        lin.linear(mx.random.normal((rows, 32)), w)
+    assert calls == [1, lin.MAX_ROWS]
