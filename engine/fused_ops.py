@@ -67,7 +67,8 @@ class FusedRoPE(nn.RoPE):
     def __call__(self, x: mx.array, offset: int | mx.array = 0) -> mx.array:
         if _ACTIVE.get():
             return rope(x, self.dims, traditional=self.traditional, base=self.base, scale=self.scale, offset=offset)
-        out: mx.array = super().__call__(x, offset)  # type: ignore[arg-type]  (mx.fast.rope takes arrays too)
+        # mx.fast.rope takes an array offset too (per-row positions); nn.RoPE only annotates int.
+        out: mx.array = super().__call__(x, offset)
         return out
 
 
@@ -80,6 +81,8 @@ def _fused_swiglu(original: Callable[[mx.array, mx.array], mx.array]) -> Callabl
 
 
 def _replacement(child: object) -> nn.Module | None:
+    if not isinstance(child, nn.Module):
+        return None
     if type(child) is nn.Linear:
         out_dims, in_dims = child.weight.shape
         lin = FusedLinear(in_dims, out_dims, bias="bias" in child)

@@ -20,6 +20,21 @@ template <int MT, int NT>
 inline void tile(const float* x, const float* w, float* y, int K, int ldy) {
   vf acc[MT * NT];
   for (int i = 0; i < MT * NT; ++i) acc[i] = vf{};
+  if constexpr (MT == 1) {
+    // One x row: walk the NT weight rows one after another, so the band is read front to back (one
+    // sequential stream for the prefetchers instead of NT interleaved ones).
+    for (int j = 0; j < NT; ++j) {
+      const float* wj = w + static_cast<size_t>(j) * K;
+      vf a0 = vf{}, a1 = vf{};
+      int k = 0;
+      for (; k + 2 * W <= K; k += 2 * W) {
+        a0 += vload(x + k) * vload(wj + k);
+        a1 += vload(x + k + W) * vload(wj + k + W);
+      }
+      for (; k < K; k += W) a0 += vload(x + k) * vload(wj + k);
+      acc[j] = a0 + a1;
+    }
+  } else {
   for (int k = 0; k < K; k += W) {
     vf wv[NT];
     for (int j = 0; j < NT; ++j) wv[j] = vload(w + static_cast<size_t>(j) * K + k);
@@ -27,6 +42,7 @@ inline void tile(const float* x, const float* w, float* y, int K, int ldy) {
       const vf xv = vload(x + static_cast<size_t>(i) * K + k);
       for (int j = 0; j < NT; ++j) acc[i * NT + j] += xv * wv[j];
     }
+  }
   }
   if constexpr (MT * NT == W) {
     const vf sums = vsum16(acc);
