@@ -13,9 +13,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
+import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -55,7 +56,7 @@ class Case:
 
 
 def time_ms(fn: Callable[[], Any], iters: int, warmup: int = 2) -> float:
-    """Median wall time of fn() with its result evaluated, in ms."""
+    """Best wall time of fn() with its result evaluated, in ms (the best, as other load only adds time)."""
     for _ in range(warmup):
         mx.eval(fn())
     samples = []
@@ -63,17 +64,17 @@ def time_ms(fn: Callable[[], Any], iters: int, warmup: int = 2) -> float:
         t0 = time.perf_counter()
         mx.eval(fn())
         samples.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(samples)
+    return min(samples)
 
 
 def host_ms(fn: Callable[[], Any], iters: int) -> float:
-    """Median wall time of fn() alone (no evaluation), in ms."""
+    """Best wall time of fn() alone (no evaluation), in ms."""
     samples = []
     for _ in range(iters + 1):
         t0 = time.perf_counter()
         fn()
         samples.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(samples[1:])
+    return min(samples[1:])
 
 
 class Setup:
@@ -265,6 +266,21 @@ def markdown(results: list[dict[str, Any]], header: str) -> str:
     return "\n".join(lines)
 
 
+@contextmanager
+def _references(on: bool) -> Iterator[None]:
+    old = os.environ.get("TRILLM_KERNELS")
+    if on:
+        os.environ["TRILLM_KERNELS"] = "ref"
+    try:
+        yield
+    finally:
+        if on:
+            if old is None:
+                del os.environ["TRILLM_KERNELS"]
+            else:
+                os.environ["TRILLM_KERNELS"] = old
+
+
 def _kernels() -> str:
     if kernel_backend() is not None:
         return kernel_backend() or ""
@@ -298,21 +314,28 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--cases", default=DEFAULT_CASES, help=f"comma list (default {DEFAULT_CASES})")
     ap.add_argument("--iters", type=int, default=7)
     ap.add_argument("--results", type=Path, default=Path("results"), help="results root folder")
-    ap.add_argument("--markdown", type=Path, default=None, help="also write the table to this file")
+    ap.add_argument("--markdown", type=Path, default=None, help="also write the table(s) to this file")
+    ap.add_argument("--references", action="store_true",
+                    help="also profile each case on the pure-mx references (TRILLM_KERNELS=ref), alternating")
     args = ap.parse_args(argv)
     loaded = load_model(args.model)
-    header = (f"Model {loaded.name} ({loaded.num_parameters / 1e6:.1f}M params, {loaded.dtype}), BLAS {BLAS.name}, "
-              f"kernels: {_kernels()}; ms per step (share of the measured step)")
-    print(header, flush=True)
-    results = []
+    modes = ["kernels", "references"] if args.references else ["kernels"]
+    results: dict[str, list[dict[str, Any]]] = {m: [] for m in modes}
+    headers: dict[str, str] = {}
     for case in _cases(args.cases):
-        r = profile_case(loaded, case, args.iters)
-        results.append(r)
-        print(f"{case.name}: step {r['step_ms']:.2f} ms, parts {r['parts_sum_ms']:.2f} ms, "
-              f"eval {r['evaluate_ms']:.2f} ms", flush=True)
-    if not results or any(r["step_ms"] <= 0 for r in results):
+        for mode in modes:  # alternating per case, so load from elsewhere hits both alike
+            with _references(mode == "references"):
+                headers[mode] = (f"Model {loaded.name} ({loaded.num_parameters / 1e6:.1f}M params, {loaded.dtype}), "
+                                 f"BLAS {BLAS.name}, kernels: {_kernels()}; best-of-{args.iters} ms per step "
+                                 "(share of the measured step)")
+                r = profile_case(loaded, case, args.iters)
+            r["mode"] = mode
+            results[mode].append(r)
+            print(f"{case.name} [{mode}]: step {r['step_ms']:.2f} ms, parts {r['parts_sum_ms']:.2f} ms, "
+                  f"eval {r['evaluate_ms']:.2f} ms", flush=True)
+    if any(not rs or any(r["step_ms"] <= 0 for r in rs) for rs in results.values()):
         raise SystemExit("profile-ops measured nothing")
-    table = markdown(results, header)
+    table = "\n\n".join(markdown(results[m], f"**{m}** — {headers[m]}") for m in modes)
     print("\n" + table)
     out_dir = new_results_dir(args.results, "profile-ops-" + time.strftime("%Y%m%d-%H%M%S"))
     (out_dir / "profile_ops.json").write_text(json.dumps(results, indent=2))

@@ -1,6 +1,8 @@
 #include "thread_pool.h"
 
+#if defined(__linux__)
 #include <sched.h>
+#endif
 
 #include <cstdlib>
 
@@ -13,11 +15,13 @@ int default_threads() {
     int n = std::atoi(env);
     if (n > 0) return n;
   }
-  cpu_set_t set;
+#if defined(__linux__)
+  cpu_set_t set;  // the cores this process may use (containers, taskset), not all the machine has
   if (sched_getaffinity(0, sizeof set, &set) == 0) {
     int n = CPU_COUNT(&set);
     if (n > 0) return n;
   }
+#endif
   unsigned n = std::thread::hardware_concurrency();
   return n ? static_cast<int>(n) : 1;
 }
