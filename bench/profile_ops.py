@@ -34,8 +34,8 @@ from trillm.engine.model_runner import ModelRunner, prepare_inputs  # noqa: E402
 from trillm.engine.sampler import Sampler, SampleRow  # noqa: E402
 from trillm.engine.sampling_params import SamplingParams  # noqa: E402
 from trillm.engine.sequence import Sequence  # noqa: E402
-from trillm.kernels._dispatch import kernel_backend  # noqa: E402
-from trillm.kernels.kv_cache import kv_write  # noqa: E402
+from trillm.kernels.backend import kernel_backend  # noqa: E402
+from trillm.kernels.kv_write import kv_write  # noqa: E402
 from trillm.kernels import cpu_ext  # noqa: E402
 from trillm.kernels.paged_attention import paged_attention  # noqa: E402
 from trillm.kernels.silu_mul import silu_mul  # noqa: E402

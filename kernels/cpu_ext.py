@@ -156,9 +156,9 @@ def _load() -> tuple[ModuleType | None, ExtStatus]:
 
 def enabled() -> bool:
     """Whether ops should try the extension now: the default device is the CPU and nothing turned it off."""
-    if os.environ.get("TRILLM_KERNELS", "").lower() == "ref":  # the references, forced (see _dispatch)
-        return False
-    return mx.default_device() == mx.cpu and os.environ.get(DISABLE_ENV, "").lower() not in _OFF
+    from trillm.kernels.backend import kernel_backend  # "cpu" unless on a GPU or TRILLM_KERNELS=ref
+
+    return kernel_backend() == "cpu" and os.environ.get(DISABLE_ENV, "").lower() not in _OFF
 
 
 def load() -> ModuleType | None:

@@ -3,6 +3,7 @@ the dispatcher's choice, and the build: cached, rebuilt from a clean cache, and 
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import subprocess
 import sys
@@ -88,7 +89,7 @@ def _spy(monkeypatch: pytest.MonkeyPatch) -> list[int]:
         calls.append(1)
         return real(*args, **kwargs)  # type: ignore[arg-type]
 
-    monkeypatch.setattr(pa, "paged_attention_cpu", counted)
+    monkeypatch.setitem(pa.KERNELS, "cpu", dataclasses.replace(pa.KERNELS["cpu"], fn=counted))
     return calls
 
 
