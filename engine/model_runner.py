@@ -10,6 +10,7 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 
+from trillm.engine.fused_ops import fused_ops, install_fused_ops
 from trillm.engine.kv_cache import BatchLayout, KVPool, install_paged_attention
 from trillm.engine.outputs import TokenLogprob
 from trillm.engine.runner import Launch, RowsFn
@@ -80,6 +81,7 @@ class ModelRunner:
         self.caches = pool.caches()
         self.sampler = sampler
         self.patched_modules = install_paged_attention(model)
+        self.fused_ops = install_fused_ops(model)  # linear, RMSNorm, RoPE, SwiGLU through trillm.kernels
         self._inner: Any = getattr(model, "model", None)  # mlx-lm's decoder stack, for last-position-only logits
 
     def prepare_decode(self, seqs: list[Sequence], tokens: mx.array | None = None) -> ForwardInputs:
@@ -97,16 +99,17 @@ class ModelRunner:
         """Logits [B, V] at each row's last real position."""
         self.pool.layout = inputs.layout
         rows = mx.arange(inputs.tokens.shape[0])
-        try:
-            if self._inner is not None and self._can_split_head():
-                h = self._inner(inputs.tokens, cache=self.caches)
-                # decode: [B, 1, D] -> [B, D] is a view; prefill rows need their own last positions
-                last = h[:, 0, :] if h.shape[1] == 1 else h[rows, inputs.last_index]
-                return self._head(last)
-            logits: mx.array = self.model(inputs.tokens, cache=self.caches)
-            return logits[rows, inputs.last_index]
-        finally:
-            self.pool.layout = None
+        with fused_ops():
+            try:
+                if self._inner is not None and self._can_split_head():
+                    h = self._inner(inputs.tokens, cache=self.caches)
+                    # decode: [B, 1, D] -> [B, D] is a view; prefill rows need their own last positions
+                    last = h[:, 0, :] if h.shape[1] == 1 else h[rows, inputs.last_index]
+                    return self._head(last)
+                logits: mx.array = self.model(inputs.tokens, cache=self.caches)
+                return logits[rows, inputs.last_index]
+            finally:
+                self.pool.layout = None
 
     def _can_split_head(self) -> bool:
         return hasattr(self.model, "lm_head") or hasattr(self._inner, "embed_tokens")

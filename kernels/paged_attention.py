@@ -34,6 +34,7 @@ import mlx.core as mx
 from trillm.kernels.backend import (
     Case, Kernel, KernelOp, KernelSpec, at_least_8, build, float32_params, int32_params, kernel_backend,
 )  # fmt: skip
+from trillm.kernels import cpu_ext
 from trillm.kernels.kv_gather import kv_gather_ref
 from trillm.kernels.layout import ModelShapes, random_batch
 
@@ -476,11 +477,50 @@ def paged_attention_cuda(
     )
 
 
-# Back-end -> implementation. The CPU extension's wrapper registers itself here only when it imports:
-#     KERNELS["cpu"] = Kernel(paged_attention_cpu, cpu_supports)
+def paged_attention_cpu(
+    q: mx.array,
+    k_pool: mx.array,
+    v_pool: mx.array,
+    block_tables: mx.array,
+    context_lens: mx.array,
+    *,
+    scale: float,
+    window: int | None = None,
+    sinks: mx.array | None = None,
+) -> mx.array:
+    """`paged_attention` as a primitive of trillm's CPU extension (kernels/cpu/paged_attention.cpp).
+
+    The GPU kernels' work split (HPG heads x QT queries per item, PARTITION_SIZE partitions and a reduction),
+    reading K/V through the tables with no gather copy. Shapes as the reference; raises RuntimeError when
+    the extension is unavailable (see `trillm.kernels.cpu_ext`).
+    """
+    ext = cpu_ext.load()
+    if ext is None:
+        raise RuntimeError(f"trillm's CPU extension is unavailable: {cpu_ext.status().reason}")
+    if window is not None and window < 1:
+        raise ValueError(f"window must be >= 1, got {window}")
+    out: mx.array = ext.paged_attention(q, k_pool, v_pool, block_tables, context_lens, scale=scale,
+                                        window=window or 0, sinks=sinks)
+    return out
+
+
+def cpu_supports(shapes: ModelShapes) -> str | None:
+    """Why the CPU primitive cannot run these shapes (or None). Asking loads, or first builds, the extension."""
+    if shapes.head_dim % 16:
+        return f"head_dim {shapes.head_dim} is not a multiple of 16 (the primitive's vector width)"
+    if shapes.dtype not in (mx.float32, mx.float16, mx.bfloat16):
+        return f"dtype {shapes.dtype} is not float32, float16 or bfloat16"
+    if cpu_ext.load() is None:
+        return f"trillm's CPU extension is unavailable: {cpu_ext.status().reason}"
+    return None
+
+
+# Back-end -> implementation. The CPU one reports itself unsupported (with the reason) when its extension
+# cannot be built or loaded, so every op then runs its reference.
 KERNELS: dict[str, Kernel] = {
     "metal": Kernel(paged_attention_metal, gpu_supports),
     "cuda": Kernel(paged_attention_cuda, gpu_supports),
+    "cpu": Kernel(paged_attention_cpu, cpu_supports),
 }
 
 

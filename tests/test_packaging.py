@@ -24,5 +24,6 @@ def test_wheel_holds_every_package_under_trillm(tmp_path: Path) -> None:
     assert "trillm/kernels/tools/gpu_check.sh" in names
     for name in ("playground.html", "playground.js", "playground.css"):  # the page at GET /
         assert f"trillm/web/static/{name}" in names
+    assert "trillm/kernels/cpu/CMakeLists.txt" in names and "trillm/kernels/cpu/paged_attention.cpp" in names
     entry = zipfile.ZipFile(wheel).read(next(n for n in names if n.endswith("entry_points.txt"))).decode()
     assert "trillm = trillm.web.cli:main" in entry

@@ -1,0 +1,39 @@
+// Python bindings: the module shares MLX's nanobind domain, so mx.array passes through unchanged.
+#include <nanobind/nanobind.h>
+#include <nanobind/stl/optional.h>
+#include <nanobind/stl/variant.h>
+
+#include "ops.h"
+#include "thread_pool.h"
+
+namespace nb = nanobind;
+using namespace nb::literals;
+
+NB_MODULE(_trillm_cpu, m) {
+  m.doc() = "trillm's CPU kernels as MLX primitives";
+  m.def("paged_attention", &trillm_cpu::paged_attention, "q"_a, "k_pool"_a, "v_pool"_a, "block_tables"_a,
+        "context_lens"_a, nb::kw_only(), "scale"_a, "window"_a = 0, "sinks"_a = nb::none(),
+        "stream"_a = nb::none(), "Paged attention over the KV pool (see trillm.kernels.paged_attention).");
+  m.def("rms_norm", &trillm_cpu::rms_norm, "x"_a, "weight"_a, "eps"_a, nb::kw_only(), "stream"_a = nb::none(),
+        "RMSNorm over the last axis (as mx.fast.rms_norm).");
+  m.def("rope", &trillm_cpu::rope, "x"_a, "dims"_a, nb::kw_only(), "traditional"_a, "base"_a, "scale"_a,
+        "offset"_a, "stream"_a = nb::none(), "RoPE (as mx.fast.rope, forward); offset: int32 [1] or [B].");
+  m.def("silu_mul", &trillm_cpu::silu_mul, "gate"_a, "up"_a, nb::kw_only(), "stream"_a = nb::none(),
+        "silu(gate) * up.");
+  m.def("linear", &trillm_cpu::linear, "x"_a, "weight"_a, nb::kw_only(), "stream"_a = nb::none(),
+        "x @ weight.T for few rows (float32; K a multiple of 16).");
+  m.def("num_threads", [] { return trillm_cpu::ThreadPool::get().size(); },
+        "Threads the kernels split their work across (TRILLM_CPU_THREADS, default: usable cores).");
+  m.def("heads_per_group", &trillm_cpu::heads_per_group, "rep"_a, "head_dim"_a);
+  m.def("queries_per_tile", &trillm_cpu::queries_per_tile, "num_queries"_a, "hpg"_a);
+  m.attr("PARTITION_SIZE") = trillm_cpu::PARTITION_SIZE;
+#if defined(__AVX512F__)
+  m.attr("SIMD") = "avx512";
+#elif defined(__AVX2__)
+  m.attr("SIMD") = "avx2";
+#elif defined(__ARM_NEON)
+  m.attr("SIMD") = "neon";
+#else
+  m.attr("SIMD") = "generic";
+#endif
+}

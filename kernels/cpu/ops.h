@@ -1,0 +1,126 @@
+// trillm's CPU kernels as MLX primitives: each op builds one graph node whose eval_cpu runs the kernel.
+#pragma once
+
+#include <functional>
+#include <optional>
+
+#include "mlx/ops.h"
+#include "mlx/primitives.h"
+
+namespace mx = mlx::core;
+
+namespace trillm_cpu {
+
+// Paged attention over the KV pool (layout: trillm.kernels.layout), decode (L == 1) and prefill chunks
+// (L > 1) with the cached prefix, reading K/V through the block tables. Shapes as paged_attention_ref:
+// q [B, Hq, L, D]; k_pool, v_pool [num_blocks, bs, Hkv, D]; block_tables int32 [B, max_blocks];
+// context_lens int32 [B]; sinks [Hq] or none; window 0 = none -> [B, Hq, L, D] in q's dtype.
+mx::array paged_attention(const mx::array& q, const mx::array& k_pool, const mx::array& v_pool,
+                          const mx::array& block_tables, const mx::array& context_lens, float scale, int window,
+                          const std::optional<mx::array>& sinks, mx::StreamOrDevice s = {});
+
+class PagedAttention : public mx::Primitive {
+ public:
+  PagedAttention(mx::Stream stream, float scale, int window, bool has_sinks)
+      : mx::Primitive(stream), scale_(scale), window_(window), has_sinks_(has_sinks) {}
+
+  void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override;
+  void eval_gpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override;
+  const char* name() const override {
+    return "TrillmPagedAttention";
+  }
+  bool is_equivalent(const mx::Primitive& other) const override;
+
+ private:
+  float scale_;
+  int window_;
+  bool has_sinks_;
+};
+
+// RMSNorm over the last axis: x * rsqrt(mean(x^2) + eps) * weight, as mx.fast.rms_norm.
+mx::array rms_norm(const mx::array& x, const mx::array& weight, float eps, mx::StreamOrDevice s = {});
+
+// RoPE as mx.fast.rope (forward): x [B, H, L, D] or [B, L, D], any strides; offset int32, one value or
+// one per batch row -> contiguous, x's dtype.
+mx::array rope(const mx::array& x, int dims, bool traditional, float base, float scale, const mx::array& offset,
+               mx::StreamOrDevice s = {});
+
+// silu(gate) * up, as mlx-lm's swiglu.
+mx::array silu_mul(const mx::array& gate, const mx::array& up, mx::StreamOrDevice s = {});
+
+// y = x @ weight.T for few rows (decode): x [..., K], weight [N, K], float32, K a multiple of 16.
+mx::array linear(const mx::array& x, const mx::array& weight, mx::StreamOrDevice s = {});
+
+class Linear : public mx::Primitive {
+ public:
+  explicit Linear(mx::Stream stream) : mx::Primitive(stream) {}
+  void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override;
+  void eval_gpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override;
+  const char* name() const override {
+    return "TrillmLinear";
+  }
+  bool is_equivalent(const mx::Primitive&) const override {
+    return true;
+  }
+};
+
+class RMSNorm : public mx::Primitive {
+ public:
+  RMSNorm(mx::Stream stream, float eps) : mx::Primitive(stream), eps_(eps) {}
+  void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override;
+  void eval_gpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override;
+  const char* name() const override {
+    return "TrillmRMSNorm";
+  }
+  bool is_equivalent(const mx::Primitive& other) const override {
+    return eps_ == static_cast<const RMSNorm&>(other).eps_;
+  }
+
+ private:
+  float eps_;
+};
+
+class RoPE : public mx::Primitive {
+ public:
+  RoPE(mx::Stream stream, int dims, bool traditional, float base, float scale)
+      : mx::Primitive(stream), dims_(dims), traditional_(traditional), base_(base), scale_(scale) {}
+  void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override;
+  void eval_gpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override;
+  const char* name() const override {
+    return "TrillmRoPE";
+  }
+  bool is_equivalent(const mx::Primitive& other) const override {
+    const auto& o = static_cast<const RoPE&>(other);
+    return dims_ == o.dims_ && traditional_ == o.traditional_ && base_ == o.base_ && scale_ == o.scale_;
+  }
+
+ private:
+  int dims_;
+  bool traditional_;
+  float base_;
+  float scale_;
+};
+
+class SiluMul : public mx::Primitive {
+ public:
+  explicit SiluMul(mx::Stream stream) : mx::Primitive(stream) {}
+  void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override;
+  void eval_gpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override;
+  const char* name() const override {
+    return "TrillmSiluMul";
+  }
+  bool is_equivalent(const mx::Primitive&) const override {
+    return true;
+  }
+};
+
+// Work split shared with the GPU kernels (trillm.kernels._attention_kernels): HPG query heads of one KV
+// head x QT queries per work item, context partitions of PARTITION_SIZE tokens merged by a reduction.
+constexpr int PARTITION_SIZE = 512;
+int heads_per_group(int rep, int head_dim);
+int queries_per_tile(int num_queries, int hpg);
+
+// Run fn(begin, end) over [0, n) in chunks of at least `grain`, across the pool's threads.
+void parallel_chunks(size_t n, size_t grain, const std::function<void(size_t, size_t)>& fn);
+
+}  // namespace trillm_cpu

@@ -1,0 +1,352 @@
+// Paged attention as an MLX CPU primitive: decode and prefill chunks read K/V straight from the block pool.
+//
+// The work split is the GPU kernels' (trillm.kernels._attention_kernels): one work item owns R = QT * HPG
+// rows (QT consecutive queries of one sequence x the HPG query heads sharing one KV head), so every K/V
+// token is read once for all of them, over one context partition of PARTITION_SIZE tokens, with an online
+// softmax. With one partition the item writes the output; otherwise it writes (max, sum, unnormalised
+// output) per partition and a reduction merges the partitions and the sinks. Where a GPU threadgroup
+// strides simdgroups over tokens, a CPU item walks them in tiles of 16: 16 dot products reduced into one
+// vector, one vectorised exp, then 16 FMAs of V rows into each row's accumulator.
+#include <algorithm>
+#include <climits>
+#include <cmath>
+#include <stdexcept>
+#include <type_traits>
+#include <vector>
+
+#include "mlx/allocator.h"
+#include "mlx/backend/cpu/encoder.h"
+#include "ops.h"
+#include "simd.h"
+#include "thread_pool.h"
+
+namespace trillm_cpu {
+
+namespace {
+
+constexpr int MAX_ROWS = 32;  // R bound for prefill items: accumulators stay in L1 (32 x D floats)
+constexpr int MAX_ROWS_X_D = 1024;  // the GPU kernels' HPG * D bound, kept so both pick the same HPG
+
+struct AttnArgs {
+  int B, HQ, L, D, BS, HKV, MB;  // MB: block table width
+  int hpg, qt, num_qtiles, num_parts;
+  float scale;
+  int window;  // 0: none
+  const int32_t* tables;
+  const int32_t* lens;
+  const float* sinks;  // nullptr: none
+};
+
+template <typename T>
+inline const float* token_row(const T* pool, size_t off, float* scratch, int D) {
+  if constexpr (std::is_same_v<T, float>) {
+    return pool + off;
+  } else {
+    for (int d = 0; d < D; ++d) scratch[d] = static_cast<float>(pool[off + d]);
+    return scratch;
+  }
+}
+
+const vi IOTA = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+
+// One work item. DCT: D / 16 when known at compile time (0: read from args).
+template <typename T, int DCT>
+void attn_item(const AttnArgs& a, const T* q, const T* kp, const T* vp, int item, T* out, float* o_part,
+               float* m_part, float* l_part) {
+  const int DC = DCT ? DCT : a.D / W;
+  const int D = DC * W;
+  const int part = item % a.num_parts;
+  int rest = item / a.num_parts;
+  const int qtile = rest % a.num_qtiles;
+  rest /= a.num_qtiles;
+  const int groups = a.HQ / a.hpg;
+  const int g = rest % groups;
+  const int b = rest / groups;
+  const int h0 = g * a.hpg;
+  const int kvh = h0 / (a.HQ / a.HKV);
+  const int ctx = a.lens[b];
+  const int R = a.qt * a.hpg;
+
+  thread_local std::vector<float> buf;
+  const size_t need = 2 * static_cast<size_t>(R) * D + 2 * R + 2 * static_cast<size_t>(W) * D;
+  if (buf.size() < need) buf.resize(need);
+  float* qv = buf.data();
+  float* acc = qv + static_cast<size_t>(R) * D;
+  float* m = acc + static_cast<size_t>(R) * D;
+  float* l = m + R;
+  float* kscr = l + R;
+  float* vscr = kscr + static_cast<size_t>(W) * D;
+
+  int pos[MAX_ROWS];
+  int lo[MAX_ROWS];
+  int tok_lo = INT_MAX;
+  int tok_hi = 0;
+  for (int qi = 0; qi < a.qt; ++qi) {
+    const int i = qtile * a.qt + qi;
+    pos[qi] = i < a.L ? ctx - a.L + i : -1;
+    lo[qi] = a.window > 0 ? std::max(0, pos[qi] - a.window + 1) : 0;
+    if (i < a.L) {
+      tok_lo = std::min(tok_lo, lo[qi]);
+      tok_hi = std::max(tok_hi, pos[qi] + 1);
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    const int i = std::min(qtile * a.qt + r / a.hpg, a.L - 1);
+    const size_t qrow = (static_cast<size_t>(b * a.HQ + h0 + r % a.hpg) * a.L + i) * D;
+    for (int d = 0; d < D; ++d) {
+      qv[r * D + d] = static_cast<float>(q[qrow + d]) * a.scale;
+      acc[r * D + d] = 0.0f;
+    }
+    m[r] = NEG_INF;
+    l[r] = 0.0f;
+  }
+
+  const int start = std::max(part * PARTITION_SIZE, tok_lo);
+  const int end = std::min((part + 1) * PARTITION_SIZE, tok_hi);
+  const size_t token_stride = static_cast<size_t>(a.HKV) * D;
+  const int32_t* table = a.tables + static_cast<size_t>(b) * a.MB;
+  const float* krow[W];
+  const float* vrow[W];
+  for (int t0 = start; t0 < end; t0 += W) {
+    const int n = std::min(W, end - t0);
+    for (int j = 0; j < n; ++j) {
+      const int t = t0 + j;
+      const size_t off = (static_cast<size_t>(table[t / a.BS]) * a.BS + t % a.BS) * token_stride + kvh * D;
+      krow[j] = token_row(kp, off, kscr + j * D, D);
+      vrow[j] = token_row(vp, off, vscr + j * D, D);
+    }
+    // Blocks are scattered over the pool and a head's slice of a token is D floats every HKV * D: hardware
+    // prefetchers lose the stream at every block, so ask for the next tile while this one computes.
+    for (int t = t0 + W, te = std::min(t0 + 2 * W, end); t < te; ++t) {
+      const size_t off = (static_cast<size_t>(table[t / a.BS]) * a.BS + t % a.BS) * token_stride + kvh * D;
+      for (int e = 0; e < D; e += 64 / static_cast<int>(sizeof(T))) {
+        __builtin_prefetch(kp + off + e);
+        __builtin_prefetch(vp + off + e);
+      }
+    }
+    const vi tpos = IOTA + t0;
+    for (int r = 0; r < R; ++r) {
+      const int qi = r / a.hpg;
+      if (pos[qi] < t0 || lo[qi] >= t0 + n) continue;  // nothing this row may see in the tile
+      const float* qr = qv + r * D;
+      vf dots[W];
+      for (int j = 0; j < W; ++j) {
+        vf s = vf{};
+        if (j < n) {
+          for (int c = 0; c < DC; ++c) s += vload(qr + c * W) * vload(krow[j] + c * W);
+        }
+        dots[j] = s;
+      }
+      vf s = vsum16(dots);
+      const vi valid = (tpos >= lo[qi]) & (tpos <= pos[qi]) & (tpos < t0 + n);
+      s = valid ? s : vsplat(NEG_INF);
+      const float mo = m[r];
+      const float mn = std::max(mo, vmaxf(s));
+      const float alpha = std::exp(mo - mn);
+      vf p = vexp(s - mn);
+      p = valid ? p : vf{};
+      l[r] = l[r] * alpha + vsum(p);
+      m[r] = mn;
+      float* ac = acc + r * D;
+      if constexpr (DCT > 0) {
+        vf accv[DCT];
+        for (int c = 0; c < DCT; ++c) accv[c] = vload(ac + c * W) * alpha;
+        for (int j = 0; j < n; ++j) {
+          const vf pj = vsplat(p[j]);
+          for (int c = 0; c < DCT; ++c) accv[c] += pj * vload(vrow[j] + c * W);
+        }
+        for (int c = 0; c < DCT; ++c) vstore(ac + c * W, accv[c]);
+      } else {
+        for (int c = 0; c < DC; ++c) {
+          vf av = vload(ac + c * W) * alpha;
+          for (int j = 0; j < n; ++j) av += vsplat(p[j]) * vload(vrow[j] + c * W);
+          vstore(ac + c * W, av);
+        }
+      }
+    }
+  }
+
+  for (int r = 0; r < R; ++r) {
+    const int i = qtile * a.qt + r / a.hpg;
+    if (i >= a.L) continue;
+    const int h = h0 + r % a.hpg;
+    const size_t row = static_cast<size_t>(b * a.HQ + h) * a.L + i;
+    const float* ac = acc + r * D;
+    if (a.num_parts == 1) {
+      float mf = m[r];
+      if (a.sinks) mf = std::max(mf, a.sinks[h]);
+      const float c = std::exp(m[r] - mf);
+      float denom = l[r] * c;
+      if (a.sinks) denom += std::exp(a.sinks[h] - mf);
+      const float f = denom > 0.0f ? c / denom : 0.0f;
+      for (int d = 0; d < D; ++d) out[row * D + d] = static_cast<T>(ac[d] * f);
+    } else {
+      const size_t slot = row * a.num_parts + part;
+      std::copy(ac, ac + D, o_part + slot * D);
+      m_part[slot] = m[r];
+      l_part[slot] = l[r];
+    }
+  }
+}
+
+template <typename T>
+void reduce_row(const AttnArgs& a, size_t row, const float* o_part, const float* m_part, const float* l_part,
+                T* out) {
+  const int h = static_cast<int>((row / a.L) % a.HQ);
+  const size_t base = row * a.num_parts;
+  float M = NEG_INF;
+  for (int p = 0; p < a.num_parts; ++p) M = std::max(M, m_part[base + p]);
+  if (a.sinks) M = std::max(M, a.sinks[h]);
+  float S = 0.0f;
+  thread_local std::vector<float> o;
+  o.assign(a.D, 0.0f);
+  for (int p = 0; p < a.num_parts; ++p) {
+    const float c = std::exp(m_part[base + p] - M);
+    S += l_part[base + p] * c;
+    const float* op = o_part + (base + p) * a.D;
+    for (int d = 0; d < a.D; ++d) o[d] += op[d] * c;
+  }
+  if (a.sinks) S += std::exp(a.sinks[h] - M);
+  const float f = S > 0.0f ? 1.0f / S : 0.0f;
+  for (int d = 0; d < a.D; ++d) out[row * a.D + d] = static_cast<T>(o[d] * f);
+}
+
+template <typename T>
+void run_attention(const AttnArgs& a, const T* q, const T* k, const T* v, T* out) {
+  const int items = a.B * (a.HQ / a.hpg) * a.num_qtiles * a.num_parts;
+  const size_t rows = static_cast<size_t>(a.B) * a.HQ * a.L;
+  std::vector<float> o_part, m_part, l_part;
+  if (a.num_parts > 1) {
+    o_part.resize(rows * a.num_parts * a.D);
+    m_part.assign(rows * a.num_parts, NEG_INF);
+    l_part.assign(rows * a.num_parts, 0.0f);
+  }
+  float *op = o_part.data(), *mp = m_part.data(), *lp = l_part.data();
+  auto& pool = ThreadPool::get();
+  pool.parallel_for(items, [&](int item) {
+    if (a.D == 64) {
+      attn_item<T, 4>(a, q, k, v, item, out, op, mp, lp);
+    } else if (a.D == 128) {
+      attn_item<T, 8>(a, q, k, v, item, out, op, mp, lp);
+    } else {
+      attn_item<T, 0>(a, q, k, v, item, out, op, mp, lp);
+    }
+  });
+  if (a.num_parts > 1) {
+    const int chunks = static_cast<int>(std::min<size_t>(rows, static_cast<size_t>(pool.size()) * 4));
+    pool.parallel_for(chunks, [&](int c) {
+      for (size_t row = c; row < rows; row += chunks) reduce_row(a, row, op, mp, lp, out);
+    });
+  }
+}
+
+}  // namespace
+
+int heads_per_group(int rep, int head_dim) {
+  int best = 1;
+  for (int h = 1; h <= std::min(rep, 8); ++h) {
+    if (rep % h == 0 && h * head_dim <= MAX_ROWS_X_D) best = h;
+  }
+  return best;
+}
+
+int queries_per_tile(int num_queries, int hpg) {
+  if (num_queries == 1) return 1;
+  return std::max(1, std::min(MAX_ROWS / hpg, num_queries));
+}
+
+mx::array paged_attention(const mx::array& q, const mx::array& k_pool, const mx::array& v_pool,
+                          const mx::array& block_tables, const mx::array& context_lens, float scale, int window,
+                          const std::optional<mx::array>& sinks, mx::StreamOrDevice s) {
+  if (q.ndim() != 4 || k_pool.ndim() != 4 || v_pool.ndim() != 4) {
+    throw std::invalid_argument("[trillm paged_attention] q and the pools must be 4-D");
+  }
+  if (k_pool.shape() != v_pool.shape()) {
+    throw std::invalid_argument("[trillm paged_attention] k_pool and v_pool shapes differ");
+  }
+  if (q.dtype() != k_pool.dtype() || q.dtype() != v_pool.dtype()) {
+    throw std::invalid_argument("[trillm paged_attention] q, k_pool and v_pool must share one dtype");
+  }
+  if (q.dtype() != mx::float32 && q.dtype() != mx::float16 && q.dtype() != mx::bfloat16) {
+    throw std::invalid_argument("[trillm paged_attention] dtype must be float32, float16 or bfloat16");
+  }
+  const int B = q.shape(0), HQ = q.shape(1), D = q.shape(3), HKV = k_pool.shape(2);
+  if (k_pool.shape(3) != D || D % W != 0 || HQ % HKV != 0) {
+    throw std::invalid_argument("[trillm paged_attention] head_dim must match and be a multiple of 16, "
+                                "and Hq a multiple of Hkv");
+  }
+  if (block_tables.ndim() != 2 || block_tables.shape(0) != B || context_lens.ndim() != 1 ||
+      context_lens.shape(0) != B) {
+    throw std::invalid_argument("[trillm paged_attention] block_tables [B, n] and context_lens [B] expected");
+  }
+  if (window < 0) throw std::invalid_argument("[trillm paged_attention] window must be >= 0");
+  if (sinks && (sinks->ndim() != 1 || sinks->shape(0) != HQ)) {
+    throw std::invalid_argument("[trillm paged_attention] sinks must be [Hq]");
+  }
+  auto stream = mx::to_stream(s);
+  std::vector<mx::array> inputs = {
+      mx::contiguous(q, false, stream), k_pool, v_pool,
+      mx::contiguous(mx::astype(block_tables, mx::int32, stream), false, stream),
+      mx::contiguous(mx::astype(context_lens, mx::int32, stream), false, stream)};
+  if (sinks) inputs.push_back(mx::contiguous(mx::astype(*sinks, mx::float32, stream), false, stream));
+  return mx::array(q.shape(), q.dtype(), std::make_shared<PagedAttention>(stream, scale, window, bool(sinks)),
+                   std::move(inputs));
+}
+
+void PagedAttention::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) {
+  const auto& q = inputs[0];
+  const auto& k = inputs[1];
+  const auto& v = inputs[2];
+  const auto& tables = inputs[3];
+  const auto& lens = inputs[4];
+  auto& out = outputs[0];
+  if (!k.flags().row_contiguous || !v.flags().row_contiguous) {
+    throw std::runtime_error("[trillm paged_attention] the K/V pools must be row-contiguous");
+  }
+  out.set_data(mx::allocator::malloc(out.nbytes()));
+  AttnArgs a{};
+  a.B = q.shape(0);
+  a.HQ = q.shape(1);
+  a.L = q.shape(2);
+  a.D = q.shape(3);
+  a.BS = k.shape(1);
+  a.HKV = k.shape(2);
+  a.MB = tables.shape(1);
+  a.hpg = heads_per_group(a.HQ / a.HKV, a.D);
+  a.qt = queries_per_tile(a.L, a.hpg);
+  a.num_qtiles = (a.L + a.qt - 1) / a.qt;
+  a.num_parts = std::max(1, (a.MB * a.BS + PARTITION_SIZE - 1) / PARTITION_SIZE);
+  a.scale = scale_;
+  a.window = window_;
+  a.tables = tables.data<int32_t>();
+  a.lens = lens.data<int32_t>();
+  a.sinks = has_sinks_ ? inputs[5].data<float>() : nullptr;
+
+  auto& enc = mx::cpu::get_command_encoder(stream());
+  for (const auto& in : inputs) enc.set_input_array(in);
+  enc.set_output_array(out);
+  if (q.dtype() == mx::float32) {
+    enc.dispatch([a, qp = q.data<float>(), kp = k.data<float>(), vp = v.data<float>(), op = out.data<float>()] {
+      run_attention<float>(a, qp, kp, vp, op);
+    });
+  } else if (q.dtype() == mx::float16) {
+    enc.dispatch([a, qp = q.data<mx::float16_t>(), kp = k.data<mx::float16_t>(), vp = v.data<mx::float16_t>(),
+                  op = out.data<mx::float16_t>()] { run_attention<mx::float16_t>(a, qp, kp, vp, op); });
+  } else {
+    enc.dispatch([a, qp = q.data<mx::bfloat16_t>(), kp = k.data<mx::bfloat16_t>(),
+                  vp = v.data<mx::bfloat16_t>(), op = out.data<mx::bfloat16_t>()] {
+      run_attention<mx::bfloat16_t>(a, qp, kp, vp, op);
+    });
+  }
+}
+
+void PagedAttention::eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) {
+  throw std::runtime_error("[trillm paged_attention] the CPU primitive has no GPU implementation");
+}
+
+bool PagedAttention::is_equivalent(const mx::Primitive& other) const {
+  const auto& o = static_cast<const PagedAttention&>(other);
+  return scale_ == o.scale_ && window_ == o.window_ && has_sinks_ == o.has_sinks_;
+}
+
+}  // namespace trillm_cpu
