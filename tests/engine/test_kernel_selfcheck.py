@@ -98,10 +98,20 @@ def test_ref_runs_no_kernel(tiny_model: LoadedModel, monkeypatch: pytest.MonkeyP
     assert outs[0] == mlx_lm_greedy(tiny_model, prompts(tiny_model)[0], GREEDY.max_tokens)
 
 
-def test_no_kernel_on_cpu_checks_nothing(tiny_model: LoadedModel) -> None:
+def test_the_cpu_kernel_is_checked_and_serves_like_the_reference(tiny_model: LoadedModel) -> None:
+    from trillm.kernels import cpu_ext
+
     eng = engine(tiny_model)
-    assert eng.kernel_report is not None and eng.kernel_report.implementations() == {
-        "paged_attention": "reference", "kv_gather": "reference"}
+    report = eng.kernel_report
+    assert report is not None and report.implementation("kv_gather") == "reference"  # no CPU kernel for it
+    (attn,) = [r for r in report.ops if r.op == "paged_attention"]
+    if cpu_ext.status().available:
+        assert attn.backend == "cpu" and not attn.failed and attn.kernel_ms is not None, attn
+    else:
+        assert attn.implementation == "reference"
+    ps = prompts(tiny_model)
+    got = [list(o.new_token_ids) for o in eng.generate(ps[:2], GREEDY)]
+    assert got == [mlx_lm_greedy(tiny_model, p, GREEDY.max_tokens) for p in ps[:2]]
 
 
 def test_the_kernels_flag() -> None:
