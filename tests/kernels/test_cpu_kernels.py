@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import subprocess
 import sys
 import warnings
 from pathlib import Path
@@ -138,28 +137,12 @@ def test_failed_build_falls_back_to_the_references_with_one_warning(monkeypatch:
         cpu_ext._load.cache_clear()  # the next user loads the real, cached extension again
 
 
-SMOKE = """
-import trillm.kernels
-import mlx.core as mx
-from trillm.kernels import cpu_ext
-path = cpu_ext.build()
-assert str(path).startswith(%r), path
-ext = cpu_ext.load()
-assert ext is not None, cpu_ext.status()
-q = mx.ones((1, 2, 1, 64)); pool = mx.ones((3, 16, 1, 64))
-out = ext.paged_attention(q, pool, pool, mx.array([[1, 2]]), mx.array([20]), scale=0.125)
-assert mx.allclose(out, mx.ones_like(out)).item()
-print("built", path)
-"""
-
-
-def test_extension_builds_from_a_clean_cache(tmp_path: Path) -> None:
-    # What a fresh machine does on first use (dev.sh setup does it ahead): configure, compile, cache, load.
-    env = dict(os.environ, **{cpu_ext.CACHE_ENV: str(tmp_path)})
-    proc = subprocess.run([sys.executable, "-c", SMOKE % str(tmp_path)], env=env, capture_output=True, text=True,
-                          timeout=600)  # fmt: skip
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "built" in proc.stdout and list(tmp_path.glob("*/_trillm_cpu*"))
+def test_the_setup_built_extension_is_the_one_loaded() -> None:
+    # A clean clone builds it in `dev.sh setup` (what CI runs), from these very sources: a cache key that
+    # missed a source file or a flag would load a stale build here.
+    status = cpu_ext.status()
+    assert status.available, status.reason
+    assert status.path is not None and status.path.parent.name == cpu_ext.cache_key()
 
 
 @pytest.mark.parametrize("dtype", [mx.float32, mx.float16, mx.bfloat16], ids=["f32", "f16", "bf16"])
