@@ -37,6 +37,7 @@ GrammarKind = Literal["json_schema", "regex", "lark", "llguidance"]
 GRAMMAR_KINDS: tuple[GrammarKind, ...] = ("json_schema", "regex", "lark", "llguidance")
 MAX_GRAMMAR_CHARS = 1 << 20
 _MAX_CACHED = 256
+JSON_WHITESPACE = r"[ \t\n]{0,16}"
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,7 +67,8 @@ def _grammar_text(spec: GrammarSpec) -> str:
     import llguidance
 
     if spec.kind == "json_schema":
-        return llguidance.LLMatcher.grammar_from_json_schema(spec.source)
+        # Bounded whitespace between JSON tokens: a small model must not fill max_tokens with newlines.
+        return llguidance.LLMatcher.grammar_from_json_schema(spec.source, defaults={"whitespace_pattern": JSON_WHITESPACE})
     if spec.kind == "regex":
         return llguidance.LLMatcher.grammar_from_regex(spec.source)
     if spec.kind == "lark":

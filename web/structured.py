@@ -23,8 +23,8 @@ from trillm.engine.tokenizer import TokenizerLike
 from trillm.web.output_events import OutputParsing
 from trillm.web.reasoning import ReasoningFormat, detect_reasoning, reasoning_format
 from trillm.web.tool_parsers import (
-    ToolFormat, calls_grammar, detect_tool_format, render_generic_history, select_tools, template_renders_tools,
-    tool_format,
+    ToolFormat, calls_grammar, detect_tool_format, json_options, render_generic_history, select_tools,
+    template_renders_tools, tool_format,
 )
 
 AnswerKind = Literal["json_schema", "regex", "lark", "choice"]
@@ -132,9 +132,7 @@ def _answer_part(answer: AnswerSpec) -> dict[str, Any]:
     """The answer as one entry of an llguidance grammar list."""
     if answer.kind == "json_schema":
         schema = json.loads(answer.source)
-        if answer.lenient and isinstance(schema, dict):
-            schema = {**schema, "x-guidance": {**schema.get("x-guidance", {}), "lenient": True}}
-        return {"json_schema": schema}
+        return {"json_schema": json_options(schema, lenient=answer.lenient) if isinstance(schema, dict) else schema}
     if answer.kind == "regex":
         import llguidance
 

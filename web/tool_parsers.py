@@ -26,6 +26,7 @@ from functools import lru_cache
 from typing import Any
 
 from trillm.engine.errors import InvalidRequest
+from trillm.engine.grammar import JSON_WHITESPACE
 from trillm.engine.tokenizer import TokenizerLike
 
 ParseFn = Callable[[str, list[dict[str, Any]] | None], Any]
@@ -217,11 +218,18 @@ def _call_schema(tool: dict[str, Any], args_key: str) -> dict[str, Any]:
             "required": ["name", args_key], "additionalProperties": False}
 
 
+def json_options(schema: dict[str, Any], *, lenient: bool) -> dict[str, Any]:
+    """`schema` with llguidance's compile options: bounded whitespace, and (lenient) keywords llguidance does
+    not enforce ignored rather than refused."""
+    options = {**schema.get("x-guidance", {}), "whitespace_pattern": JSON_WHITESPACE}
+    if lenient:
+        options["lenient"] = True
+    return {**schema, "x-guidance": options}
+
+
 def _one_of(schemas: list[dict[str, Any]], lenient: bool) -> dict[str, Any]:
     schema: dict[str, Any] = schemas[0] if len(schemas) == 1 else {"anyOf": schemas}
-    if lenient:  # keywords llguidance does not enforce are ignored, unless a tool asked to be strict
-        schema = {**schema, "x-guidance": {"lenient": True}}
-    return schema
+    return json_options(schema, lenient=lenient)  # lenient unless a tool asked to be strict
 
 
 def _special(tokenizer: TokenizerLike, text: str) -> str:
