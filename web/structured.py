@@ -163,7 +163,7 @@ def _after_thinking(part: dict[str, Any], fmt: ReasoningFormat, inside: bool, to
     else:
         opener = json.dumps(start)
     head = "think" if inside else f"({opener} think)?"
-    main = f"start: ws {head} ws @answer\nthink: {body}\nws: /[ \\t\\r\\n]*/\n"
+    main = f"start: ws {head} ws @answer\nthink: {body}\nws: /[ \\t\\r\\n]{{0,16}}/\n"
     return GrammarSpec("llguidance", json.dumps({"grammars": [{"name": "main", "lark_grammar": main},
                                                               {"name": "answer", **part}]}))
 

@@ -257,10 +257,10 @@ def calls_grammar(fmt: ToolFormat, tools: list[dict[str, Any]], *, parallel: boo
     if fmt.json_body == "llama3":
         schema = _one_of([_call_schema(t, "parameters") for t in tools], lenient)
         sep = ' (";" ws call)*' if parallel else ''
-        return f"start: call{sep}\ncall: %json {json.dumps(schema)}\nws: /[ \\t\\n]*/\n", fmt
+        return f"start: call{sep}\ncall: %json {json.dumps(schema)}\nws: /[ \\t\\n]{{0,16}}/\n", fmt
     schema = _one_of([_call_schema(t, "arguments") for t in tools], lenient)
     start, end = _special(tokenizer, fmt.start), _special(tokenizer, fmt.end)
-    return (f"start: call{repeat}\ncall: {start} ws %json {json.dumps(schema)} ws {end}\nws: /[ \\t\\n]*/\n",
+    return (f"start: call{repeat}\ncall: {start} ws %json {json.dumps(schema)} ws {end}\nws: /[ \\t\\n]{{0,16}}/\n",
             fmt)
 
 
