@@ -153,6 +153,77 @@ def mlx_lm_prefill_tok_s(model: LoadedModel, prompt: list[int]) -> float:
     return len(prompt) / (time.perf_counter() - t0)
 
 
+# Constrained rows: a schema that cannot complete within the run, so every row decodes max_tokens tokens.
+LONG_SCHEMA = {"type": "object", "properties": {"items": {"type": "array", "minItems": 1000,
+                                                          "items": {"type": "string", "maxLength": 12}}},
+               "required": ["items"]}
+
+
+@dataclass(frozen=True, slots=True)
+class ConstrainedRow:
+    constrained: int
+    unconstrained_tok_s_per_row: float  # decode rate of each unconstrained row
+    mask_ms_per_step: float  # filling the constrained rows' bitmasks, per step that had any
+
+
+def run_constrained(engine: LLMEngine, prompts: list[list[int]], k: int, max_tokens: int) -> ConstrainedRow:
+    """One batch: the first k prompts under LONG_SCHEMA, the rest free; greedy, max_tokens each."""
+    from trillm.engine.grammar import GrammarSpec
+
+    grammar = GrammarSpec("json_schema", json.dumps(LONG_SCHEMA))
+    params = [SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, grammar=grammar if i < k else None)
+              for i in range(len(prompts))]
+    fill = engine.grammars.fill_masks
+    spent = [0.0, 0]
+
+    def timed(matchers: list) -> object:  # type: ignore[type-arg]
+        t = time.perf_counter()
+        out = fill(matchers)
+        spent[0] += time.perf_counter() - t
+        spent[1] += 1
+        return out
+
+    engine.grammars.fill_masks = timed  # type: ignore[method-assign,assignment]
+    try:
+        t0 = time.perf_counter()
+        outs = engine.generate(prompts, params)
+        dt = time.perf_counter() - t0
+    finally:
+        del engine.grammars.fill_masks
+    free = [o for o, p in zip(outs, params) if p.grammar is None]
+    tokens = sum(len(o.new_token_ids) for o in free)
+    if not free or tokens == 0 or (k and spent[1] == 0):
+        raise SystemExit("bench engine --constrained: measured nothing (no tokens or no mask was filled)")
+    return ConstrainedRow(k, tokens / len(free) / dt, 1e3 * spent[0] / spent[1] if spent[1] else 0.0)
+
+
+def constrained_main(args: argparse.Namespace, model: LoadedModel, engine: LLMEngine) -> int:
+    k = args.constrained
+    prompts = make_prompts(model, args.batch)
+    if not 0 < k < len(prompts):
+        raise SystemExit(f"--constrained must be in [1, {len(prompts) - 1}] for a batch of {len(prompts)}")
+    run_constrained(engine, prompts[:4], 2, 8)  # warm: compiles the grammar, builds llguidance's tokenizer view
+    base = mixed = None
+    for _ in range(args.trials):  # alternate, so machine noise hits both alike; the best of each counts
+        b = run_constrained(engine, prompts, 0, args.max_tokens)
+        m = run_constrained(engine, prompts, k, args.max_tokens)
+        base = b if base is None or b.unconstrained_tok_s_per_row > base.unconstrained_tok_s_per_row else base
+        mixed = m if mixed is None or m.unconstrained_tok_s_per_row > mixed.unconstrained_tok_s_per_row else mixed
+    assert base is not None and mixed is not None
+    ratio = mixed.unconstrained_tok_s_per_row / base.unconstrained_tok_s_per_row
+    print(f"batch {args.batch}, {args.max_tokens} tokens per row, JSON schema on {k} rows")
+    print(f"unconstrained rows: {base.unconstrained_tok_s_per_row:.2f} tok/s each with K=0, "
+          f"{mixed.unconstrained_tok_s_per_row:.2f} with K={k}: {ratio:.2f}x (target >= 0.90)")
+    print(f"bitmask fill for {k} rows: {mixed.mask_ms_per_step:.2f} ms per step")
+    out = Path(args.results)
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / f"engine-constrained-{time.strftime('%Y%m%d-%H%M%S')}.json"
+    path.write_text(json.dumps({"model": model.name, "batch": args.batch, "max_tokens": args.max_tokens,
+                                "k0": asdict(base), "k": asdict(mixed), "ratio": ratio}, indent=2))
+    print(f"wrote {path}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="trillm bench engine", description=__doc__)
     ap.add_argument("--model", default=None, help="model path (default: SmolLM2-135M-Instruct GGUF, fp32)")
@@ -161,10 +232,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--trials", type=int, default=2, help="alternating trials per batch size; the best counts")
     ap.add_argument("--prefill-tokens", type=int, default=1000, help="prompt length of the prefill comparison")
     ap.add_argument("--results", default="results", help="folder for the JSON result")
+    ap.add_argument("--constrained", type=int, default=None, metavar="K",
+                    help="instead: a batch (--batch) with K rows under a JSON schema against K = 0, in one run")
+    ap.add_argument("--batch", type=int, default=16, help="--constrained: the batch size")
     args = ap.parse_args(argv)
 
     model = load_model(args.model)
     engine = LLMEngine(EngineConfig(max_num_seqs=64, max_num_batched_tokens=2048), loaded=model)
+    if args.constrained is not None:
+        return constrained_main(args, model, engine)
     batches = [int(b) for b in args.batches.split(",")]
     print(f"model {model.name}: {model.num_parameters / 1e6:.1f}M params, {model.num_bytes / 1e6:.0f} MB "
           f"{model.dtype}; BLAS {BLAS.name} ({BLAS.path})")

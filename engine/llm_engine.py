@@ -9,11 +9,14 @@ from dataclasses import dataclass
 from functools import partial
 from typing import TYPE_CHECKING
 
+import numpy as np
+
 from trillm.engine.admission import RequestLimits
 from trillm.engine.block_manager import BlockManager
 from trillm.engine.config import EngineConfig
 from trillm.engine.detokenizer import IncrementalDetokenizer, StopStringMatcher
 from trillm.engine.errors import InvalidRequest, ModelLoadError, UnknownRequest
+from trillm.engine.grammar import grammar_compiler
 from trillm.engine.loader import LoadedModel
 from trillm.engine.outputs import EngineStatistics, FinishReason, RequestOutput, Usage
 from trillm.engine.runner import Launch, Runner
@@ -76,6 +79,7 @@ class LLMEngine:
         self.limits = RequestLimits(self.max_model_len, bs, self.block_manager.num_usable_blocks,
                                     self.tokenizer.vocab_size, config.max_waiting)
         self.scheduler = Scheduler(config, self.block_manager, self.limits, self.eos_token_ids)
+        self.grammars = grammar_compiler(self.tokenizer)  # llguidance's view of the tokenizer is built on first use
         self.kernel_report: KernelReport | None = None  # which implementation each kernel op runs (MLX runner)
         self.runner: Runner = runner_factory(num_blocks) if runner_factory is not None else self._mlx_runner(num_blocks)
         self._pipelined = config.pipeline_decode and self.runner.supports_launch_ahead
@@ -118,6 +122,8 @@ class LLMEngine:
             raise InvalidRequest(f"a request with id {request_id!r} is already running")
         self.limits.check_token_ids(prompt_token_ids)
         seq = Sequence(request_id, prompt_token_ids, params, priority=priority)
+        if params.grammar is not None:
+            seq.grammar = self.grammars.matcher(params.grammar)  # compiled (and validated) once per grammar
         req = _Request(
             seq,
             IncrementalDetokenizer(self.tokenizer, prompt_token_ids, skip_special_tokens=params.skip_special_tokens),
@@ -159,7 +165,8 @@ class LLMEngine:
             if batch.is_empty:
                 self.last_step = None
                 return []
-            launch = self.runner.launch(batch, self._sample_row, check_abort)
+            launch = self.runner.launch(batch, partial(self._sample_row, masks=self._token_masks(batch)), check_abort)
+        # schedule_ahead never takes a constrained row: its next mask needs the token this step samples.
         if self._pipelined and (ahead := self.scheduler.schedule_ahead(launch.batch)) is not None:
             self._inflight = self.runner.launch(ahead, partial(self._sample_row, ahead=1), after=launch)
         sampled = self.runner.collect(launch)
@@ -192,24 +199,36 @@ class LLMEngine:
             self._recent_sums[0] -= p_old
             self._recent_sums[1] -= g_old
 
-    def _sample_row(self, seq: Sequence, ahead: int = 0) -> SampleRow:
+    def _token_masks(self, batch: ScheduledBatch) -> dict[int, np.ndarray]:
+        """The bitmask row of every constrained sequence this step samples, filled together (id(seq) -> row)."""
+        seqs = [s for s in batch.sampled if s.grammar is not None]
+        if not seqs:
+            return {}
+        rows = self.grammars.fill_masks([s.grammar for s in seqs if s.grammar is not None])
+        return {id(s): rows[i] for i, s in enumerate(seqs)}
+
+    def _sample_row(self, seq: Sequence, ahead: int = 0, masks: dict[int, np.ndarray] | None = None) -> SampleRow:
         """ahead: tokens sampled for seq but not yet appended (1 while a step is launched ahead)."""
         p = seq.params
         banned: tuple[int, ...] = ()
+        mask = masks.get(id(seq)) if masks else None
         if seq.num_output_tokens + ahead < p.min_tokens:
             banned = tuple(frozenset(p.stop_token_ids) | (frozenset() if p.ignore_eos else self.eos_token_ids))
         return SampleRow(p, seq.num_output_tokens + ahead, seq.token_ids[: seq.num_prompt_tokens],
-                         seq.output_token_ids if p.needs_penalties else [], banned)
+                         seq.output_token_ids if p.needs_penalties else [], banned, mask)
 
     def _output(self, sampled: SampledToken, finish: Finish | None) -> RequestOutput:
         """The request's delta for one token; text-level stops (stop strings) finish it here."""
         seq, token = sampled.seq, sampled.token_id
         req = self._requests[seq.request_id]
         text = ""
-        if finish is None or finish.reason is FinishReason.LENGTH:
+        if finish is None or finish.reason is FinishReason.LENGTH or finish.token_is_text:
             text, matched = req.stops.feed(req.detok.add(token))
             if matched is not None:
                 finish = Finish(FinishReason.STOP, matched)
+        new_token_ids: tuple[int, ...] = (token,)
+        if finish is not None and finish.reason is FinishReason.GRAMMAR:
+            new_token_ids = ()  # the grammar refused it: it was never appended
         if finish is not None and not isinstance(finish.stop_reason, str):
             # Release what was held back for a possible stop string or an incomplete character.
             tail, matched = req.stops.feed(req.detok.flush())
@@ -222,12 +241,13 @@ class LLMEngine:
                 self.scheduler.finish(seq)
         return RequestOutput(
             request_id=seq.request_id,
-            new_token_ids=(token,),
+            new_token_ids=new_token_ids,
             new_text=text,
             finish_reason=None if finish is None else finish.reason,
             usage=Usage(seq.num_prompt_tokens, seq.num_output_tokens, seq.num_cached_tokens),
             logprobs=(sampled.logprob,) if sampled.logprob is not None else None,
             stop_reason=None if finish is None else finish.stop_reason,
+            error=None if finish is None else finish.error,
         )
 
     # ---- conveniences ------------------------------------------------------------------------------------

@@ -12,6 +12,7 @@ class FinishReason(str, Enum):
     LENGTH = "length"  # max_tokens or the context limit
     ABORT = "abort"  # aborted by the caller
     ERROR = "error"  # the engine failed while serving it
+    GRAMMAR = "grammar"  # its grammar could not be continued (RequestOutput.error says why); the text stops there
 
 
 @dataclass(frozen=True, slots=True)

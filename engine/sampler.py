@@ -28,6 +28,7 @@ class SampleRow:
     prompt_token_ids: list[int]
     output_token_ids: list[int]
     banned_token_ids: tuple[int, ...] = ()  # e.g. EOS before min_tokens
+    token_bitmask: np.ndarray | None = None  # int32 [ceil(V/32)]: a grammar's allowed tokens (engine/grammar.py)
 
 
 @dataclass(slots=True)
@@ -63,6 +64,7 @@ class Sampler:
         self._draws = 0  # unseeded rows still get a reproducible stream per engine
         # Models with a padded embedding (more logits than tokens) must never sample a padding id.
         self._vocab_size = vocab_size
+        self._bit_cache: tuple[tuple[int, int], tuple[mx.array, mx.array, mx.array]] | None = None
 
     def sample(self, logits: mx.array, rows: list[SampleRow]) -> LazySample:
         """Build the sampling graph (nothing is evaluated): logits [N, V] -> tokens [N]."""
@@ -70,6 +72,7 @@ class Sampler:
         if self._vocab_size is not None and logits.shape[-1] > self._vocab_size:
             logits = logits[:, : self._vocab_size]
         N, V = logits.shape
+        logits = self._apply_token_masks(logits, rows)  # first: no bias or filter can revive a masked token
         logits = self._apply_biases(logits, rows, V)
 
         greedy = mx.argmax(logits, axis=-1)
@@ -111,6 +114,30 @@ class Sampler:
             if k and ids is not None and vals is not None:
                 top[i] = list(zip(ids[j][:k], vals[j][:k]))
         return SampleResult(token_list, chosen, top)
+
+    def _apply_token_masks(self, logits: mx.array, rows: list[SampleRow]) -> mx.array:
+        """-inf for every token a row's grammar bitmask disallows; only the constrained rows are touched."""
+        idx = [i for i, r in enumerate(rows) if r.token_bitmask is not None]
+        if not idx:
+            return logits
+        words = mx.array(np.stack([rows[i].token_bitmask for i in idx]).astype(np.int32, copy=False))  # type: ignore[misc]
+        V = logits.shape[-1]
+        word, bit, inside = self._bit_index(V, words.shape[1])
+        allowed = ((mx.take(words, word, axis=1) >> bit) & 1).astype(mx.bool_) & inside
+        if len(idx) == len(rows):
+            return mx.where(allowed, logits, _NEG_INF)
+        at = mx.array(idx)
+        logits[at] = mx.where(allowed, logits[at], _NEG_INF)
+        return logits
+
+    def _bit_index(self, V: int, width: int) -> tuple[mx.array, mx.array, mx.array]:
+        """Per vocabulary column: its bitmask word, its bit, and whether the mask covers it (padded vocab)."""
+        key = (V, width)
+        if self._bit_cache is None or self._bit_cache[0] != key:
+            cols = np.arange(V)
+            word = np.minimum(cols // 32, width - 1).astype(np.int32)
+            self._bit_cache = (key, (mx.array(word), mx.array((cols % 32).astype(np.int32)), mx.array(cols < 32 * width)))
+        return self._bit_cache[1]
 
     def _apply_biases(self, logits: mx.array, rows: list[SampleRow], V: int) -> mx.array:
         """Penalties, logit_bias and banned tokens; built only for rows that need them."""

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from trillm.engine.errors import InvalidRequest
+from trillm.engine.grammar import GrammarSpec
 
 MAX_TOP_LOGPROBS = 20
 
@@ -38,6 +39,7 @@ class SamplingParams:
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     cache_salt: str | None = None  # isolates this request's prefix-cache entries (vLLM's cache_salt)
+    grammar: GrammarSpec | None = None  # the output must match it (constrained decoding, engine/grammar.py)
     extra: dict[str, object] = field(default_factory=dict, compare=False, hash=False)
     # logit_bias as arrays, built once here rather than in the sampler at every step
     _bias_ids: np.ndarray = field(init=False, repr=False, compare=False, hash=False)

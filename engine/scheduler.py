@@ -75,6 +75,8 @@ class SampledToken:
 class Finish:
     reason: FinishReason
     stop_reason: str | int | None = None  # the stop string or token id that ended it
+    error: str | None = None  # GRAMMAR: why the grammar could not go on
+    token_is_text: bool = False  # the finishing token is part of the output (a grammar completed by it)
 
 
 _MIN_SHARED_PREFIX = 64  # tokens: shorter shared prefixes (a chat template's preamble) are cheaper to recompute
@@ -167,11 +169,14 @@ class Scheduler:
 
         Only when nothing else could want the step (no prefill, nobody waiting, every running sequence
         decoding), and only for sequences whose next step does not depend on the unread token (penalties
-        count it) and that cannot finish by length on this step's token.
+        count it), that have no grammar (its mask for the next step depends on this step's token) and that
+        cannot finish by length on this step's token.
         """
         if batch.prefills or not batch.decodes or self.waiting or len(self.running) != len(batch.decodes):
             return None
-        if any(s.status is not SequenceStatus.RUNNING or s.params.needs_penalties for s in batch.decodes):
+        # A constrained row's next mask needs this step's token (see LLMEngine.step).
+        if any(s.status is not SequenceStatus.RUNNING or s.params.needs_penalties or s.grammar is not None
+               for s in batch.decodes):
             return None
         # This step's token is output number num_output_tokens + 1; length-finished sequences stop there.
         seqs = [s for s in batch.decodes
@@ -232,6 +237,13 @@ class Scheduler:
             seq = s.seq
             if seq.status is not SequenceStatus.RUNNING:
                 continue
+            if seq.grammar is not None and not seq.grammar.accept(s.token_id):
+                # Only a token the mask allowed can be sampled, so this is the grammar engine giving up (a
+                # limit hit, an empty mask): the request ends here, without the token.
+                self.finish(seq)
+                kept.append((s, Finish(FinishReason.GRAMMAR,
+                                       error=seq.grammar.error or "no token can continue the grammar")))
+                continue
             seq.token_ids.append(s.token_id)
             self.block_manager.register_computed(seq)
             finish = self._check_stop(seq, s.token_id)
@@ -246,6 +258,9 @@ class Scheduler:
             return Finish(FinishReason.STOP, token)
         if not p.ignore_eos and token in self.eos_token_ids:
             return Finish(FinishReason.STOP)
+        if seq.grammar is not None and seq.grammar.is_terminated:
+            # Complete: the grammar allows nothing but EOS from here, so stop now rather than sample it.
+            return Finish(FinishReason.STOP, token_is_text=True)
         if seq.num_output_tokens >= p.max_tokens or seq.num_tokens >= self.max_model_len:
             return Finish(FinishReason.LENGTH)
         return None

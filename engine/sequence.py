@@ -5,7 +5,12 @@ from __future__ import annotations
 from enum import Enum, auto
 from itertools import count
 
+from typing import TYPE_CHECKING
+
 from trillm.engine.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from trillm.engine.grammar import GrammarMatcher
 
 _arrival_counter = count()
 
@@ -26,7 +31,7 @@ class Sequence:
     __slots__ = (
         "request_id", "params", "priority", "arrival", "token_ids", "num_prompt_tokens",
         "num_computed_tokens", "num_cached_tokens", "block_table", "num_hashed_blocks", "block_hashes",
-        "status", "num_preemptions",
+        "status", "num_preemptions", "grammar",
     )
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, *, priority: int = 0) -> None:
@@ -43,6 +48,7 @@ class Sequence:
         self.block_hashes: list[bytes] = []  # chained hash of each full block of token_ids
         self.status = SequenceStatus.WAITING
         self.num_preemptions = 0
+        self.grammar: GrammarMatcher | None = None  # set by the engine when params.grammar is given
 
     @property
     def num_tokens(self) -> int:

@@ -15,6 +15,8 @@ from trillm.engine.errors import EngineError
 from trillm.engine.mock import add_mock_arguments
 from trillm.web.config import ServerConfig
 from trillm.web.protocol import Limits
+from trillm.web.reasoning import REASONING_PARSERS
+from trillm.web.tool_parsers import TOOL_PARSERS
 
 HELP = "serve an OpenAI-compatible HTTP/SSE and websocket API"
 _LIMIT_FLAGS = tuple(f.name for f in fields(Limits))  # what one request may ask: web/protocol.py Limits
@@ -41,6 +43,11 @@ def configure(p: argparse.ArgumentParser) -> None:
         limits.add_argument("--" + name.replace("_", "-"), type=int, default=default, help=f"default: {default}")
     p.add_argument("--allowed-origin", action="append", default=[], dest="allowed_origins",
                    help="a web page origin (scheme://host:port) allowed to open the websockets; repeatable")
+    p.add_argument("--tool-parser", default=None, choices=TOOL_PARSERS,
+                   help="the tool-call format (default: detected from the chat template; 'generic' puts the tools "
+                        "into the system prompt)")
+    p.add_argument("--reasoning-parser", default=None, choices=(*REASONING_PARSERS, "none"),
+                   help="the reasoning markers to split off as reasoning_content (default: detected; none: off)")
     p.add_argument("--lazy-load", action="store_true", help="load each model on its first request")
     p.add_argument("--unload-after-idle", type=float, default=None, metavar="SECONDS",
                    help="free a model after this long without requests (the next request reloads it)")
@@ -72,7 +79,8 @@ def run(args: argparse.Namespace) -> int:
     try:
         service_config = ServiceConfig(lazy_load=args.lazy_load, unload_after_idle_s=args.unload_after_idle)
         config = ServerConfig(host=args.host, port=args.port, api_key=args.api_key,
-                              allowed_origins=tuple(args.allowed_origins),
+                              allowed_origins=tuple(args.allowed_origins), tool_parser=args.tool_parser,
+                              reasoning_parser=args.reasoning_parser,
                               limits=Limits(**{name: getattr(args, name) for name in _LIMIT_FLAGS}),
                               **{name: getattr(args, name) for name in _SERVER_FLAGS})
         if args.mock:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from trillm.web.protocol import Limits
+from trillm.web.structured import ChatOptions
 
 
 @dataclass(frozen=True, slots=True)
@@ -24,6 +25,8 @@ class ServerConfig:
     keep_alive_timeout_s: float = 5.0
     graceful_timeout_s: float = 3.0
     allowed_origins: tuple[str, ...] = ()  # web pages (besides the server's own) that may open its websockets
+    tool_parser: str | None = None  # the tool-call format (web/tool_parsers.py); None: detected per model
+    reasoning_parser: str | None = None  # the reasoning markers (web/reasoning.py); None: detected; "none": off
 
     def __post_init__(self) -> None:
         if not 0 <= self.port < 65536:
@@ -34,3 +37,8 @@ class ServerConfig:
             raise ValueError("sse_keepalive_s must be > 0")
         if self.api_key == "":
             raise ValueError("api_key must not be empty")
+        self.chat_options  # validates the parser names
+
+    @property
+    def chat_options(self) -> ChatOptions:
+        return ChatOptions(self.tool_parser, self.reasoning_parser)

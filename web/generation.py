@@ -11,7 +11,7 @@ from trillm.engine.errors import InvalidRequest, Overloaded
 from trillm.web.config import ServerConfig
 from trillm.web.errors import APIError
 from trillm.web.openai_schema import ChatCompletionRequest, CompletionRequest
-from trillm.web.protocol import GenerationRequest, parse_generation, prompt_bytes
+from trillm.web.protocol import GenerationRequest, needs_grammar, parse_generation, prompt_bytes
 from trillm.engine.tokenizer import TokenizerLike
 from trillm.web.service import EngineService, EngineUnavailable, ServiceState
 from trillm.web.stream import GenerationHandle
@@ -71,9 +71,11 @@ async def start_generation(service: EngineService, body: ChatCompletionRequest |
         name = service.model_name
 
         def parse() -> GenerationRequest:
-            return parse_generation(body, name, tokenizer, limits, config.limits)
+            return parse_generation(body, name, tokenizer, limits, config.limits, config.chat_options)
 
-        req = await off_thread(parse) if prompt_bytes(body) > OFF_THREAD_PROMPT_BYTES else parse()
+        # Compiling a grammar takes milliseconds (the first one for a tokenizer, about a second): off the loop.
+        slow = prompt_bytes(body) > OFF_THREAD_PROMPT_BYTES or needs_grammar(body)
+        req = await off_thread(parse) if slow else parse()
         handle = service.submit(req.prompt_token_ids, req.params, priority=req.priority)
     except (InvalidRequest, Overloaded, EngineUnavailable):
         service.metrics.on_outcome("rejected")

@@ -83,9 +83,44 @@ class StreamOptions(_Model):
     include_usage: bool = False
 
 
+Schema = dict[str, Any]
+GrammarText = Annotated[str, Field(min_length=1, max_length=1 << 20)]
+
+
+class JsonSchemaFormat(_Model):
+    model_config = ConfigDict(strict=True, extra="ignore", frozen=True, allow_inf_nan=False, populate_by_name=True)
+
+    name: Annotated[str, Field(min_length=1, max_length=64)] = "response"
+    description: Text | None = None
+    schema_: Schema | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
 class ResponseFormat(_Model):
     type: Literal["text", "json_object", "json_schema"]
-    json_schema: dict[str, Any] | None = None
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputs(_Model):
+    """vLLM's `structured_outputs` (one of them): the output matches a JSON schema, a regex, a Lark or GBNF
+    grammar, one of a list of strings, or any JSON object."""
+
+    model_config = ConfigDict(strict=True, extra="ignore", frozen=True, allow_inf_nan=False, populate_by_name=True)
+
+    json_: Schema | GrammarText | None = Field(default=None, alias="json")
+    regex: GrammarText | None = None
+    grammar: GrammarText | None = None
+    choice: Annotated[list[Annotated[str, Field(min_length=1, max_length=4096)]], Field(min_length=1, max_length=1024)] | None = None
+    json_object: bool | None = None
+
+
+class NamedFunction(_Model):
+    name: Annotated[str, Field(min_length=1, max_length=MAX_NAME)]
+
+
+class NamedToolChoice(_Model):
+    type: Literal["function"]
+    function: NamedFunction
 
 
 class _Sampling(_Model):
@@ -115,6 +150,14 @@ class _Sampling(_Model):
     priority: Annotated[int, Field(ge=0, le=1_000_000)] = 0
     user: Annotated[str, Field(max_length=MAX_NAME)] | None = None  # accepted, ignored
     cache_salt: Annotated[str, Field(min_length=1, max_length=MAX_NAME)] | None = None
+    # Constrained output, with vLLM's names (both endpoints; chat also takes response_format).
+    structured_outputs: StructuredOutputs | None = None
+    guided_json: Schema | GrammarText | None = None
+    guided_regex: GrammarText | None = None
+    guided_grammar: GrammarText | None = None
+    guided_choice: Annotated[list[Annotated[str, Field(min_length=1, max_length=4096)]], Field(min_length=1, max_length=1024)] | None = None
+    guided_decoding_backend: Annotated[str, Field(max_length=64)] | None = None  # accepted, ignored: llguidance
+    guided_whitespace_pattern: Annotated[str, Field(max_length=256)] | None = None  # accepted, ignored
 
     # Known and refused: silently ignoring them would return something the client did not ask for.
     best_of: Any = None
@@ -142,8 +185,9 @@ class ChatCompletionRequest(_Sampling):
     logprobs: bool = False
     top_logprobs: Annotated[int, Field(ge=0)] | None = None
     tools: Annotated[list[Tool], Field(max_length=1024)] | None = None
-    tool_choice: Any = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
+    reasoning_effort: Literal["none", "minimal", "low", "medium", "high"] | None = None  # accepted, ignored
     response_format: ResponseFormat | None = None
     chat_template_kwargs: dict[str, Any] | None = None
 

@@ -5,6 +5,7 @@ Pure functions and small records, no IO, so every rule here is testable without 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 import uuid
@@ -13,10 +14,18 @@ from typing import Any, Literal
 
 from trillm.engine.admission import RequestLimits
 from trillm.engine.errors import InvalidRequest
+from trillm.engine.grammar import GrammarSpec
 from trillm.engine.outputs import FinishReason, RequestOutput, TokenLogprob, Usage
 from trillm.engine.sampling_params import MAX_TOP_LOGPROBS, SamplingParams
 from trillm.engine.tokenizer import TokenizerLike as Tokenizer
 from trillm.web.openai_schema import ChatCompletionRequest, ChatMessage, CompletionRequest, Tool
+from trillm.web.output_events import (
+    ChoiceParser, Finish, OutputEvent, OutputParsing, ReasoningDelta, TextDelta, ToolCallArgumentsDelta,
+    ToolCallStart,
+)
+from trillm.web.structured import (
+    AnswerSpec, ChatOptions, ToolRequest, model_features, output_plan, template_inputs,
+)
 
 Kind = Literal["chat", "completion"]
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for the legacy completions endpoint
@@ -54,6 +63,10 @@ class GenerationRequest:
     include_usage: bool
     logprobs: bool
     priority: int = 0
+    tools: ToolRequest | None = None  # the tools offered and tool_choice (None: no tools)
+    answer: AnswerSpec | None = None  # what the answer must match (response_format and the extensions)
+    grammar: GrammarSpec | None = None  # the compiled constraint every choice runs under
+    parsing: OutputParsing = OutputParsing()  # how the output splits into reasoning, text and tool calls
 
 
 # ---- parsing ----
@@ -100,8 +113,14 @@ def chat_prompt_ids(messages: list[ChatMessage], tokenizer: Tokenizer, *, tools:
                     template_kwargs: dict[str, Any] | None = None) -> list[int]:
     """Apply the model's chat template to `messages` (and `tools`)."""
     tool_dicts = [t.model_dump(exclude_none=True) for t in tools] if tools else None
+    return render_chat(_messages(messages), tokenizer, tools=tool_dicts, template_kwargs=template_kwargs)
+
+
+def render_chat(messages: list[dict[str, Any]], tokenizer: Tokenizer, *, tools: list[dict[str, Any]] | None = None,
+                template_kwargs: dict[str, Any] | None = None) -> list[int]:
+    """Prompt ids of template-ready messages (see `_messages`) and tool dicts."""
     try:
-        return list(tokenizer.apply_chat_template(_messages(messages), tools=tool_dicts, add_generation_prompt=True,
+        return list(tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True,
                                                   **(template_kwargs or {})))
     except InvalidRequest:
         raise
@@ -164,8 +183,6 @@ def sampling_params(body: ChatCompletionRequest | CompletionRequest, kind: Kind,
         logprobs, top_logprobs = body.logprobs, body.top_logprobs or 0
         if top_logprobs and not logprobs:
             raise _bad("'top_logprobs' requires 'logprobs': true")
-        if body.response_format is not None and body.response_format.type != "text":
-            raise _bad("response_format other than 'text' is not supported")
     else:
         logprobs, top_logprobs = body.logprobs is not None, body.logprobs or 0
     if top_logprobs > MAX_TOP_LOGPROBS:
@@ -182,15 +199,85 @@ def sampling_params(body: ChatCompletionRequest | CompletionRequest, kind: Kind,
     return [SamplingParams(seed=None if body.seed is None else body.seed + i, **common) for i in range(body.n)]
 
 
+def answer_spec(body: ChatCompletionRequest | CompletionRequest) -> AnswerSpec | None:
+    """The constraint on the answer: response_format (chat), or one of vLLM's structured_outputs / guided_*."""
+    found: list[AnswerSpec] = []
+
+    def schema_text(value: dict[str, Any] | str, where: str) -> str:
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except ValueError as exc:
+                raise _bad(f"'{where}' is not a JSON schema: {exc}") from None
+        if not isinstance(value, dict):
+            raise _bad(f"'{where}' must be a JSON schema object")
+        return json.dumps(value)
+
+    rf = body.response_format if isinstance(body, ChatCompletionRequest) else None
+    if rf is not None and rf.type == "json_object":
+        found.append(AnswerSpec("json_schema", '{"type": "object"}'))
+    elif rf is not None and rf.type == "json_schema":
+        if rf.json_schema is None or rf.json_schema.schema_ is None:
+            raise _bad("'response_format.json_schema.schema' is required for type 'json_schema'")
+        found.append(AnswerSpec("json_schema", schema_text(rf.json_schema.schema_, "response_format.json_schema.schema"),
+                                lenient=rf.json_schema.strict is not True))
+    so = body.structured_outputs
+    if so is not None:
+        if so.json_ is not None:
+            found.append(AnswerSpec("json_schema", schema_text(so.json_, "structured_outputs.json"), lenient=True))
+        if so.regex is not None:
+            found.append(AnswerSpec("regex", so.regex))
+        if so.grammar is not None:
+            found.append(AnswerSpec("lark", so.grammar))
+        if so.choice is not None:
+            found.append(AnswerSpec("choice", json.dumps(so.choice)))
+        if so.json_object:
+            found.append(AnswerSpec("json_schema", '{"type": "object"}'))
+    if body.guided_json is not None:
+        found.append(AnswerSpec("json_schema", schema_text(body.guided_json, "guided_json"), lenient=True))
+    if body.guided_regex is not None:
+        found.append(AnswerSpec("regex", body.guided_regex))
+    if body.guided_grammar is not None:
+        found.append(AnswerSpec("lark", body.guided_grammar))
+    if body.guided_choice is not None:
+        found.append(AnswerSpec("choice", json.dumps(body.guided_choice)))
+    if len(found) > 1:
+        raise _bad("give at most one output constraint (response_format, structured_outputs or one guided_* field)")
+    return found[0] if found else None
+
+
+def tool_request(body: ChatCompletionRequest) -> ToolRequest | None:
+    """The tools and tool_choice (OpenAI's defaults: "auto" with tools, "none" without)."""
+    choice = body.tool_choice
+    if not body.tools:
+        if choice not in (None, "none"):
+            raise _bad("'tool_choice' needs 'tools'")
+        return None
+    tools = tuple(t.model_dump(exclude_none=True) for t in body.tools)
+    names = [t["function"]["name"] for t in tools]
+    if len(set(names)) != len(names):
+        raise _bad("'tools' has two functions with the same name")
+    parallel = body.parallel_tool_calls is not False
+    if choice is None or isinstance(choice, str):
+        return ToolRequest(tools, choice or "auto", None, parallel)
+    return ToolRequest(tools, "named", choice.function.name, parallel)
+
+
 def parse_generation(body: ChatCompletionRequest | CompletionRequest, model_name: str, tokenizer: Tokenizer,
-                     model: RequestLimits, limits: Limits) -> GenerationRequest:
+                     model: RequestLimits, limits: Limits, options: ChatOptions = ChatOptions()) -> GenerationRequest:
     """Turn a validated body into prompt ids and params (raising InvalidRequest for what does not fit)."""
     kind: Kind = "chat" if isinstance(body, ChatCompletionRequest) else "completion"
     size = prompt_bytes(body)
     if size > limits.max_prompt_bytes:
         raise _bad(f"the prompt has {size} bytes; this server allows at most {limits.max_prompt_bytes}")
+    answer = answer_spec(body)
+    tools: ToolRequest | None = None
     if isinstance(body, ChatCompletionRequest):
-        ids = chat_prompt_ids(body.messages, tokenizer, tools=body.tools, template_kwargs=body.chat_template_kwargs)
+        tools = tool_request(body)
+        messages, tool_dicts = _messages(body.messages), None
+        if tools is not None or any(m.tool_calls or m.role == "tool" for m in body.messages):
+            messages, tool_dicts = template_inputs(messages, tools, model_features(tokenizer, options))
+        ids = render_chat(messages, tokenizer, tools=tool_dicts, template_kwargs=body.chat_template_kwargs)
     else:
         ids = completion_prompt_ids(body, tokenizer)
     if not ids:
@@ -198,11 +285,33 @@ def parse_generation(body: ChatCompletionRequest | CompletionRequest, model_name
     if limits.max_prompt_tokens is not None and len(ids) > limits.max_prompt_tokens:
         raise _bad(f"the prompt has {len(ids)} tokens; this server allows at most {limits.max_prompt_tokens}")
     params = sampling_params(body, kind, len(ids), model, limits)
+    grammar: GrammarSpec | None = None
+    parsing = OutputParsing()
+    if isinstance(body, ChatCompletionRequest):
+        plan = output_plan(ids, tokenizer, model_features(tokenizer, options), tools, answer)
+        grammar, parsing = plan.grammar, plan.parsing
+        if plan.keep_special_tokens:
+            params = [dataclasses.replace(p, skip_special_tokens=False) for p in params]
+    elif answer is not None:
+        plan = output_plan(ids, tokenizer, None, None, answer)
+        grammar = plan.grammar
+    if grammar is not None:
+        params = [dataclasses.replace(p, grammar=grammar) for p in params]
     return GenerationRequest(
         kind=kind, model=model_name, prompt_token_ids=ids, params=params, stream=body.stream,
         include_usage=body.stream_options is not None and body.stream_options.include_usage,
-        logprobs=params[0].logprobs, priority=body.priority,
+        logprobs=params[0].logprobs, priority=body.priority, tools=tools, answer=answer, grammar=grammar,
+        parsing=parsing,
     )
+
+
+def needs_grammar(body: ChatCompletionRequest | CompletionRequest) -> bool:
+    """Whether parsing `body` compiles a grammar (slow the first time: do it off the event loop)."""
+    if isinstance(body, ChatCompletionRequest) and (body.tools or (body.response_format is not None
+                                                                   and body.response_format.type != "text")):
+        return True
+    return any(v is not None for v in (body.structured_outputs, body.guided_json, body.guided_regex,
+                                       body.guided_grammar, body.guided_choice))
 
 
 # ---- responses ----
@@ -219,15 +328,55 @@ def usage_dict(usage: Usage) -> dict[str, Any]:
 def _finish_reason(reason: FinishReason | None) -> str | None:
     if reason is None:
         return None
+    if reason is FinishReason.GRAMMAR:
+        return "grammar"
     return "length" if reason is FinishReason.LENGTH else "stop"
 
 
 @dataclass(slots=True)
 class _Choice:
+    parser: ChoiceParser
     text: str = ""
+    reasoning: str = ""
+    tool_calls: list[dict[str, Any]] = field(default_factory=list)
     logprobs: list[TokenLogprob] = field(default_factory=list)
     finish_reason: FinishReason | None = None
+    finish: Finish | None = None
     usage: Usage | None = None
+
+    def apply(self, events: list[OutputEvent]) -> None:
+        """Accumulate a chat choice's events (non-streaming)."""
+        for ev in events:
+            if isinstance(ev, TextDelta):
+                self.text += ev.text
+            elif isinstance(ev, ReasoningDelta):
+                self.reasoning += ev.text
+            elif isinstance(ev, ToolCallStart):
+                self.tool_calls.append({"id": ev.id, "type": "function", "function": {"name": ev.name, "arguments": ""}})
+            elif isinstance(ev, ToolCallArgumentsDelta):
+                self.tool_calls[ev.index]["function"]["arguments"] += ev.delta
+            elif isinstance(ev, Finish):
+                self.finish = ev
+
+
+def _chat_finish_reason(finish: Finish | None, reason: FinishReason | None) -> str | None:
+    if finish is not None:
+        return "stop" if finish.reason in ("abort", "error") else finish.reason
+    return _finish_reason(reason)
+
+
+def _event_delta(ev: OutputEvent) -> dict[str, Any] | None:
+    """An event as OpenAI's streamed `delta` (None: nothing on the wire, e.g. a call's end)."""
+    if isinstance(ev, TextDelta):
+        return {"content": ev.text}
+    if isinstance(ev, ReasoningDelta):
+        return {"reasoning_content": ev.text, "reasoning": ev.text}
+    if isinstance(ev, ToolCallStart):
+        return {"tool_calls": [{"index": ev.index, "id": ev.id, "type": "function",
+                                "function": {"name": ev.name, "arguments": ""}}]}
+    if isinstance(ev, ToolCallArgumentsDelta):
+        return {"tool_calls": [{"index": ev.index, "function": {"arguments": ev.delta}}]}
+    return None
 
 
 class ResponseBuilder:
@@ -240,7 +389,7 @@ class ResponseBuilder:
         self.id = ("chatcmpl-" if req.kind == "chat" else "cmpl-") + uuid.uuid4().hex
         self.created = int(time.time())
         self.object = "chat.completion" if req.kind == "chat" else "text_completion"
-        self.choices = [_Choice() for _ in request_ids]
+        self.choices = [_Choice(ChoiceParser(req.parsing)) for _ in request_ids]
         self._text_offset = [0] * len(request_ids)
 
     # -- logprobs in both formats --
@@ -285,24 +434,46 @@ class ResponseBuilder:
     # -- non-streaming --
     def add(self, out: RequestOutput, *, keep: bool = True) -> int:
         """Account for one delta; keep=False (streaming) keeps only its state, not its text or logprobs."""
+        return self._add(out, keep)[0]
+
+    def _add(self, out: RequestOutput, keep: bool) -> tuple[int, list[OutputEvent]]:
         i = self.index[out.request_id]
         c = self.choices[i]
+        events: list[OutputEvent] = []
+        if self.req.kind == "chat":
+            events = c.parser.feed(out.new_text)
+            if out.finish_reason is not None:
+                events += c.parser.finish(out.finish_reason, stop_reason=out.stop_reason, error=out.error)
         if keep:
-            c.text += out.new_text
+            if self.req.kind == "chat":
+                c.apply(events)
+            else:
+                c.text += out.new_text
             if out.logprobs:
                 c.logprobs.extend(out.logprobs)
+        elif events and isinstance(events[-1], Finish):
+            c.finish = events[-1]
         c.usage = out.usage
         if out.finish_reason is not None:
             c.finish_reason = out.finish_reason
-        return i
+        return i, events
 
     def response(self) -> dict[str, Any]:
         choices = []
         for i, c in enumerate(self.choices):
             logprobs = self.logprobs_for(i, c.logprobs)
             if self.req.kind == "chat":
-                choices.append({"index": i, "message": {"role": "assistant", "content": c.text},
-                                "logprobs": logprobs, "finish_reason": _finish_reason(c.finish_reason)})
+                message: dict[str, Any] = {"role": "assistant", "content": c.text}
+                if c.reasoning:
+                    message["reasoning_content"] = message["reasoning"] = c.reasoning
+                if c.tool_calls:
+                    message["content"] = c.text if c.text.strip() else None
+                    message["tool_calls"] = c.tool_calls
+                choice: dict[str, Any] = {"index": i, "message": message, "logprobs": logprobs,
+                                          "finish_reason": _chat_finish_reason(c.finish, c.finish_reason)}
+                if c.finish is not None and c.finish.error:
+                    choice["stop_reason"] = c.finish.error
+                choices.append(choice)
             else:
                 choices.append({"index": i, "text": c.text, "logprobs": logprobs,
                                 "finish_reason": _finish_reason(c.finish_reason)})
@@ -325,21 +496,36 @@ class ResponseBuilder:
                               "finish_reason": None}]) for i in range(len(self.choices))]
 
     def delta_chunks(self, out: RequestOutput) -> list[dict[str, Any]]:
-        i = self.add(out, keep=False)
+        i, events = self._add(out, keep=False)
+        if self.req.kind == "chat":
+            return self._chat_chunks(i, out, events)
         chunks = []
         if out.new_text or out.logprobs:
             logprobs = self.logprobs_for(i, out.logprobs)
-            if self.req.kind == "chat":
-                choice = {"index": i, "delta": {"content": out.new_text}, "logprobs": logprobs, "finish_reason": None}
-            else:
-                choice = {"index": i, "text": out.new_text, "logprobs": logprobs, "finish_reason": None}
-            chunks.append(self._chunk([choice]))
+            chunks.append(self._chunk([{"index": i, "text": out.new_text, "logprobs": logprobs, "finish_reason": None}]))
         if out.finish_reason is not None:
-            fr = _finish_reason(out.finish_reason)
-            if self.req.kind == "chat":
-                choice = {"index": i, "delta": {}, "logprobs": None, "finish_reason": fr}
-            else:
-                choice = {"index": i, "text": "", "logprobs": None, "finish_reason": fr}
+            chunks.append(self._chunk([{"index": i, "text": "", "logprobs": None,
+                                        "finish_reason": _finish_reason(out.finish_reason)}]))
+        return chunks
+
+    def _chat_chunks(self, i: int, out: RequestOutput, events: list[OutputEvent]) -> list[dict[str, Any]]:
+        """One chunk per event, as OpenAI streams them; this delta's logprobs ride on its first chunk."""
+        chunks = []
+        logprobs = self.logprobs_for(i, out.logprobs) if out.logprobs else None
+        for ev in events:
+            delta = _event_delta(ev)
+            if delta is not None:
+                chunks.append(self._chunk([{"index": i, "delta": delta, "logprobs": logprobs, "finish_reason": None}]))
+                logprobs = None
+        if logprobs is not None:
+            chunks.append(self._chunk([{"index": i, "delta": {"content": ""}, "logprobs": logprobs,
+                                        "finish_reason": None}]))
+        finish = next((ev for ev in events if isinstance(ev, Finish)), None)
+        if finish is not None:
+            choice: dict[str, Any] = {"index": i, "delta": {}, "logprobs": None,
+                                      "finish_reason": _chat_finish_reason(finish, out.finish_reason)}
+            if finish.error:
+                choice["stop_reason"] = finish.error
             chunks.append(self._chunk([choice]))
         return chunks
 

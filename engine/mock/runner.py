@@ -21,6 +21,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+import numpy as np
+
+from trillm.engine.grammar import allowed_tokens
 from trillm.engine.mock.timing import PerfModel, StepShape
 from trillm.engine.mock.tokenizer import NUM_SPECIAL
 from trillm.engine.outputs import TokenLogprob
@@ -122,6 +125,17 @@ class MockRunner:
             self._streams.pop(seq.request_id, None)  # its last token
         return token
 
+    def _allowed_token(self, seq: Sequence, pos: int, token: int, bitmask: np.ndarray) -> int:
+        """A grammar's row: the PRNG's (or the recording's) token if the mask allows it, else an allowed one
+        picked by the same PRNG; with none allowed, the token stands and the grammar ends the request."""
+        allowed = allowed_tokens(bitmask, self.vocab_size)
+        if token < len(allowed) and allowed[token]:
+            return token
+        ids = np.flatnonzero(allowed)
+        if not len(ids):
+            return token
+        return int(ids[splitmix64(self._stream(seq)[0] ^ (pos + 1)) % len(ids)])
+
     def launch(self, batch: ScheduledBatch, rows: RowsFn, check_abort: Callable[[], None] | None = None, *,
                after: Launch | None = None) -> Launch:
         """Price the step and pick its tokens now; `collect` hands them back (after sleeping, if asked to)."""
@@ -134,7 +148,13 @@ class MockRunner:
         self.total_step_s += duration
         self.num_steps += 1
         sampled = batch.sampled
-        tokens = [self._token(s, rows(s).output_index) for s in sampled]
+        tokens = []
+        for s in sampled:
+            row = rows(s)
+            token = self._token(s, row.output_index)
+            if row.token_bitmask is not None:
+                token = self._allowed_token(s, row.output_index, token, row.token_bitmask)
+            tokens.append(token)
         return Launch(batch, sampled, _Pending(tokens, t0 + duration), duration)
 
     def collect(self, launch: Launch) -> list[SampledToken]:

@@ -1,0 +1,207 @@
+"""Tool calls, structured output and reasoning for one chat request: what the template gets, which grammar
+constrains the output, and how the output is parsed back. Shared by every API front end.
+
+Per model (detected once per tokenizer, `model_features`): the tool-call format (web/tool_parsers.py),
+whether the template renders `tools`, and the reasoning markers (web/reasoning.py). Per request:
+- `template_inputs`: the messages and tools as the chat template gets them (the generic format for templates
+  that ignore tools);
+- `output_plan`: after the prompt is rendered, the grammar (tool_choice required/named; response_format and
+  the vLLM-style extensions for the answer, after any thinking block) and the `OutputParsing` of the output.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import weakref
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from trillm.engine.errors import InvalidRequest
+from trillm.engine.grammar import GrammarSpec, grammar_compiler
+from trillm.engine.tokenizer import TokenizerLike
+from trillm.web.output_events import OutputParsing
+from trillm.web.reasoning import ReasoningFormat, detect_reasoning, reasoning_format
+from trillm.web.tool_parsers import (
+    ToolFormat, calls_grammar, detect_tool_format, json_options, render_generic_history, select_tools,
+    template_renders_tools, tool_format,
+)
+
+AnswerKind = Literal["json_schema", "regex", "lark", "choice"]
+ToolChoice = Literal["none", "auto", "required", "named"]
+
+
+@dataclass(frozen=True, slots=True)
+class ChatOptions:
+    """Server flags: `--tool-parser` and `--reasoning-parser` (None: detect from the model; "none": off)."""
+
+    tool_parser: str | None = None
+    reasoning_parser: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.tool_parser is not None:
+            tool_format(self.tool_parser)  # raises ValueError for an unknown name
+        if self.reasoning_parser not in (None, "none"):
+            reasoning_format(self.reasoning_parser)
+
+
+@dataclass(frozen=True, slots=True)
+class ModelFeatures:
+    tool_format: ToolFormat
+    reasoning: ReasoningFormat | None
+
+
+@dataclass(frozen=True, slots=True)
+class ToolRequest:
+    tools: tuple[dict[str, Any], ...]
+    choice: ToolChoice = "auto"
+    name: str | None = None  # choice "named": the function
+    parallel: bool = True
+
+
+@dataclass(frozen=True, slots=True)
+class AnswerSpec:
+    """What the answer must match: a JSON schema (JSON text), a regex, a Lark/GBNF grammar, or one of a list
+    of strings (a JSON array)."""
+
+    kind: AnswerKind
+    source: str
+    lenient: bool = False  # json_schema: ignore keywords the grammar engine does not enforce (non-strict)
+
+
+_features: weakref.WeakKeyDictionary[Any, dict[ChatOptions, ModelFeatures]] = weakref.WeakKeyDictionary()
+_features_lock = threading.Lock()
+
+
+def model_features(tokenizer: TokenizerLike, options: ChatOptions = ChatOptions()) -> ModelFeatures:
+    """The model's tool-call format and reasoning markers (cached per tokenizer and options)."""
+    with _features_lock:
+        hit = _features.get(tokenizer, {}).get(options)
+    if hit is not None:
+        return hit
+    hf = getattr(tokenizer, "hf", None)
+    template = getattr(hf, "chat_template", None) if hf is not None else None
+    template = template if isinstance(template, str) else None
+    if options.tool_parser is not None:
+        fmt = tool_format(options.tool_parser)
+    else:
+        vocab = set(hf.get_vocab()) if hf is not None else set()
+        fmt = tool_format(detect_tool_format(template, vocab, template_renders_tools(tokenizer)))
+    if options.reasoning_parser == "none":
+        reasoning = None
+    elif options.reasoning_parser is not None:
+        reasoning = reasoning_format(options.reasoning_parser)
+    else:
+        reasoning = detect_reasoning(tokenizer, template)
+    features = ModelFeatures(fmt, reasoning)
+    with _features_lock:
+        _features.setdefault(tokenizer, {})[options] = features
+    return features
+
+
+def template_inputs(messages: list[dict[str, Any]], tools: ToolRequest | None,
+                    features: ModelFeatures) -> tuple[list[dict[str, Any]], list[dict[str, Any]] | None]:
+    """(messages, tools) for the chat template. tool_choice "none" renders no tools."""
+    rendered = list(tools.tools) if tools is not None and tools.choice != "none" else None
+    if not features.tool_format.renders_tools:
+        return render_generic_history(messages, rendered), None
+    return messages, rendered
+
+
+def _marker_is_special(tokenizer: TokenizerLike, marker: str) -> bool:
+    if not marker:
+        return False
+    ids = tokenizer.encode(marker, add_special_tokens=False)
+    specials = set(getattr(tokenizer, "all_special_ids", ()))
+    return len(ids) == 1 and ids[0] in specials
+
+
+def _lark_text(source: str) -> str:
+    """A Lark grammar; GBNF/EBNF (`::=` rules, llama.cpp's format) is converted by llguidance."""
+    if "::=" in source:
+        from llguidance.gbnf_to_lark import any_to_lark
+
+        try:
+            return str(any_to_lark(source))
+        except Exception as exc:
+            raise InvalidRequest(f"invalid grammar (GBNF): {exc}") from None
+    return source
+
+
+def _answer_part(answer: AnswerSpec) -> dict[str, Any]:
+    """The answer as one entry of an llguidance grammar list."""
+    if answer.kind == "json_schema":
+        schema = json.loads(answer.source)
+        return {"json_schema": json_options(schema, lenient=answer.lenient) if isinstance(schema, dict) else schema}
+    if answer.kind == "regex":
+        import llguidance
+
+        return {"lark_grammar": f"start: /{llguidance.regex_to_lark(answer.source)}/\n"}
+    if answer.kind == "choice":
+        options = json.loads(answer.source)
+        return {"lark_grammar": "start: " + " | ".join(json.dumps(o) for o in options) + "\n"}
+    return {"lark_grammar": _lark_text(answer.source)}
+
+
+def _single(part: dict[str, Any]) -> GrammarSpec:
+    if "json_schema" in part:
+        return GrammarSpec("json_schema", json.dumps(part["json_schema"]))
+    return GrammarSpec("lark", part["lark_grammar"])
+
+
+def _after_thinking(part: dict[str, Any], fmt: ReasoningFormat, inside: bool, tokenizer: TokenizerLike) -> GrammarSpec:
+    """`part` applies to the answer; the thinking block before it is free text."""
+    start, end = fmt.start, fmt.end
+    if _marker_is_special(tokenizer, end):
+        # A special token never matches text, so the free text simply ends where the model emits it.
+        end_id = tokenizer.encode(end, add_special_tokens=False)[0]
+        body = f"/(.|\\n)*/ <[{end_id}]>"
+    else:
+        body = f"think_text\nthink_text[suffix={json.dumps(end)}]: /(.|\\n)*/"
+    if _marker_is_special(tokenizer, start):
+        opener = f"<[{tokenizer.encode(start, add_special_tokens=False)[0]}]>"
+    else:
+        opener = json.dumps(start)
+    head = "think" if inside else f"({opener} think)?"
+    main = f"start: ws {head} ws @answer\nthink: {body}\nws: /[ \\t\\r\\n]{{0,16}}/\n"
+    return GrammarSpec("llguidance", json.dumps({"grammars": [{"name": "main", "lark_grammar": main},
+                                                              {"name": "answer", **part}]}))
+
+
+@dataclass(frozen=True, slots=True)
+class OutputPlan:
+    grammar: GrammarSpec | None
+    parsing: OutputParsing
+    keep_special_tokens: bool  # the markers the parsers need are special tokens: keep them in the text
+
+
+def output_plan(prompt_ids: list[int], tokenizer: TokenizerLike, features: ModelFeatures | None,
+                tools: ToolRequest | None, answer: AnswerSpec | None) -> OutputPlan:
+    """The grammar (validated: InvalidRequest names what is wrong) and the parsing of one request's output.
+    features None (a plain completion): no reasoning split, no tools."""
+    reasoning = features.reasoning if features is not None else None
+    inside = False
+    if reasoning is not None:
+        tail = tokenizer.decode(prompt_ids[-16:], skip_special_tokens=False)
+        inside = reasoning.starts_inside(tail)
+    fmt: ToolFormat | None = None
+    part: dict[str, Any] | None = None
+    calling = tools is not None and tools.choice != "none" and bool(tools.tools)
+    if calling and tools is not None and features is not None:
+        fmt = features.tool_format
+        if tools.choice in ("required", "named"):
+            chosen = select_tools(list(tools.tools), tools.name if tools.choice == "named" else None)
+            lark, fmt = calls_grammar(fmt, chosen, parallel=tools.parallel and tools.choice == "required",
+                                      tokenizer=tokenizer)
+            part = {"lark_grammar": lark}
+    if part is None and answer is not None:
+        part = _answer_part(answer)
+    grammar = None
+    if part is not None:
+        grammar = _after_thinking(part, reasoning, inside, tokenizer) if reasoning is not None else _single(part)
+        grammar_compiler(tokenizer).validate(grammar)
+    keep = bool(fmt is not None and (_marker_is_special(tokenizer, fmt.start) or _marker_is_special(tokenizer, fmt.end)))
+    keep = keep or bool(reasoning is not None and (_marker_is_special(tokenizer, reasoning.start)
+                                                   or _marker_is_special(tokenizer, reasoning.end)))
+    parsing = OutputParsing(fmt, tools.tools if calling and tools is not None else (), reasoning, inside)
+    return OutputPlan(grammar, parsing, keep)
