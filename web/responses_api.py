@@ -117,6 +117,8 @@ def _tools(body: ResponsesRequest) -> list[Tool] | None:
         return None
     tools = []
     for i, tool in enumerate(body.tools):
+        if not isinstance(tool, FunctionTool) and tool.type == "custom":
+            raise _bad(f"'tools.{i}': custom (free-form input) tools are not supported; give function tools")
         if not isinstance(tool, FunctionTool):
             raise _bad(f"'tools.{i}': {tool.type!r} is a built-in tool: {STATELESS} and runs no tools of its "
                        "own; give function tools")
@@ -313,7 +315,8 @@ class ResponseTranslator:
     def fail(self, code: str, message: str) -> list[dict[str, Any]]:
         out = [self._event("error", code=code, message=message, param=None)]
         out += self._close("incomplete")
-        self.status, self.error = "failed", {"code": code, "message": message}
+        # A Response's error.code is one of OpenAI's fixed codes; a failure mid-generation is the server's.
+        self.status, self.error = "failed", {"code": "server_error", "message": message}
         return out + [self._event("response.failed", response=self.response())]
 
 
