@@ -144,9 +144,12 @@ def create_app(services: Sequence[EngineService], config: ServerConfig = ServerC
 
     @app.get("/v1/models")
     async def models() -> Response:
+        # OpenAI's list, with the fields Anthropic's clients read (type, display_name, created_at, has_more).
         data = [{"id": s.model_name, "object": "model", "created": 0, "owned_by": "trillm",
+                 "type": "model", "display_name": s.model_name, "created_at": "1970-01-01T00:00:00Z",
                  "max_model_len": s.max_model_len, "ready": s.healthy} for s in registry.services]
-        return json_response({"object": "list", "data": data})
+        return json_response({"object": "list", "data": data, "has_more": False,
+                              "first_id": data[0]["id"], "last_id": data[-1]["id"]})
 
     @app.get("/health")
     async def health() -> Response:

@@ -65,6 +65,7 @@ def messages_calls(url: str) -> dict[str, Any]:
                                           extra_body=GREEDY) for _ in range(2)]
     out["long_count"] = client.messages.count_tokens(model="mock-model", messages=LONG, system="sys")
     out["alias"] = client.messages.create(model="claude-sonnet-4-5", max_tokens=3, messages=MESSAGES)
+    out["models"] = [m.id for m in client.models.list()]
     for key, call in {
         "unknown_model": lambda: client.messages.create(model="gpt-9", max_tokens=3, messages=MESSAGES),
         "image": lambda: client.messages.create(model="mock-model", max_tokens=3, messages=[{"role": "user", "content": [
@@ -100,6 +101,7 @@ async def test_anthropic_sdk_create_stream_stop_sequences_count_tokens() -> None
     assert (second.usage.input_tokens + second.usage.cache_read_input_tokens
             + second.usage.cache_creation_input_tokens) == out["long_count"].input_tokens
     assert out["alias"].model == "mock-model" and out["alias"].content
+    assert out["models"] == ["mock-model"]
     assert isinstance(out["unknown_model"], anthropic.NotFoundError)
     assert out["unknown_model"].body["error"]["type"] == "not_found_error"
     assert isinstance(out["image"], anthropic.BadRequestError) and "text only" in str(out["image"])
