@@ -64,6 +64,17 @@ async def test_hostile_bodies_are_4xx_in_the_api_shape(path: str, data: bytes) -
         _check_shape(path, r.status_code, json.loads(await r.get_data()))
 
 
+async def test_too_large_and_not_json_bodies() -> None:
+    async with running_app(MockFactory(), max_request_bytes=2048) as client:
+        big = json.dumps({**MESSAGE, "system": "x" * 4096})
+        r = await client.post("/v1/messages", data=big, headers={"Content-Type": "application/json"})
+        assert r.status_code == 413 and (await r.get_json())["error"]["type"] == "request_too_large"
+        r = await client.post("/v1/messages", data=json.dumps(MESSAGE), headers={"Content-Type": "text/plain"})
+        assert r.status_code == 415 and (await r.get_json())["error"]["type"] == "invalid_request_error"
+        r = await client.post("/v1/responses", data=big, headers={"Content-Type": "application/json"})
+        assert r.status_code == 413 and "error" in await r.get_json()
+
+
 json_values = st.recursive(
     st.none() | st.booleans() | st.integers(-(2**70), 2**70) | st.floats(allow_nan=False) | st.text(max_size=20),
     lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner, max_size=4),
@@ -78,7 +89,7 @@ blocks = st.builds(lambda kind, extra: {"type": kind, **extra}, BLOCK_TYPES,
                                    json_values, max_size=4))
 
 
-@settings(max_examples=120, deadline=None,
+@settings(max_examples=100, deadline=None,
           suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
 @given(data=st.data())
 async def test_fuzzed_bodies_never_get_a_5xx(data: st.DataObject) -> None:
