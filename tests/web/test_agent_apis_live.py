@@ -249,6 +249,23 @@ async def test_openai_sdk_responses_stream_helper_completes() -> None:
     assert message.type == "message" and message.status == "completed" and message.content[0].type == "output_text"
 
 
+def agent_sized_calls(url: str) -> dict[str, Any]:
+    hello: Any = [{"role": "user", "content": "Hello"}]
+    return {
+        "message": anthropic_client(url).messages.create(model="mock-model", max_tokens=32000, messages=hello),
+        "response": openai_client(url).responses.create(model="mock-model", input="Hello",
+                                                        max_output_tokens=1_000_000),
+    }
+
+
+async def test_max_tokens_beyond_the_context_is_an_upper_bound() -> None:
+    """Claude Code asks for 32000 tokens whatever the model: that fits by being lowered, never a 400."""
+    async with running_server(scripted([{"role": "user", "content": "Hello"}], "Hi there")) as serving:
+        out = await trio.to_thread.run_sync(agent_sized_calls, serving.url)
+    assert out["message"].stop_reason == "end_turn" and out["message"].content[0].text == "Hi there"
+    assert out["response"].status == "completed" and out["response"].output_text == "Hi there"
+
+
 async def test_responses_raw_sse_names_sequence_numbers_and_failure() -> None:
     factory = MockFactory(step_delay=0.02)
     async with running_server(factory) as serving:
