@@ -19,7 +19,8 @@ from trillm.web.http import event_stream_response, json_body, json_response, sta
 from trillm.web.responses_schema import ResponsesRequest
 from trillm.web.sse import event_stream
 from trillm.web.stream import GenerationHandle
-from trillm.web.translation import Finish, FitMaxTokens, TextEvents
+from trillm.web.output_events import ChoiceParser
+from trillm.web.translation import FitMaxTokens, choice_events
 
 MESSAGES_PATH = "/v1/messages"
 
@@ -28,7 +29,7 @@ def anthropic_path(path: str) -> bool:
     return path == MESSAGES_PATH or path.startswith(MESSAGES_PATH + "/")
 
 
-async def _collect(handle: GenerationHandle, events: TextEvents,
+async def _collect(handle: GenerationHandle, parser: ChoiceParser,
                    translator: anthropic_api.MessageTranslator | responses_api.ResponseTranslator) -> None:
     """Feed a whole non-streamed generation through its translator."""
     with handle:
@@ -37,9 +38,7 @@ async def _collect(handle: GenerationHandle, events: TextEvents,
                 out = await handle.receive()
             except trio.EndOfChannel:
                 return
-            translator.feed(events.feed(out))
-            if out.finished:
-                translator.finish(Finish.of(out))
+            translator.feed(choice_events(parser, out), out.usage)
 
 
 def register_agent_apis(app: QuartTrio, registry: ModelRegistry, config: ServerConfig) -> None:
@@ -54,11 +53,11 @@ def register_agent_apis(app: QuartTrio, registry: ModelRegistry, config: ServerC
         translator = anthropic_api.MessageTranslator(
             model=req.model, prompt_tokens=len(req.prompt_token_ids), stop_sequences=body.stop_sequences,
             context_limited=fit.context_limited(req, config.limits.max_tokens_limit))
-        events = TextEvents()
+        parser = ChoiceParser(req.parsing)
         if body.stream:
-            stream = anthropic_api.MessagesStream(translator, events)
+            stream = anthropic_api.MessagesStream(translator, parser)
             return event_stream_response(await started(event_stream(handle, stream, keepalive_s=keepalive_s)))
-        await _collect(handle, events, translator)
+        await _collect(handle, parser, translator)
         return json_response(translator.message())
 
     @app.post(MESSAGES_PATH + "/count_tokens")
@@ -75,9 +74,9 @@ def register_agent_apis(app: QuartTrio, registry: ModelRegistry, config: ServerC
         fit = FitMaxTokens(body.max_output_tokens)
         req, handle, _ = await start_generation(service, responses_api.chat_body(body), config, adjust=fit)
         translator = responses_api.ResponseTranslator(body, model=req.model, prompt_tokens=len(req.prompt_token_ids))
-        events = TextEvents()
+        parser = ChoiceParser(req.parsing)
         if body.stream:
-            stream = responses_api.ResponsesStream(translator, events)
+            stream = responses_api.ResponsesStream(translator, parser)
             return event_stream_response(await started(event_stream(handle, stream, keepalive_s=keepalive_s)))
-        await _collect(handle, events, translator)
+        await _collect(handle, parser, translator)
         return json_response(translator.response())

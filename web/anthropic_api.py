@@ -20,7 +20,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from trillm.engine.errors import InvalidRequest
-from trillm.engine.outputs import FinishReason, RequestOutput, Usage
+from trillm.engine.outputs import RequestOutput, Usage
 from trillm.web.anthropic_schema import (
     CountTokensRequest, MessagesRequest, OtherBlock, RedactedThinkingBlock, TextBlock, ThinkingBlock,
     ThinkingDisabled, ToolChoiceAny, ToolChoiceNone, ToolChoiceTool, ToolResultBlock, ToolUseBlock,
@@ -28,14 +28,16 @@ from trillm.web.anthropic_schema import (
 from trillm.web.anthropic_schema import Message as InputMessage
 from trillm.web.errors import APIError, to_api_error
 from trillm.web.openai_schema import (
-    ChatCompletionRequest, ChatMessage, FunctionDef, Tool, ToolCall, ToolCallFunction, describe,
+    ChatCompletionRequest, ChatMessage, FunctionDef, JsonSchemaFormat, NamedFunction, NamedToolChoice, ResponseFormat,
+    Tool, ToolCall, ToolCallFunction, describe,
 )
 from trillm.web.output_events import (
-    OutputEvent, ReasoningDelta, TextDelta, ToolCallArgumentsDelta, ToolCallEnd, ToolCallStart,
+    ChoiceParser, Finish, OutputEvent, ReasoningDelta, TextDelta, ToolCallArgumentsDelta, ToolCallEnd, ToolCallStart,
+    arguments_object,
 )
 from trillm.web.sse import sse_named_event
 from trillm.web.stream import GenerationFailed
-from trillm.web.translation import Finish, TextEvents
+from trillm.web.translation import choice_events
 
 # Anthropic's defaults for what current SDKs no longer send.
 DEFAULT_TEMPERATURE = 1.0
@@ -115,9 +117,13 @@ def _conversation(messages: Sequence[InputMessage]) -> list[ChatMessage]:
     return out
 
 
-def _tools(body: MessagesRequest | CountTokensRequest) -> list[Tool] | None:
-    if not body.tools or isinstance(body.tool_choice, ToolChoiceNone):
-        return None
+def _tools(body: MessagesRequest | CountTokensRequest) -> dict[str, Any]:
+    """tools, tool_choice and parallel_tool_calls of the internal body."""
+    choice = body.tool_choice
+    if not body.tools:
+        if isinstance(choice, (ToolChoiceAny, ToolChoiceTool)):
+            raise _bad(f"'tool_choice': {choice.type!r} needs 'tools'")
+        return {}
     tools = []
     for i, tool in enumerate(body.tools):
         if tool.type not in (None, "custom"):
@@ -127,9 +133,18 @@ def _tools(body: MessagesRequest | CountTokensRequest) -> list[Tool] | None:
             raise _bad(f"'tools.{i}.input_schema': required")
         tools.append(Tool(type="function", function=FunctionDef(
             name=tool.name, description=tool.description, parameters=tool.input_schema)))
-    if isinstance(body.tool_choice, (ToolChoiceAny, ToolChoiceTool)):
-        raise _bad(f"'tool_choice': {body.tool_choice.type!r} is not supported (only 'auto' and 'none')")
-    return tools
+    fields: dict[str, Any] = {"tools": tools}
+    if isinstance(choice, ToolChoiceNone):
+        fields["tool_choice"] = "none"
+    elif isinstance(choice, ToolChoiceAny):
+        fields["tool_choice"] = "required"
+    elif isinstance(choice, ToolChoiceTool):
+        fields["tool_choice"] = NamedToolChoice(type="function", function=NamedFunction(name=choice.name))
+    elif choice is not None:
+        fields["tool_choice"] = "auto"
+    if choice is not None and not isinstance(choice, ToolChoiceNone) and choice.disable_parallel_tool_use:
+        fields["parallel_tool_calls"] = False
+    return fields
 
 
 def chat_body(body: MessagesRequest | CountTokensRequest) -> ChatCompletionRequest:
@@ -139,13 +154,15 @@ def chat_body(body: MessagesRequest | CountTokensRequest) -> ChatCompletionReque
         system = body.system if isinstance(body.system, str) else "\n".join(b.text for b in body.system)
         messages.append(ChatMessage(role="system", content=system))
     messages += _conversation(body.messages)
-    tools = _tools(body)
+    fields: dict[str, Any] = {"messages": messages, **_tools(body)}
     if body.output_config is not None and body.output_config.format is not None:
-        raise _bad("'output_config.format': constrained output is not supported")
-    template_kwargs = None
-    if body.thinking is not None:  # templates that can think (Qwen3, ...) read enable_thinking; others ignore it
-        template_kwargs = {"enable_thinking": not isinstance(body.thinking, ThinkingDisabled)}
-    fields: dict[str, Any] = {"messages": messages, "tools": tools, "chat_template_kwargs": template_kwargs}
+        # Anthropic's structured outputs are guaranteed: the schema is enforced strictly.
+        fields["response_format"] = ResponseFormat(type="json_schema", json_schema=JsonSchemaFormat(
+            name="output", schema=body.output_config.format.schema_, strict=True))
+    # Thinking is off unless asked for, as on Anthropic's API; templates that can think (Qwen3, ...) read
+    # enable_thinking, others ignore it. The thinking itself comes back in thinking blocks.
+    thinking = body.thinking is not None and not isinstance(body.thinking, ThinkingDisabled)
+    fields["chat_template_kwargs"] = {"enable_thinking": thinking}
     if isinstance(body, MessagesRequest):
         fields.update(
             stream=body.stream, stop=list(body.stop_sequences) or None,
@@ -208,10 +225,15 @@ class MessageTranslator:
     def _open_type(self) -> str | None:
         return None if self._open is None else str(self.content[self._open]["type"])
 
-    def feed(self, events: Iterable[OutputEvent]) -> list[dict[str, Any]]:
+    def feed(self, events: Iterable[OutputEvent], usage: Usage | None = None) -> list[dict[str, Any]]:
+        """Stream events for `events` (usage: the generation's so far, for the final message_delta)."""
+        if usage is not None:
+            self.usage = usage
         out: list[dict[str, Any]] = []
         for ev in events:
-            if isinstance(ev, TextDelta):
+            if isinstance(ev, Finish):
+                out += self._finish(ev)
+            elif isinstance(ev, TextDelta):
                 if not ev.text:
                     continue
                 if self._open_type() != "text":
@@ -244,26 +266,23 @@ class MessageTranslator:
                 if block is None:
                     continue
                 try:
-                    arguments = json.loads(ev.arguments) if ev.arguments.strip() else {}
+                    self.content[block]["input"] = arguments_object(ev.arguments)
                 except ValueError:
-                    arguments = None
-                self.content[block]["input"] = arguments if isinstance(arguments, dict) else {}
+                    self.content[block]["input"] = {}
                 if self._open == block:
                     out += self._close()
         return out
 
-    def finish(self, finish: Finish) -> list[dict[str, Any]]:
+    def _finish(self, finish: Finish) -> list[dict[str, Any]]:
         """Close the open block; message_delta (stop reason, final usage) and message_stop."""
         self.finished = True
-        self.usage = finish.usage
-        has_tool_use = any(b["type"] == "tool_use" for b in self.content)
-        if finish.reason is FinishReason.LENGTH:
+        if finish.reason == "length":
             self.stop_reason = "model_context_window_exceeded" if self.context_limited else "max_tokens"
         elif isinstance(finish.stop_reason, str) and finish.stop_reason in self.stop_sequences:
             self.stop_reason, self.stop_sequence = "stop_sequence", finish.stop_reason
-        elif has_tool_use:
+        elif finish.reason == "tool_calls":
             self.stop_reason = "tool_use"
-        else:
+        else:  # "stop", or "grammar" (the constrained output could not go on: it ends here)
             self.stop_reason = "end_turn"
         return self._close() + [
             {"type": "message_delta", "delta": {"stop_reason": self.stop_reason, "stop_sequence": self.stop_sequence},
@@ -304,20 +323,15 @@ class MessagesStream:
 
     keepalive = PING
 
-    def __init__(self, translator: MessageTranslator, events: TextEvents) -> None:
+    def __init__(self, translator: MessageTranslator, parser: ChoiceParser) -> None:
         self.translator = translator
-        self.events = events
+        self.parser = parser
 
     def opening(self) -> bytes:
         return _sse(self.translator.start())
 
     def outputs(self, outputs: list[RequestOutput]) -> bytes:
-        out: list[dict[str, Any]] = []
-        for o in outputs:
-            out += self.translator.feed(self.events.feed(o))
-            if o.finished:
-                out += self.translator.finish(Finish.of(o))
-        return _sse(out)
+        return _sse([ev for o in outputs for ev in self.translator.feed(choice_events(self.parser, o), o.usage)])
 
     def closing(self) -> bytes:
         return b""

@@ -23,13 +23,14 @@ from typing import Any
 from pydantic import ValidationError
 
 from trillm.engine.errors import InvalidRequest
-from trillm.engine.outputs import FinishReason, RequestOutput, Usage
+from trillm.engine.outputs import RequestOutput, Usage
 from trillm.web.errors import to_api_error
 from trillm.web.openai_schema import (
-    ChatCompletionRequest, ChatMessage, FunctionDef, Tool, ToolCall, ToolCallFunction, describe,
+    ChatCompletionRequest, ChatMessage, FunctionDef, JsonSchemaFormat, NamedFunction, NamedToolChoice, ResponseFormat,
+    Tool, ToolCall, ToolCallFunction, describe,
 )
 from trillm.web.output_events import (
-    OutputEvent, ReasoningDelta, TextDelta, ToolCallArgumentsDelta, ToolCallEnd, ToolCallStart,
+    ChoiceParser, Finish, OutputEvent, ReasoningDelta, TextDelta, ToolCallArgumentsDelta, ToolCallEnd, ToolCallStart,
 )
 from trillm.web.responses_schema import (
     FunctionCallItem, FunctionCallOutputItem, FunctionTool, MessageItem, OtherPart, ReasoningItem, RefusalPart,
@@ -37,7 +38,7 @@ from trillm.web.responses_schema import (
 )
 from trillm.web.sse import KEEPALIVE, sse_named_event
 from trillm.web.stream import GenerationFailed
-from trillm.web.translation import Finish, TextEvents
+from trillm.web.translation import choice_events
 
 DEFAULT_TEMPERATURE = 1.0  # OpenAI's defaults
 DEFAULT_TOP_P = 1.0
@@ -112,9 +113,13 @@ def _conversation(body: ResponsesRequest) -> list[ChatMessage]:
     return out
 
 
-def _tools(body: ResponsesRequest) -> list[Tool] | None:
-    if not body.tools or body.tool_choice == "none":
-        return None
+def _tools(body: ResponsesRequest) -> dict[str, Any]:
+    """tools, tool_choice and parallel_tool_calls of the internal body."""
+    fields: dict[str, Any] = {}
+    if body.parallel_tool_calls is not None:
+        fields["parallel_tool_calls"] = body.parallel_tool_calls
+    if not body.tools:
+        return fields
     tools = []
     for i, tool in enumerate(body.tools):
         if not isinstance(tool, FunctionTool) and tool.type == "custom":
@@ -124,23 +129,41 @@ def _tools(body: ResponsesRequest) -> list[Tool] | None:
                        "own; give function tools")
         tools.append(Tool(type="function", function=FunctionDef(name=tool.name, description=tool.description,
                                                                 parameters=tool.parameters, strict=tool.strict)))
-    if body.tool_choice is not None and body.tool_choice != "auto":
-        kind = body.tool_choice if isinstance(body.tool_choice, str) else body.tool_choice.type
-        raise _bad(f"'tool_choice': {kind!r} is not supported (only 'auto' and 'none')")
-    return tools
+    fields["tools"] = tools
+    choice = body.tool_choice
+    if isinstance(choice, str):
+        fields["tool_choice"] = choice
+    elif choice is not None:
+        if choice.type != "function" or choice.name is None:
+            raise _bad(f"'tool_choice': {choice.type!r} is not supported (give 'none', 'auto', 'required' or "
+                       "{'type': 'function', 'name': ...})")
+        fields["tool_choice"] = NamedToolChoice(type="function", function=NamedFunction(name=choice.name))
+    return fields
+
+
+def _response_format(body: ResponsesRequest) -> ResponseFormat | None:
+    fmt = body.text.format if body.text is not None else None
+    if fmt is None or fmt.type == "text":
+        return None
+    if fmt.type == "json_object":
+        return ResponseFormat(type="json_object")
+    if fmt.schema_ is None:
+        raise _bad("'text.format.schema' is required for type 'json_schema'")
+    return ResponseFormat(type="json_schema", json_schema=JsonSchemaFormat(
+        name=fmt.name or "response", description=fmt.description, schema=fmt.schema_, strict=fmt.strict))
 
 
 def chat_body(body: ResponsesRequest) -> ChatCompletionRequest:
     """The internal chat completion body of a Responses request (max_output_tokens is left to FitMaxTokens)."""
     _refuse_stateful(body)
-    messages = _conversation(body)
-    tools = _tools(body)
-    fmt = body.text.format if body.text is not None else None
-    if fmt is not None and fmt.type != "text":
-        raise _bad(f"'text.format': {fmt.type!r} is not supported (only 'text')")
+    fields: dict[str, Any] = {"messages": _conversation(body), **_tools(body),
+                              "response_format": _response_format(body)}
+    effort = body.reasoning.effort if body.reasoning is not None else None
+    if effort is not None:  # templates that can think (Qwen3, ...) read enable_thinking, others ignore it
+        fields["chat_template_kwargs"] = {"enable_thinking": effort != "none"}
     try:
         return ChatCompletionRequest(
-            messages=messages, tools=tools, stream=body.stream,
+            **fields, stream=body.stream,
             temperature=DEFAULT_TEMPERATURE if body.temperature is None else body.temperature,
             top_p=DEFAULT_TOP_P if body.top_p is None else body.top_p,
         )
@@ -257,10 +280,15 @@ class ResponseTranslator:
         events.append(self._event("response.output_item.done", output_index=index, item=_copy(item)))
         return events
 
-    def feed(self, events: Iterable[OutputEvent]) -> list[dict[str, Any]]:
+    def feed(self, events: Iterable[OutputEvent], usage: Usage | None = None) -> list[dict[str, Any]]:
+        """Stream events for `events` (usage: the generation's so far, for the final response)."""
+        if usage is not None:
+            self.usage = usage
         out: list[dict[str, Any]] = []
         for ev in events:
-            if isinstance(ev, TextDelta):
+            if isinstance(ev, Finish):
+                out += self._finish(ev)
+            elif isinstance(ev, TextDelta):
                 if not ev.text:
                     continue
                 if self._open_kind() != "message":
@@ -302,12 +330,17 @@ class ResponseTranslator:
                         out += self._close("completed")
         return out
 
-    def finish(self, finish: Finish) -> list[dict[str, Any]]:
-        self.usage = finish.usage
-        if finish.reason is FinishReason.LENGTH:
+    def _finish(self, finish: Finish) -> list[dict[str, Any]]:
+        if finish.reason == "length":
             out = self._close("incomplete")
             self.status, self.incomplete_reason = "incomplete", "max_output_tokens"
             return out + [self._event("response.incomplete", response=self.response())]
+        if finish.reason == "grammar":  # the constrained output could not go on: not a valid answer
+            out = self._close("incomplete")
+            self.status = "failed"
+            self.error = {"code": "server_error",
+                          "message": f"the output could not continue under its format: {finish.error or 'unknown'}"}
+            return out + [self._event("response.failed", response=self.response())]
         out = self._close("completed")
         self.status = "completed"
         return out + [self._event("response.completed", response=self.response())]
@@ -340,20 +373,15 @@ class ResponsesStream:
 
     keepalive = KEEPALIVE
 
-    def __init__(self, translator: ResponseTranslator, events: TextEvents) -> None:
+    def __init__(self, translator: ResponseTranslator, parser: ChoiceParser) -> None:
         self.translator = translator
-        self.events = events
+        self.parser = parser
 
     def opening(self) -> bytes:
         return _sse(self.translator.start())
 
     def outputs(self, outputs: list[RequestOutput]) -> bytes:
-        out: list[dict[str, Any]] = []
-        for o in outputs:
-            out += self.translator.feed(self.events.feed(o))
-            if o.finished:
-                out += self.translator.finish(Finish.of(o))
-        return _sse(out)
+        return _sse([ev for o in outputs for ev in self.translator.feed(choice_events(self.parser, o), o.usage)])
 
     def closing(self) -> bytes:
         return b""

@@ -10,30 +10,17 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from trillm.engine.outputs import FinishReason, RequestOutput, Usage
-from trillm.web.output_events import OutputEvent, TextDelta
+from trillm.engine.outputs import RequestOutput
+from trillm.web.output_events import ChoiceParser, OutputEvent
 from trillm.web.protocol import GenerationRequest
 
 
-@dataclass(frozen=True, slots=True)
-class Finish:
-    """How a choice ended, as the engine reported it."""
-
-    reason: FinishReason
-    stop_reason: str | int | None  # the stop string or token id that ended it
-    usage: Usage
-
-    @classmethod
-    def of(cls, out: RequestOutput) -> Finish:
-        assert out.finish_reason is not None
-        return cls(out.finish_reason, out.stop_reason, out.usage)
-
-
-class TextEvents:
-    """A choice's deltas as events when its text carries no tool calls or reasoning: all of it is answer text."""
-
-    def feed(self, out: RequestOutput) -> list[OutputEvent]:
-        return [TextDelta(out.new_text)] if out.new_text else []
+def choice_events(parser: ChoiceParser, out: RequestOutput) -> list[OutputEvent]:
+    """One delta of a choice as its output events; the last delta's events end with the one `Finish`."""
+    events = parser.feed(out.new_text)
+    if out.finish_reason is not None:
+        events += parser.finish(out.finish_reason, stop_reason=out.stop_reason, error=out.error)
+    return events
 
 
 @dataclass(frozen=True, slots=True)

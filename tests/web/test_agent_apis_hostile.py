@@ -37,7 +37,10 @@ BODIES: list[tuple[str, dict[str, Any]]] = [
     ("/v1/messages", {**MESSAGE, "messages": [{"role": "user", "content": [{"type": 5}]}]}),
     ("/v1/messages", {**MESSAGE, "messages": [{"role": "user", "content": "x" * (2 << 20)}]}),
     ("/v1/messages", {**MESSAGE, "tools": [{"name": "f", "input_schema": {"type": "object"}}],
-                      "tool_choice": {"type": "any"}}),
+                      "tool_choice": {"type": "tool", "name": "g"}}),
+    ("/v1/messages", {**MESSAGE, "tool_choice": {"type": "any"}}),  # no tools
+    ("/v1/messages", {**MESSAGE, "output_config": {"format": {"type": "json_schema", "schema": {"type": "nope"}}}}),
+    ("/v1/responses", {**RESPONSE, "text": {"format": {"type": "json_schema", "name": "x", "schema": {"type": 5}}}}),
     ("/v1/messages", {**MESSAGE, "system": [{"type": "image"}]}),
     ("/v1/responses", {**RESPONSE, "store": True}),
     ("/v1/responses", {**RESPONSE, "input": [{"type": "message", "role": "user", "content": [{"type": 1}]}]}),

@@ -4,13 +4,15 @@
 from __future__ import annotations
 
 import json
-from typing import Any
+from typing import Any, Literal
 
 import anthropic
 import httpx
+import jsonschema
 import openai
 import pytest
 import trio
+from pydantic import BaseModel
 
 from trillm.engine.config import EngineConfig
 from trillm.engine.llm_engine import LLMEngine
@@ -25,11 +27,11 @@ LONG = [{"role": "user", "content": " ".join(f"word{i}" for i in range(60))}]
 
 
 def anthropic_client(url: str, **kw: Any) -> anthropic.Anthropic:
-    return anthropic.Anthropic(base_url=url, max_retries=0, timeout=20, **{"api_key": "k", **kw})
+    return anthropic.Anthropic(base_url=url, max_retries=0, **{"api_key": "k", "timeout": 20, **kw})
 
 
 def openai_client(url: str) -> openai.OpenAI:
-    return openai.OpenAI(base_url=url + "/v1", api_key="k", max_retries=0, timeout=20)
+    return openai.OpenAI(base_url=url + "/v1", api_key="k", max_retries=0, timeout=120)
 
 
 def parse_named_sse(data: bytes) -> list[tuple[str | None, Any]]:
@@ -340,3 +342,163 @@ async def test_both_apis_work_on_the_default_model(default_model: LoadedModel) -
     assert out["response"].output_text == text  # the same prompt and greedy decoding through the other API
     assert "".join(e.delta for e in out["response_events"] if e.type == "response.output_text.delta") == text
 
+
+
+# ---- tools and structured output on the default model ----
+
+WEATHER_SCHEMA = {"type": "object", "properties": {
+    "city": {"type": "string", "maxLength": 24}, "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]}},
+    "required": ["city", "unit"], "additionalProperties": False}
+ASK = "What is the weather in Paris?"
+
+
+class City(BaseModel):
+    # Anthropic's SDK moves length and range limits into descriptions (its structured outputs do not enforce
+    # them), so the fields are ones a small model cannot run away with.
+    name: str
+    is_capital: bool
+    continent: Literal["Africa", "America", "Asia", "Europe", "Oceania"]
+
+
+def anthropic_agent_calls(url: str, name: str) -> dict[str, Any]:
+    client = anthropic_client(url, timeout=120)
+    tools: Any = [{"name": "get_weather", "description": "Current weather in a city", "input_schema": WEATHER_SCHEMA}]
+    ask: Any = [{"role": "user", "content": ASK}]
+    forced: Any = {"type": "tool", "name": "get_weather"}
+    out: dict[str, Any] = {}
+    out["forced"] = client.messages.create(model=name, max_tokens=64, messages=ask, tools=tools, tool_choice=forced,
+                                           extra_body=GREEDY)
+    with client.messages.stream(model=name, max_tokens=64, messages=ask, tools=tools, tool_choice=forced,
+                                extra_body=GREEDY) as stream:
+        out["stream_events"] = [e.type for e in stream]
+        out["streamed"] = stream.get_final_message()
+    use = next(b for b in out["forced"].content if b.type == "tool_use")
+    follow_up: Any = [*ask, {"role": "assistant", "content": [b.to_dict() for b in out["forced"].content]},
+                      {"role": "user", "content": [{"type": "tool_result", "tool_use_id": use.id,
+                                                    "content": "18 degrees celsius, sunny"}]}]
+    out["follow_up"] = client.messages.create(model=name, max_tokens=24, messages=follow_up, tools=tools,
+                                              extra_body=GREEDY)
+    out["counts"] = [client.messages.count_tokens(model=name, messages=m, tools=tools).input_tokens
+                     for m in (ask, follow_up)]
+    out["parsed"] = client.messages.parse(model=name, max_tokens=96, output_format=City, extra_body=GREEDY,
+                                          messages=[{"role": "user", "content": "Describe Paris as JSON."}])
+    return out
+
+
+def responses_agent_calls(url: str, name: str) -> dict[str, Any]:
+    responses = openai_client(url).responses
+    tools: Any = [{"type": "function", "name": "get_weather", "description": "Current weather in a city",
+                   "parameters": WEATHER_SCHEMA, "strict": True}]
+    out: dict[str, Any] = {}
+    out["call"] = responses.create(model=name, input=ASK, tools=tools, tool_choice="required", max_output_tokens=64,
+                                   parallel_tool_calls=False, temperature=0)
+    call = next(o for o in out["call"].output if o.type == "function_call")
+    items: Any = [{"role": "user", "content": ASK},
+                  {"type": "function_call", "call_id": call.call_id, "name": call.name, "arguments": call.arguments},
+                  {"type": "function_call_output", "call_id": call.call_id, "output": "18 degrees celsius, sunny"}]
+    out["answer_events"] = list(responses.create(model=name, input=items, tools=tools, max_output_tokens=24,
+                                                 temperature=0, stream=True))
+    out["streamed_call"] = list(responses.create(model=name, input=ASK, tools=tools, max_output_tokens=64,
+                                                 tool_choice={"type": "function", "name": "get_weather"},
+                                                 temperature=0, stream=True))
+    # The SDK sends text.format json_schema with its strict schema of City, and parses the answer back.
+    out["json"] = responses.parse(model=name, input="Describe Paris as JSON.", max_output_tokens=96, temperature=0,
+                                  text_format=City)
+    return out
+
+
+@pytest.mark.slow
+async def test_anthropic_sdk_tools_and_structured_output_on_the_default_model(default_model: LoadedModel) -> None:
+    config = EngineConfig(num_kv_blocks=256, max_num_seqs=4, max_num_batched_tokens=256)
+    async with running_server(lambda: LLMEngine(config, loaded=default_model)) as serving:
+        out = await trio.to_thread.run_sync(anthropic_agent_calls, serving.url, serving.services[0].model_name)
+    forced = out["forced"]
+    assert forced.stop_reason == "tool_use"
+    (use,) = [b for b in forced.content if b.type == "tool_use"]
+    assert use.name == "get_weather" and use.id
+    jsonschema.validate(use.input, WEATHER_SCHEMA)
+    streamed = out["streamed"]
+    assert streamed.stop_reason == "tool_use"
+    assert [b.input for b in streamed.content if b.type == "tool_use"] == [use.input]
+    assert "input_json" in out["stream_events"] and out["stream_events"][-1] == "message_stop"
+    follow_up = out["follow_up"]
+    assert follow_up.content and follow_up.stop_reason in ("end_turn", "tool_use", "max_tokens")
+    # The tool call and its result reached the prompt.
+    assert out["counts"][1] > out["counts"][0] + len("18 degrees celsius, sunny") // 4
+    parsed = out["parsed"]
+    assert isinstance(parsed.parsed_output, City)
+    jsonschema.validate(json.loads(parsed.content[0].text), City.model_json_schema())
+
+
+@pytest.mark.slow
+async def test_openai_sdk_responses_function_call_round_trip_and_json_schema(default_model: LoadedModel) -> None:
+    config = EngineConfig(num_kv_blocks=256, max_num_seqs=4, max_num_batched_tokens=256)
+    async with running_server(lambda: LLMEngine(config, loaded=default_model)) as serving:
+        out = await trio.to_thread.run_sync(responses_agent_calls, serving.url, serving.services[0].model_name)
+    call = out["call"]
+    assert call.status == "completed"
+    (fc,) = [o for o in call.output if o.type == "function_call"]
+    assert fc.name == "get_weather" and fc.call_id and fc.id.startswith("fc_")
+    jsonschema.validate(json.loads(fc.arguments), WEATHER_SCHEMA)
+    answer = out["answer_events"]
+    assert answer[-1].type in ("response.completed", "response.incomplete") and answer[-1].response.output
+    streamed = out["streamed_call"]
+    assert [e.sequence_number for e in streamed] == list(range(len(streamed)))
+    deltas = "".join(e.delta for e in streamed if e.type == "response.function_call_arguments.delta")
+    done = [e for e in streamed if e.type == "response.function_call_arguments.done"]
+    assert len(done) == 1 and done[0].arguments == deltas == fc.arguments  # greedy: the same call
+    assert streamed[-1].type == "response.completed"
+    assert out["json"].status == "completed" and isinstance(out["json"].output_parsed, City)
+    jsonschema.validate(json.loads(out["json"].output_text), City.model_json_schema())
+
+
+# ---- reasoning and parsed tool calls, scripted (the mock engine answers a known prompt with a known text) ----
+
+SCRIPT_ASK = [{"role": "user", "content": "Weather in Paris?"}]
+SCRIPT_ANSWER = ('<think>The user wants the weather.</think>Let me check.<tool_call>\n'
+                 '{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}\n</tool_call>')
+
+
+def scripted_calls(url: str) -> dict[str, Any]:
+    client = anthropic_client(url)
+    tools: Any = [{"name": "get_weather", "description": "Current weather", "input_schema": WEATHER_SCHEMA}]
+    thinking: Any = {"type": "enabled", "budget_tokens": 1024}
+    out: dict[str, Any] = {}
+    out["message"] = client.messages.create(model="mock-model", max_tokens=200, messages=SCRIPT_ASK, tools=tools,
+                                            thinking=thinking)
+    with client.messages.stream(model="mock-model", max_tokens=200, messages=SCRIPT_ASK, tools=tools,
+                                thinking=thinking) as stream:
+        out["message_events"] = [(e.type, getattr(getattr(e, "delta", None), "type", None)) for e in stream]
+        out["streamed_message"] = stream.get_final_message()
+    responses = openai_client(url).responses
+    functions: Any = [{"type": "function", "name": "get_weather", "parameters": WEATHER_SCHEMA, "strict": True}]
+    out["response"] = responses.create(model="mock-model", input="Weather in Paris?", tools=functions)
+    with responses.stream(model="mock-model", input="Weather in Paris?", tools=functions) as rstream:
+        out["response_events"] = [e.type for e in rstream]
+        out["streamed_response"] = rstream.get_final_response()
+    return out
+
+
+async def test_thinking_and_tool_calls_through_both_sdks() -> None:
+    async with running_server(scripted(SCRIPT_ASK, SCRIPT_ANSWER), tool_parser="json_tools",
+                              reasoning_parser="think") as serving:
+        out = await trio.to_thread.run_sync(scripted_calls, serving.url)
+    want_blocks = [{"type": "thinking", "thinking": "The user wants the weather.", "signature": ""},
+                   {"type": "text", "text": "Let me check."},
+                   {"type": "tool_use", "name": "get_weather", "input": {"city": "Paris", "unit": "celsius"}}]
+    for message in (out["message"], out["streamed_message"]):
+        assert message.stop_reason == "tool_use"
+        blocks = [b.to_dict(exclude_none=True) for b in message.content]
+        assert [{k: v for k, v in b.items() if k not in ("id", "citations", "parsed_output")} for b in blocks] == \
+            want_blocks
+    assert out["message"].content[2].id.startswith("call_")
+    deltas = [d for kind, d in out["message_events"] if kind == "content_block_delta"]
+    assert {"thinking_delta", "text_delta", "input_json_delta"} <= set(deltas)
+    for response in (out["response"], out["streamed_response"]):
+        assert response.status == "completed" and [o.type for o in response.output] == [
+            "reasoning", "message", "function_call"]
+        reasoning, message, call = response.output
+        assert reasoning.content[0].text == "The user wants the weather." and message.content[0].text == "Let me check."
+        assert call.name == "get_weather" and json.loads(call.arguments) == {"city": "Paris", "unit": "celsius"}
+    assert "response.reasoning_text.delta" in out["response_events"]
+    assert "response.function_call_arguments.done" in out["response_events"]

@@ -14,16 +14,17 @@ from pydantic import TypeAdapter
 from trillm.engine.admission import RequestLimits
 from trillm.engine.errors import InvalidRequest, Overloaded
 from trillm.engine.mock.tokenizer import MockTokenizer
-from trillm.engine.outputs import FinishReason, Usage
+from trillm.engine.outputs import Usage
 from trillm.web.anthropic_api import MessageTranslator, anthropic_error, chat_body
 from trillm.web.anthropic_schema import CountTokensRequest, MessagesRequest
 from trillm.web.errors import APIError, to_api_error
 from trillm.web.openai_schema import parse_body
+from trillm.web.openai_schema import NamedToolChoice
 from trillm.web.output_events import (
-    OutputEvent, ReasoningDelta, TextDelta, ToolCallArgumentsDelta, ToolCallEnd, ToolCallStart,
+    Finish, OutputEvent, ReasoningDelta, TextDelta, ToolCallArgumentsDelta, ToolCallEnd, ToolCallStart,
 )
 from trillm.web.protocol import Limits, parse_generation
-from trillm.web.translation import Finish, FitMaxTokens
+from trillm.web.translation import FitMaxTokens
 
 TOK = MockTokenizer(1000)
 MODEL = RequestLimits(max_model_len=100, block_size=16, num_usable_blocks=1000, vocab_size=TOK.vocab_size,
@@ -93,15 +94,29 @@ def test_prefill_server_tools_and_forced_tools_are_refused_clearly() -> None:
         chat_body(body(tools=[{"type": "web_search_20250305", "name": "web_search"}]))
     with pytest.raises(InvalidRequest, match="input_schema"):
         chat_body(body(tools=[{"name": "f"}]))
+    # A forced tool is enforced by the grammar, so it must be one of the tools.
+    with pytest.raises(InvalidRequest, match="tool"):
+        parse_generation(chat_body(body(tools=[{"name": "f", "input_schema": {"type": "object"}}],
+                                        tool_choice={"type": "tool", "name": "g"})), "m", TOK, MODEL, Limits())
 
 
-def test_tools_and_tool_choice() -> None:
+def test_tools_tool_choice_and_output_format() -> None:
     tools = [{"name": "get_weather", "description": "d", "input_schema": {"type": "object"},
               "cache_control": {"type": "ephemeral"}}]
     internal = chat_body(body(tools=tools))
     assert internal.tools is not None and internal.tools[0].function.name == "get_weather"
-    assert internal.tools[0].function.parameters == {"type": "object"}
-    assert chat_body(body(tools=tools, tool_choice={"type": "none"})).tools is None
+    assert internal.tools[0].function.parameters == {"type": "object"} and internal.tool_choice is None
+    assert chat_body(body(tools=tools, tool_choice={"type": "none"})).tool_choice == "none"
+    assert chat_body(body(tools=tools, tool_choice={"type": "auto"})).tool_choice == "auto"
+    assert chat_body(body(tools=tools, tool_choice={"type": "any"})).tool_choice == "required"
+    named = chat_body(body(tools=tools, tool_choice={"type": "tool", "name": "get_weather",
+                                                     "disable_parallel_tool_use": True}))
+    assert isinstance(named.tool_choice, NamedToolChoice) and named.tool_choice.function.name == "get_weather"
+    assert named.parallel_tool_calls is False
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+    fmt = chat_body(body(output_config={"format": {"type": "json_schema", "schema": schema}})).response_format
+    assert fmt is not None and fmt.type == "json_schema" and fmt.json_schema is not None
+    assert fmt.json_schema.schema_ == schema and fmt.json_schema.strict is True
 
 
 def test_sampling_defaults_and_values() -> None:
@@ -114,7 +129,8 @@ def test_sampling_defaults_and_values() -> None:
     assert chat_body(body(thinking={"type": "disabled"})).chat_template_kwargs == {"enable_thinking": False}
     assert chat_body(body(thinking={"type": "enabled", "budget_tokens": 2000})).chat_template_kwargs == {
         "enable_thinking": True}
-    assert chat_body(body()).chat_template_kwargs is None
+    assert chat_body(body(thinking={"type": "adaptive"})).chat_template_kwargs == {"enable_thinking": True}
+    assert chat_body(body()).chat_template_kwargs == {"enable_thinking": False}  # off unless asked, as Anthropic's
 
 
 @pytest.mark.parametrize("fields", [
@@ -161,17 +177,18 @@ EVENTS: list[OutputEvent] = [
 STREAM = TypeAdapter(RawMessageStreamEvent)
 
 
-def run(events: list[OutputEvent], finish: Finish, **kw: Any) -> tuple[MessageTranslator, list[dict[str, Any]]]:
-    t = MessageTranslator(model="m", prompt_tokens=finish.usage.prompt_tokens, **kw)
+def run(events: list[OutputEvent], finish: Finish, usage: Usage, **kw: Any) -> tuple[MessageTranslator,
+                                                                                   list[dict[str, Any]]]:
+    t = MessageTranslator(model="m", prompt_tokens=usage.prompt_tokens, **kw)
     out = t.start()
     for ev in events:  # one event at a time, as a token-by-token stream would bring them
-        out += t.feed([ev])
-    out += t.finish(finish)
+        out += t.feed([ev], Usage(usage.prompt_tokens, 1, usage.cached_tokens))
+    out += t.feed([finish], usage)
     return t, out
 
 
 def test_stream_events_in_anthropic_order_add_up_to_the_message() -> None:
-    t, events = run(EVENTS, Finish(FinishReason.STOP, 2, Usage(40, 12, 32)))
+    t, events = run(EVENTS, Finish("tool_calls", 2), Usage(40, 12, 32))
     kinds = [(e["type"], e.get("index"), (e.get("delta") or e.get("content_block") or {}).get("type")) for e in events]
     assert kinds == [
         ("message_start", None, None),
@@ -204,20 +221,22 @@ def test_stream_events_in_anthropic_order_add_up_to_the_message() -> None:
 
 
 @pytest.mark.parametrize("finish, kw, stop_reason, stop_sequence", [
-    (Finish(FinishReason.STOP, 2, Usage(5, 3, 0)), {}, "end_turn", None),
-    (Finish(FinishReason.STOP, "END", Usage(5, 3, 0)), {"stop_sequences": ["END"]}, "stop_sequence", "END"),
-    (Finish(FinishReason.LENGTH, None, Usage(5, 3, 0)), {}, "max_tokens", None),
-    (Finish(FinishReason.LENGTH, None, Usage(5, 3, 0)), {"context_limited": True}, "model_context_window_exceeded",
-     None),
+    (Finish("stop", 2), {}, "end_turn", None),
+    (Finish("stop", "END"), {"stop_sequences": ["END"]}, "stop_sequence", "END"),
+    (Finish("stop", "</tool_call>"), {"stop_sequences": ["END"]}, "end_turn", None),  # not the client's
+    (Finish("length"), {}, "max_tokens", None),
+    (Finish("length"), {"context_limited": True}, "model_context_window_exceeded", None),
+    (Finish("tool_calls", 2), {}, "tool_use", None),
+    (Finish("grammar", error="no token allowed"), {}, "end_turn", None),
 ])
 def test_stop_reasons(finish: Finish, kw: dict[str, Any], stop_reason: str, stop_sequence: str | None) -> None:
-    t, events = run([TextDelta("hi")], finish, **kw)
+    t, events = run([TextDelta("hi")], finish, Usage(5, 3, 0), **kw)
     assert events[-2]["delta"] == {"stop_reason": stop_reason, "stop_sequence": stop_sequence}
     assert (t.message()["stop_reason"], t.message()["stop_sequence"]) == (stop_reason, stop_sequence)
 
 
 def test_empty_answer_has_no_blocks() -> None:
-    t, events = run([], Finish(FinishReason.STOP, 2, Usage(5, 1, 0)))
+    t, events = run([], Finish("stop", 2), Usage(5, 1, 0))
     assert [e["type"] for e in events] == ["message_start", "message_delta", "message_stop"]
     assert t.message()["content"] == []
 

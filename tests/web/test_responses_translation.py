@@ -14,14 +14,13 @@ from openai import omit
 from pydantic import TypeAdapter
 
 from trillm.engine.errors import InvalidRequest
-from trillm.engine.outputs import FinishReason, Usage
-from trillm.web.openai_schema import parse_body
+from trillm.engine.outputs import Usage
+from trillm.web.openai_schema import NamedToolChoice, parse_body
 from trillm.web.output_events import (
-    OutputEvent, ReasoningDelta, TextDelta, ToolCallArgumentsDelta, ToolCallEnd, ToolCallStart,
+    Finish, OutputEvent, ReasoningDelta, TextDelta, ToolCallArgumentsDelta, ToolCallEnd, ToolCallStart,
 )
 from trillm.web.responses_api import ResponseTranslator, chat_body
 from trillm.web.responses_schema import ResponsesRequest
-from trillm.web.translation import Finish
 
 
 def body(**fields: Any) -> ResponsesRequest:
@@ -73,6 +72,9 @@ def test_input_items_make_the_conversation() -> None:
     ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "data:..."}]}]}, "text only"),
     ({"input": [{"type": "function_call_output", "call_id": "c", "output": [{"type": "input_file"}]}]}, "text only"),
     ({"input": [{"type": "local_shell_call", "id": "x"}]}, "'local_shell_call' are not supported"),
+    ({"tools": [{"type": "custom", "name": "apply_patch"}]}, "custom"),
+    ({"tools": [{"type": "function", "name": "f"}], "tool_choice": {"type": "allowed_tools"}}, "allowed_tools"),
+    ({"text": {"format": {"type": "json_schema", "name": "x"}}}, "schema"),
 ])
 def test_refused_with_a_clear_message(fields: dict[str, Any], message: str) -> None:
     with pytest.raises(InvalidRequest, match=message):
@@ -86,10 +88,25 @@ def test_accepted_and_mapped() -> None:
                                       "strict": True}], tool_choice="auto", parallel_tool_calls=False, stream=True))
     assert (internal.temperature, internal.top_p, internal.stream) == (0.2, 0.5, True)
     assert internal.tools is not None and internal.tools[0].function.name == "f"
+    assert internal.tool_choice == "auto" and internal.parallel_tool_calls is False
+    assert internal.chat_template_kwargs == {"enable_thinking": True}
     defaults = chat_body(body())
     assert (defaults.temperature, defaults.top_p, defaults.max_tokens) == (1.0, 1.0, None)
-    assert chat_body(body(tools=[{"type": "function", "name": "f", "parameters": None, "strict": None}],
-                          tool_choice="none")).tools is None
+    assert defaults.chat_template_kwargs is None and defaults.response_format is None
+    assert chat_body(body(reasoning={"effort": "none"})).chat_template_kwargs == {"enable_thinking": False}
+    tools = [{"type": "function", "name": "f", "parameters": None, "strict": None}]
+    assert chat_body(body(tools=tools, tool_choice="none")).tool_choice == "none"
+    assert chat_body(body(tools=tools, tool_choice="required")).tool_choice == "required"
+    named = chat_body(body(tools=tools, tool_choice={"type": "function", "name": "f"})).tool_choice
+    assert isinstance(named, NamedToolChoice) and named.function.name == "f"
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
+    fmt = chat_body(body(text={"format": {"type": "json_schema", "name": "thing", "schema": schema,
+                                          "strict": True}})).response_format
+    assert fmt is not None and fmt.json_schema is not None
+    assert (fmt.type, fmt.json_schema.name, fmt.json_schema.schema_, fmt.json_schema.strict) == (
+        "json_schema", "thing", schema, True)
+    obj = chat_body(body(text={"format": {"type": "json_object"}})).response_format
+    assert obj is not None and obj.type == "json_object"
 
 
 @pytest.mark.parametrize("fields", [
@@ -112,12 +129,13 @@ EVENTS: list[OutputEvent] = [
 STREAM = TypeAdapter(ResponseStreamEvent)
 
 
-def run(events: list[OutputEvent], finish: Finish | None, **fields: Any) -> tuple[ResponseTranslator, list[dict[str, Any]]]:
+def run(events: list[OutputEvent], finish: Finish | None, usage: Usage = Usage(40, 9, 32),
+        **fields: Any) -> tuple[ResponseTranslator, list[dict[str, Any]]]:
     t = ResponseTranslator(body(**fields), model="m", prompt_tokens=40)
     out = t.start()
     for ev in events:
-        out += t.feed([ev])
-    out += t.finish(finish) if finish is not None else t.fail("generation_failed", "boom")
+        out += t.feed([ev], Usage(40, 1, usage.cached_tokens))
+    out += t.feed([finish], usage) if finish is not None else t.fail("generation_failed", "boom")
     return t, out
 
 
@@ -130,7 +148,7 @@ def replay(events: list[dict[str, Any]]) -> ResponseStreamState[Any]:
 
 
 def test_stream_events_are_ordered_numbered_and_add_up_to_the_response() -> None:
-    t, events = run(EVENTS, Finish(FinishReason.STOP, 2, Usage(40, 9, 32)))
+    t, events = run(EVENTS, Finish("tool_calls", 2))
     assert [e["sequence_number"] for e in events] == list(range(len(events)))
     assert [e["type"] for e in events] == [
         "response.created", "response.in_progress",
@@ -161,7 +179,7 @@ def test_stream_events_are_ordered_numbered_and_add_up_to_the_response() -> None
 
 
 def test_max_output_tokens_is_incomplete() -> None:
-    t, events = run([TextDelta("partial")], Finish(FinishReason.LENGTH, None, Usage(40, 5, 0)), max_output_tokens=5)
+    t, events = run([TextDelta("partial")], Finish("length"), Usage(40, 5, 0), max_output_tokens=5)
     assert events[-1]["type"] == "response.incomplete"
     final = Response.model_validate(t.response())
     assert final.status == "incomplete" and final.incomplete_details is not None
@@ -179,7 +197,16 @@ def test_failure_is_an_error_event_then_response_failed() -> None:
     replay(events)
 
 
+def test_a_grammar_that_cannot_go_on_fails_the_response() -> None:
+    t, events = run([TextDelta('{"a": ')], Finish("grammar", error="no token allowed"))
+    assert events[-1]["type"] == "response.failed"
+    final = Response.model_validate(t.response())
+    assert final.status == "failed" and final.error is not None and "no token allowed" in final.error.message
+    assert final.output_text == '{"a": '
+    replay(events)
+
+
 def test_empty_answer_has_no_output_items() -> None:
-    t, events = run([], Finish(FinishReason.STOP, 2, Usage(40, 1, 0)))
+    t, events = run([], Finish("stop", 2), Usage(40, 1, 0))
     assert [e["type"] for e in events] == ["response.created", "response.in_progress", "response.completed"]
     assert t.response()["output"] == []
