@@ -48,6 +48,9 @@ def configure(p: argparse.ArgumentParser) -> None:
                         "into the system prompt)")
     p.add_argument("--reasoning-parser", default=None, choices=(*REASONING_PARSERS, "none"),
                    help="the reasoning markers to split off as reasoning_content (default: detected; none: off)")
+    p.add_argument("--model-alias", action="append", default=[], dest="model_aliases", metavar="NAME=SERVED",
+                   help="answer requests for NAME (a name or a glob such as 'claude-*') with the served model "
+                        "SERVED, for agents that send their own model names; repeatable, first match wins")
     p.add_argument("--lazy-load", action="store_true", help="load each model on its first request")
     p.add_argument("--unload-after-idle", type=float, default=None, metavar="SECONDS",
                    help="free a model after this long without requests (the next request reloads it)")
@@ -77,10 +80,20 @@ def run(args: argparse.Namespace) -> int:
     if args.lazy_load:  # requests must name a model before it is loaded, so fix the names now
         names = [n or _default_name(m) for n, m in zip(names, models)]
     try:
+        aliases = parse_model_aliases(args.model_aliases)
+    except ValueError as exc:
+        return _usage(str(exc))
+    fixed_names = [n for n in names if n is not None]
+    if len(fixed_names) == len(names):  # otherwise the names are known once the models load
+        for pattern, target in aliases:
+            if target not in fixed_names:
+                return _usage(f"--model-alias {pattern}={target}: no served model is named {target!r} "
+                              f"(served: {', '.join(fixed_names)})")
+    try:
         service_config = ServiceConfig(lazy_load=args.lazy_load, unload_after_idle_s=args.unload_after_idle)
         config = ServerConfig(host=args.host, port=args.port, api_key=args.api_key,
-                              allowed_origins=tuple(args.allowed_origins), tool_parser=args.tool_parser,
-                              reasoning_parser=args.reasoning_parser,
+                              allowed_origins=tuple(args.allowed_origins), model_aliases=aliases,
+                              tool_parser=args.tool_parser, reasoning_parser=args.reasoning_parser,
                               limits=Limits(**{name: getattr(args, name) for name in _LIMIT_FLAGS}),
                               **{name: getattr(args, name) for name in _SERVER_FLAGS})
         if args.mock:
@@ -96,6 +109,17 @@ def run(args: argparse.Namespace) -> int:
     except (KeyboardInterrupt, EngineError, BaseExceptionGroup) as exc:
         return _exit_code(exc)
     return 0
+
+
+def parse_model_aliases(values: list[str]) -> tuple[tuple[str, str], ...]:
+    """`NAME=SERVED` flags as (pattern, served name) pairs."""
+    aliases = []
+    for value in values:
+        pattern, sep, target = value.partition("=")
+        if not sep or not pattern.strip() or not target.strip():
+            raise ValueError(f"--model-alias wants NAME=SERVED (e.g. 'claude-*=SmolLM2-135M-Instruct'), got {value!r}")
+        aliases.append((pattern.strip(), target.strip()))
+    return tuple(aliases)
 
 
 def _usage(message: str) -> int:
