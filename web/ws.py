@@ -146,12 +146,15 @@ class _Session:
                 except trio.EndOfChannel:
                     break
                 for out in outputs:
-                    i = builder.add(out, keep=False)
-                    await self.send({
-                        "type": "delta", "id": gid, "index": i, "text": out.new_text,
-                        "token_ids": list(out.new_token_ids), "logprobs": builder.logprobs_for(i, out.logprobs),
+                    i, text, logprobs, prompt_logprobs = builder.stream_delta(out)
+                    message = {
+                        "type": "delta", "id": gid, "index": i, "text": text,
+                        "token_ids": list(out.new_token_ids), "logprobs": logprobs,
                         "finish_reason": None if out.finish_reason is None else out.finish_reason.value,
-                    })
+                    }
+                    if prompt_logprobs is not None:
+                        message["prompt_logprobs"] = prompt_logprobs
+                    await self.send(message)
         await self.send({
             "type": "done", "id": gid, "usage": usage_dict(builder.total_usage()),
             "finish_reasons": [None if c.finish_reason is None else c.finish_reason.value for c in builder.choices],
