@@ -66,28 +66,34 @@ class PendingScores:
         bounds = list(range(0, n, self.piece))
         pieces = [self.to_logits(self.hidden[i : i + self.piece]).astype(mx.float32) for i in bounds]
         out: list[TokenLogprob] = []
+        scratch: np.ndarray | None = None
         mx.async_eval(pieces[0])
         for j, (i, logits) in enumerate(zip(bounds, pieces)):
             if j + 1 < len(pieces):
                 mx.async_eval(pieces[j + 1])
-            out += _reduce(np.asarray(logits), targets[i : i + self.piece], k)
+            host = np.asarray(logits)
+            if scratch is None:
+                scratch = np.empty_like(host)
+            out += _reduce(host, targets[i : i + self.piece], k, scratch)
             pieces[j] = mx.array(0)  # let the piece's logits go
         return ScoredSpan(self.seq, self.start, tuple(out))
 
 
-def _reduce(logits: np.ndarray, targets: list[int], k: int) -> list[TokenLogprob]:
-    """Each row's target logprob and rank, and its top k: log-softmax without writing it out."""
+def _reduce(logits: np.ndarray, targets: list[int], k: int, scratch: np.ndarray) -> list[TokenLogprob]:
+    """Each row's target logprob and rank, and its top k: log-softmax without writing it out (scratch: a
+    buffer at least as large as logits, reused across pieces)."""
     rows = np.arange(len(targets))
-    peak = logits.max(axis=1, keepdims=True)
-    shifted = np.subtract(logits, peak)
+    best = logits.argmax(axis=1)
+    peak = logits[rows, best][:, None]
+    shifted = scratch[: logits.shape[0]]
+    np.subtract(logits, peak, out=shifted)
     np.exp(shifted, out=shifted)
     lse = peak[:, 0] + np.log(shifted.sum(axis=1))
-    del shifted
     own = logits[rows, targets]
-    rank = 1 + (logits > own[:, None]).sum(axis=1)
+    rank = 1 + np.count_nonzero(logits > own[:, None], axis=1)
     chosen = own - lse
-    if k == 1:  # lm-eval's case: an argmax, not a partition
-        ids = logits.argmax(axis=1)[:, None]
+    if k == 1:  # lm-eval's case: the argmax, no partition
+        ids = best[:, None]
     elif k > 1:
         ids = np.argpartition(logits, -k, axis=1)[:, -k:]
         ids = np.take_along_axis(ids, np.argsort(-np.take_along_axis(logits, ids, axis=1), axis=1), axis=1)
