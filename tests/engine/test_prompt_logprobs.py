@@ -159,3 +159,16 @@ def test_default_model_prompt_logprobs_equal_mlx_lm(default_model: LoadedModel) 
     out = eng.generate([ids], SamplingParams(max_tokens=0, prompt_logprobs=2))[0]
     assert len(ids) > 32  # at least one chunk boundary
     assert_matches(default_model, ids, out.prompt_logprobs, 2)
+
+
+@pytest.mark.parametrize("vocab", [512, 49152, 50001, 700])
+@pytest.mark.parametrize("k", [2, 5, 20])
+def test_blocked_top_k_equals_a_full_partition(vocab: int, k: int) -> None:
+    from trillm.engine.prompt_logprobs import _top_k
+
+    rng = np.random.default_rng(vocab + k)
+    logits = rng.standard_normal((9, vocab)).astype(np.float32)
+    logits[0, -3:] = [50.0, 51.0, 52.0]  # the best in the ragged tail
+    logits[1, :k] = 40.0 + np.arange(k)  # all in one block
+    want = np.argpartition(logits, -k, axis=1)[:, -k:]
+    assert [set(r) for r in _top_k(logits, k).tolist()] == [set(r) for r in want.tolist()]
