@@ -13,6 +13,7 @@ import numpy as np
 import openai
 import pytest
 import trio
+import trio_websocket
 
 from trillm.engine.config import EngineConfig
 from trillm.engine.llm_engine import LLMEngine
@@ -112,6 +113,13 @@ async def test_streamed_echo_prompt_logprobs_and_tokenizer_info(tiny_model_path:
             chat = (await client.post("/v1/chat/completions", json={
                 "messages": messages, "max_tokens": 0, "prompt_logprobs": 1})).json()
             info = (await client.get("/tokenizer_info")).json()
+        async with trio_websocket.open_websocket_url(serving.url.replace("http", "ws", 1) + "/v1/ws") as ws:
+            await ws.send_message(json.dumps({"type": "generate", "id": 1, "prompt": [prompt, prompt[:5]],
+                                              "echo": True, "logprobs": 0, "max_tokens": 0}))
+            ws_messages = []
+            while not ws_messages or ws_messages[-1]["type"] == "delta":
+                ws_messages.append(json.loads(await ws.get_message()))
+        async with httpx.AsyncClient(base_url=serving.url, timeout=60) as client:
             bad = [await client.post("/v1/completions", json={"prompt": "a", **body}) for body in (
                 {"echo": True, "n": 2, "temperature": 0.7}, {"best_of": 2}, {"echo": True, "logprobs": 21},
                 {"prompt_logprobs": 21}, {"max_tokens": 0})]
@@ -138,6 +146,15 @@ async def test_streamed_echo_prompt_logprobs_and_tokenizer_info(tiny_model_path:
     assert chat["choices"][0]["message"]["content"] == "" and chat["usage"]["completion_tokens"] == 0
     got = [None if e is None else e[str(t)]["logprob"] for e, t in zip(chat["prompt_logprobs"], chat_ids)]
     assert got[0] is None and np.allclose(got[1:], chat_ref[np.arange(len(chat_ids) - 1), chat_ids[1:]], atol=ATOL)
+
+    # the websocket's deltas carry the echo the same way, one choice per prompt of the batch
+    deltas = {m["index"]: m for m in ws_messages[:-1]}
+    assert ws_messages[-1]["type"] == "done" and sorted(deltas) == [0, 1]
+    for i, ids in enumerate((prompt, prompt[:5])):
+        assert deltas[i]["text"] == tok.decode(ids, skip_special_tokens=False)
+        ws_logprobs = deltas[i]["logprobs"]["token_logprobs"]
+        assert ws_logprobs[0] is None and np.allclose(ws_logprobs[1:], ref[np.arange(len(ids) - 1), ids[1:]],
+                                                      atol=ATOL)
 
     assert info["eos_token"] == "<|im_end|>" and info["model_max_length"] == 2048
     assert "<|im_start|>" in info["chat_template"] and "bos_token" in info and "pad_token" in info
