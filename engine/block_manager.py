@@ -92,10 +92,18 @@ class BlockManager:
         salt = seq.params.cache_salt
         return self._root if salt is None else root_hash(f"{self._model_id}\x00salt:{salt}")
 
+    def _looks_up(self, seq: Sequence) -> bool:
+        """Whether seq may reuse cached blocks. A request for prompt logprobs may not: it needs the logits at
+        every prompt position, and a hit skips exactly the forward that computes them (the cache keeps K/V,
+        not logits), so a hit saves it nothing. Bypassing the lookup, rather than recomputing hit positions,
+        keeps one path (its positions always computed, into blocks it owns) that cannot return a number from
+        a skipped position. Its own full blocks are still published for later requests."""
+        return self.enable_prefix_caching and seq.params.prompt_logprobs is None
+
     def _match(self, seq: Sequence) -> list[int]:
         """Cached blocks for the longest prefix of seq's tokens, leaving at least its last token to compute
         (its logits are needed, so a full-prompt hit recomputes the last block)."""
-        if not self.enable_prefix_caching:
+        if not self._looks_up(seq):
             return []
         self._extend_hashes(seq)
         hits: list[int] = []
@@ -113,7 +121,7 @@ class BlockManager:
         Equal chained hashes at the same index mean an identical prefix, so seq could reuse them once
         computed instead of computing them a second time.
         """
-        if not self.enable_prefix_caching or not running:
+        if not self._looks_up(seq) or not running:
             return 0
         start = len(self._match(seq))  # also extends seq.block_hashes
         limit = (seq.num_tokens - 1) // self.block_size

@@ -18,7 +18,8 @@ from trillm.engine.detokenizer import IncrementalDetokenizer, StopStringMatcher
 from trillm.engine.errors import InvalidRequest, ModelLoadError, UnknownRequest
 from trillm.engine.grammar import grammar_compiler
 from trillm.engine.loader import LoadedModel
-from trillm.engine.outputs import EngineStatistics, FinishReason, RequestOutput, Usage
+from trillm.engine.outputs import EngineStatistics, FinishReason, RequestOutput, TokenLogprob, Usage
+from trillm.engine.prompt_logprobs import PromptLogprobsBuffer, ScoredSpan
 from trillm.engine.runner import Launch, Runner
 from trillm.engine.sampler import SampleRow
 from trillm.engine.sampling_params import SamplingParams
@@ -37,6 +38,15 @@ class _Request:
     seq: Sequence
     detok: IncrementalDetokenizer
     stops: StopStringMatcher
+    prompt_logprobs: PromptLogprobsBuffer | None = None  # when asked for; delivered with the first output
+
+    def take_prompt_logprobs(self) -> tuple[TokenLogprob | None, ...] | None:
+        """The prompt logprobs, the first time they are asked for once the prompt is computed; else None."""
+        buf = self.prompt_logprobs
+        if buf is None or buf.delivered:
+            return None
+        buf.delivered = True
+        return buf.result()
 
 
 @dataclass(frozen=True, slots=True)
@@ -128,6 +138,7 @@ class LLMEngine:
             seq,
             IncrementalDetokenizer(self.tokenizer, prompt_token_ids, skip_special_tokens=params.skip_special_tokens),
             StopStringMatcher(params.stop, include_stop=params.include_stop_str_in_output),
+            None if params.prompt_logprobs is None else PromptLogprobsBuffer(len(prompt_token_ids)),
         )
         self.scheduler.add(seq)  # raises InvalidRequest / Overloaded; the last thing that may fail
         self._requests[request_id] = req
@@ -170,8 +181,9 @@ class LLMEngine:
         if self._pipelined and (ahead := self.scheduler.schedule_ahead(launch.batch)) is not None:
             self._inflight = self.runner.launch(ahead, partial(self._sample_row, ahead=1), after=launch)
         sampled = self.runner.collect(launch)
+        scored = self.runner.collect_prompt_logprobs(launch)
         self.last_step = StepInfo(launch.batch, launch.virtual_seconds)
-        outputs = self._outputs(launch.batch, sampled)
+        outputs = self._outputs(launch.batch, sampled, scored)
         self._settle_if_idle()
         return outputs
 
@@ -181,10 +193,25 @@ class LLMEngine:
             self.runner.collect(self._inflight)
             self._inflight = None
 
-    def _outputs(self, batch: ScheduledBatch, sampled: list[SampledToken]) -> list[RequestOutput]:
+    def _outputs(self, batch: ScheduledBatch, sampled: list[SampledToken],
+                 scored: list[ScoredSpan]) -> list[RequestOutput]:
+        for span in scored:
+            req = self._requests.get(span.seq.request_id)
+            if req is not None and req.seq is span.seq and req.prompt_logprobs is not None:
+                req.prompt_logprobs.add(span)
         kept = self.scheduler.postprocess(batch, sampled)
+        done = self.scheduler.finish_scored(batch)
         self._count(sum(c.num_tokens for c in batch.prefills), len(kept))
-        return [self._output(s, finish) for s, finish in kept]
+        return [self._output(s, finish) for s, finish in kept] + [self._scored_output(seq) for seq in done]
+
+    def _scored_output(self, seq: Sequence) -> RequestOutput:
+        """The one delta of a request that generates nothing (max_tokens 0): its prompt logprobs, if asked."""
+        req = self._requests.pop(seq.request_id)
+        return RequestOutput(
+            request_id=seq.request_id, new_token_ids=(), new_text="", finish_reason=FinishReason.LENGTH,
+            usage=Usage(seq.num_prompt_tokens, 0, seq.num_cached_tokens),
+            prompt_logprobs=req.take_prompt_logprobs(),
+        )
 
     def _count(self, prompt_tokens: int, generated: int) -> None:
         self._num_steps += 1
@@ -246,6 +273,7 @@ class LLMEngine:
             finish_reason=None if finish is None else finish.reason,
             usage=Usage(seq.num_prompt_tokens, seq.num_output_tokens, seq.num_cached_tokens),
             logprobs=(sampled.logprob,) if sampled.logprob is not None else None,
+            prompt_logprobs=req.take_prompt_logprobs(),
             stop_reason=None if finish is None else finish.stop_reason,
             error=None if finish is None else finish.error,
         )

@@ -1,5 +1,5 @@
 """The quart-trio app: OpenAI-compatible HTTP endpoints, Anthropic's Messages and OpenAI's Responses APIs
-(agent_routes.py), /health, /metrics, /tokenize, and the websocket."""
+(agent_routes.py), /health, /metrics, /tokenize (and /detokenize, /tokenizer_info), and the websocket."""
 
 from __future__ import annotations
 
@@ -72,7 +72,7 @@ def create_app(services: Sequence[EngineService], config: ServerConfig = ServerC
         return scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), config.api_key.encode())
 
     def protected(path: str) -> bool:
-        return path.startswith(("/v1/", "/internal/")) or path in ("/tokenize", "/detokenize")
+        return path.startswith(("/v1/", "/internal/")) or path in ("/tokenize", "/detokenize", "/tokenizer_info")
 
     @app.before_request
     async def check_auth() -> Response | None:
@@ -187,6 +187,16 @@ def create_app(services: Sequence[EngineService], config: ServerConfig = ServerC
         else:
             raise APIError(400, "give 'prompt' (a string) or 'messages'")
         return json_response({"tokens": ids, "count": len(ids), "max_model_len": service.max_model_len})
+
+    @app.get("/tokenizer_info")
+    async def tokenizer_info() -> Response:
+        # What a client that tokenizes through /tokenize and /detokenize needs (lm-eval's remote tokenizer).
+        service = registry.select(request.args.get("model"))
+        tokenizer = await any_tokenizer(service)
+        special = tokenizer.special_tokens
+        return json_response({"eos_token": special.eos_token, "bos_token": special.bos_token,
+                              "pad_token": special.pad_token, "chat_template": special.chat_template,
+                              "model_max_length": service.max_model_len, "vocab_size": tokenizer.vocab_size})
 
     @app.post("/detokenize")
     async def detokenize() -> Response:

@@ -106,7 +106,7 @@ async def start_generation(
     """Parse and submit; typed errors (admission included) become 4xx/5xx before any byte is sent."""
     try:
         req, tokenizer = await prepare_generation(service, body, config, adjust=adjust)
-        handle = service.submit(req.prompt_token_ids, req.params, priority=req.priority)
+        handle = service.submit_prompts(req.prompts, req.params, priority=req.priority)
     except (InvalidRequest, Overloaded, EngineUnavailable):
         service.metrics.on_outcome("rejected")
         raise

@@ -21,7 +21,7 @@ import itertools
 import logging
 import math
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import trio
@@ -242,21 +242,30 @@ class EngineService:
         Admission is decided here, synchronously: EngineUnavailable while the model loads or restarts,
         InvalidRequest for what could never be served, Overloaded when the waiting queue is full.
         """
+        return self.submit_prompts([prompt_token_ids], params if isinstance(params, list) else [params],
+                                   priority=priority)
+
+    def submit_prompts(self, prompts: Sequence[list[int]], params: list[SamplingParams], *,
+                       priority: int = 0) -> GenerationHandle:
+        """Queue each prompt for len(params) generations, all behind one handle (request ids prompt-major: one
+        prompt's n, then the next's); the engine batches them like any other requests. Admitted all or none."""
         if self.state is not ServiceState.READY or self.limits is None:
             raise EngineUnavailable(f"model {self.model_name} is {self.state.value}; retry shortly")
-        all_params = params if isinstance(params, list) else [params]
-        for p in all_params:
-            self.limits.check(len(prompt_token_ids), p)
+        for prompt in prompts:
+            for p in params:
+                self.limits.check(len(prompt), p)
+        total = len(prompts) * len(params)
         waiting = (self._stats.num_waiting if self._stats is not None else 0) + self._unapplied
-        if waiting + len(all_params) > self.limits.max_waiting:
+        if waiting + total > self.limits.max_waiting:
             raise Overloaded(f"the waiting queue is full ({self.limits.max_waiting} requests)")
-        rids = tuple(f"req-{next(self._ids)}" for _ in all_params)
+        rids = tuple(f"req-{next(self._ids)}" for _ in range(total))
         handle = GenerationHandle(rids, abort=self._abort, channel_size=self._config.channel_size,
                                   max_buffered_bytes=self._config.max_buffered_bytes, metrics=self.metrics)
-        for rid, p in zip(rids, all_params):
+        work = ((prompt, p) for prompt in prompts for p in params)
+        for rid, (prompt, p) in zip(rids, work):
             self._live[rid] = handle
-            self._inbox.append(Submit(rid, list(prompt_token_ids), p, priority))
-        self._unapplied += len(all_params)
+            self._inbox.append(Submit(rid, list(prompt), p, priority))
+        self._unapplied += total
         self._wakeup.set()
         return handle
 
