@@ -175,8 +175,8 @@ class PlanChannel:
             self._ring()
         elif not self._wait_for_rank0():
             return None
-        size = self._all_sum(mx.array([len(data) if data is not None else 0], mx.int32)).item()
-        payload = np.frombuffer(data, np.uint8) if data is not None else np.zeros(int(size), np.uint8)
+        size = cast("list[int]", self._all_sum(mx.array([len(data) if data is not None else 0], mx.int32)).tolist())[0]
+        payload = np.frombuffer(data, np.uint8) if data is not None else np.zeros(size, np.uint8)
         out = self._all_sum(mx.array(payload))
         mx.eval(out)  # on every rank: an unevaluated collective would pair with the next one instead
         return np.array(out).tobytes()
@@ -271,6 +271,7 @@ class TensorParallelRunner(ModelRunner):
         self.tp = channel.tp
 
     def forward(self, inputs: ForwardInputs) -> mx.array:
+        self.tp.check()  # never queue collectives on a failed group: after a lost peer they wait forever
         self.channel.send_forward(inputs)
         out = super().forward(inputs)
         # Queue all of it now: the workers evaluate all of every forward, so rank 0 must too, even when the

@@ -171,11 +171,11 @@ def _run_tensor_parallel(args: argparse.Namespace, name: str | None) -> int:
     if tp is not None and tp.size == 1:
         return _usage("the launcher started a single rank: run `trillm serve` without it")
     try:
-        trio.run(partial(serve_tensor_parallel, name, engine_config, config, options, tp=tp,
-                         service_config=ServiceConfig(), shutdown_trigger=_wait_for_stop_signal))
+        failure = trio.run(partial(serve_tensor_parallel, name, engine_config, config, options, tp=tp,
+                                   service_config=ServiceConfig(), shutdown_trigger=_wait_for_stop_signal))
     except (KeyboardInterrupt, EngineError, BaseExceptionGroup) as exc:
         return _exit_code(exc)
-    return 0
+    return 1 if failure is not None else 0
 
 
 def _usage(message: str) -> int:

@@ -156,7 +156,7 @@ class EngineService:
                 await self._load_wanted.wait()
                 self._load_wanted = trio.Event()
             self._set_state(ServiceState.UNHEALTHY if failed else ServiceState.LOADING)
-            self._declared_failure = None  # it was about the previous engine
+            self._take_declared_failure()  # it was about the previous engine
             try:
                 if self._inline:
                     await self._run_inline()
@@ -167,7 +167,7 @@ class EngineService:
             except Exception as exc:
                 if not self._has_reported_started():  # never came up: the caller gets the load error
                     raise
-                declared, self._declared_failure = self._declared_failure, None
+                declared = self._take_declared_failure()
                 if declared is None:
                     self._on_engine_failure(exc)
                 else:  # its requests already failed when the failure was declared
@@ -221,6 +221,10 @@ class EngineService:
         self._declared_failure = exc
         self._on_engine_failure(exc)
         self._wakeup.set()
+
+    def _take_declared_failure(self) -> Exception | None:
+        declared, self._declared_failure = self._declared_failure, None
+        return declared
 
     def _raise_declared_failure(self) -> None:
         if self._declared_failure is not None:

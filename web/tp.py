@@ -2,12 +2,12 @@
 model (every open stream ends with an error, /health turns 503) when a rank dies or hangs.
 
 On one host (`--tensor-parallel N`) rank 0 starts ranks 1..N-1 itself (engine/distributed.py, LocalRanks) and
-owns them: a rank that exits, or a step that waits on the others longer than the timeout, trips the
-watchdog, which kills every worker so that a collective rank 0 is blocked in fails instead of hanging; the
-group cannot be rebuilt in-process (MLX keeps one group per process), so the model stays unhealthy until the
-server is restarted. Shutdown stops every rank. Under `mlx.launch` the launcher owns the ranks (it stops all
-of them when one exits); rank 0 cannot break a hang of a remote rank, so it fails the model and, after a
-grace period, exits so that the launcher stops the rest.
+owns them. The watchdog trips when a rank exits, when a step has waited on the other ranks past the timeout
+(a rank hangs), or when the engine found the group broken; it then kills every local worker, so that a
+collective rank 0 is blocked in fails rather than waits. The model stays unhealthy until the server is
+restarted: MLX keeps one group per process, and after a lost peer its ring backend can leave rank 0's MLX
+stream blocked for good. So shutting down a failed group does not wait for an engine thread blocked in it. Under `mlx.launch` the launcher owns the ranks (it stops all of them when one exits); rank 0 fails
+the model the same way but cannot kill a hung remote rank: stop the whole launch (Ctrl-C).
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ class TensorParallelOptions:
     size: int
     timeout_s: float = 60.0  # a step waiting this long on the other ranks means one of them hangs
     poll_s: float = 0.2
-    exit_after_s: float = 5.0  # no local ranks to kill: how long to report unhealthy before exiting
+    stuck_after_s: float = 1.0  # blocked this long in a collective of a failed group: it never returns
 
     def __post_init__(self) -> None:
         if self.size < 2:
@@ -46,7 +46,7 @@ class TensorParallelOptions:
 
 class RankWatchdog:
     """Trips on the first sign that the group cannot serve: a local rank exited, a step has waited on the
-    other ranks for longer than the timeout, or the engine found the group broken."""
+    other ranks past the timeout, or the engine found the group broken."""
 
     def __init__(self, tp: TensorParallelGroup, ranks: LocalRanks | None, options: TensorParallelOptions) -> None:
         self.tp = tp
@@ -54,7 +54,6 @@ class RankWatchdog:
         self.options = options
         self.service: EngineService | None = None
         self.stopping = False  # the engine has stopped: ranks exiting now is expected
-        self.tripped: str | None = None
 
     def check(self) -> str | None:
         if self.ranks is not None and (exited := self.ranks.poll()):
@@ -65,25 +64,18 @@ class RankWatchdog:
         return self.tp.failure
 
     def trip(self, reason: str) -> None:
-        self.tripped = reason
         log.error("%s; the model is unavailable until the server restarts", reason)
         self.tp.failure = reason  # more telling than the collective's "connection lost", which may come first
         if self.service is not None:
             self.service.fail(TensorParallelError(reason))
         if self.ranks is not None:
-            self.ranks.kill()  # the engine thread, if inside a collective, now gets an error instead of waiting
+            self.ranks.kill()
 
     async def run(self) -> None:
         try:
             while (reason := self.check()) is None or self.stopping:
                 await trio.sleep(self.options.poll_s)
             self.trip(reason)
-            if self.ranks is None:
-                await trio.sleep(self.options.exit_after_s)
-                log.critical("rank 0 cannot stop the other ranks of this group; exiting so that the launcher "
-                             "stops them")
-                logging.shutdown()
-                os._exit(1)
         finally:
             if not self.stopping and self.ranks is not None:
                 self.ranks.kill()  # cancelled while the engine may be inside a collective: let that fail
@@ -104,13 +96,23 @@ async def _connect(ranks: LocalRanks, poll_s: float) -> TensorParallelGroup:
     return tp
 
 
+def _exit_without_engine(ranks: LocalRanks | None, failure: str) -> None:
+    log.error("the engine thread is still blocked in a collective of the failed group (%s); exiting without it",
+              failure)
+    if ranks is not None:
+        ranks.stop(grace_s=0.0)
+    logging.shutdown()
+    os._exit(1)
+
+
 async def serve_tensor_parallel(
     name: str | None, config: EngineConfig, server_config: ServerConfig, options: TensorParallelOptions, *,
     tp: TensorParallelGroup | None = None, service_config: ServiceConfig = ServiceConfig(),
     shutdown_trigger: Callable[[], Awaitable[None]] | None = None,
     task_status: trio.TaskStatus[Serving] = trio.TASK_STATUS_IGNORED,
-) -> None:
-    """Serve one model over a tensor-parallel group until cancelled or `shutdown_trigger` returns.
+) -> str | None:
+    """Serve one model over a tensor-parallel group until `shutdown_trigger` returns; returns why the group
+    failed, if it did.
 
     tp: the group `mlx.launch` started (this process is its rank 0); None: start `options.size` ranks on
     this host.
@@ -121,21 +123,33 @@ async def serve_tensor_parallel(
         if ranks is not None:
             tp = await _connect(ranks, options.poll_s)
         assert tp is not None
-        factory = TensorParallelEngine(config, tp)
-        watchdog = RankWatchdog(tp, ranks, options)
+        group = tp
+        factory = TensorParallelEngine(config, group)
+        watchdog = RankWatchdog(group, ranks, options)
         async with trio.open_nursery() as nursery:
             nursery.start_soon(watchdog.run)
+
+            async def stop_when_asked() -> None:
+                await (shutdown_trigger() if shutdown_trigger is not None else trio.sleep_forever())
+                nursery.start_soon(abandon_a_stuck_engine)
+
+            async def abandon_a_stuck_engine() -> None:
+                # The ring backend fails the first collective after a lost peer; later ones wait forever.
+                while group.failure is None or group.waited_s() < options.stuck_after_s:
+                    await trio.sleep(options.poll_s)
+                _exit_without_engine(ranks, group.failure)
 
             async def serve_then_stop(task_status: trio.TaskStatus[Serving]) -> None:
                 assert factory is not None
                 await serve([ModelSpec(name, factory)], server_config, service_config=service_config,
-                            shutdown_trigger=shutdown_trigger, task_status=task_status)
+                            shutdown_trigger=stop_when_asked, task_status=task_status)
                 watchdog.stopping = True
                 nursery.cancel_scope.cancel()
 
             serving: Serving = await nursery.start(serve_then_stop)
             watchdog.service = serving.services[0]
             task_status.started(serving)
+        return group.failure
     finally:
         with trio.CancelScope(shield=True):
             if factory is not None:
