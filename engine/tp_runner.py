@@ -22,6 +22,7 @@ import hashlib
 import json
 import logging
 from collections.abc import Callable
+from functools import partial
 from typing import cast
 
 import mlx.core as mx
@@ -31,7 +32,7 @@ import numpy as np
 from trillm.engine.config import EngineConfig
 from trillm.engine.distributed import TensorParallelError, TensorParallelGroup
 from trillm.engine.kv_cache import BatchLayout, KVPool
-from trillm.engine.llm_engine import LLMEngine
+from trillm.engine.llm_engine import LLMEngine, make_kv_pool
 from trillm.engine.loader import LoadedModel, load_model
 from trillm.engine.model_runner import ForwardInputs, ModelRunner
 from trillm.engine.runner import Launch, RowsFn, Runner
@@ -221,7 +222,8 @@ def load_shard(config: EngineConfig, tp: TensorParallelGroup) -> LoadedModel:
     check_shardable(loaded.model, loaded.name, tp.size)
     loaded.model.shard(tp.group)
     mx.eval(loaded.model.parameters())
-    return dataclasses.replace(loaded, num_kv_heads=loaded.num_kv_heads // tp.size)
+    return dataclasses.replace(loaded, num_attention_heads=loaded.num_attention_heads // tp.size,
+                               num_kv_heads=loaded.num_kv_heads // tp.size)
 
 
 def shard_facts(loaded: LoadedModel | None) -> list[int]:
@@ -314,7 +316,10 @@ class TensorParallelEngine:
         self.tp.check()
         if self._loaded is None:
             self._loaded = self._load()
-        return LLMEngine(self.config, loaded=self._loaded, runner_factory=self._runner)
+        engine = LLMEngine(self.config, loaded=self._loaded, runner_factory=partial(self._runner, self._loaded))
+        assert self._pool is not None
+        engine.kernel_report = self._pool.kernels.report  # rank 0's; every rank checks its own shard's shapes
+        return engine
 
     def _load(self) -> LoadedModel:
         loaded: LoadedModel | None = None
@@ -336,16 +341,14 @@ class TensorParallelEngine:
                  loaded.num_kv_heads, loaded.num_kv_heads * self.tp.size)
         return loaded
 
-    def _runner(self, num_blocks: int) -> Runner:
-        lm = self._loaded
-        assert lm is not None
+    def _runner(self, lm: LoadedModel, num_blocks: int) -> Runner:
         if self._pool is None:
+            max_model_len = min(self.config.max_model_len or lm.max_model_len, lm.max_model_len)
             try:
-                self.channel.gather([num_blocks])
+                self.channel.gather([num_blocks, max_model_len])
             except RuntimeError as exc:
                 raise self.tp.error(exc) from exc
-            self._pool = KVPool(lm.num_layers, num_blocks, self.config.block_size, lm.num_kv_heads, lm.head_dim,
-                                lm.dtype)
+            self._pool = make_kv_pool(lm, self.config, num_blocks, max_model_len)
         return TensorParallelRunner(lm.model, self._pool, Sampler(self.config.seed), self.channel)
 
     def close(self) -> None:

@@ -16,7 +16,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from trillm.engine.distributed import TensorParallelError, TensorParallelGroup, die_with_parent, worker_doorbell
-from trillm.engine.kv_cache import KVPool
+from trillm.engine.llm_engine import make_kv_pool
 from trillm.engine.loader import LoadedModel
 from trillm.engine.model_runner import ModelRunner
 from trillm.engine.sampler import Sampler
@@ -42,12 +42,11 @@ def run_worker(tp: TensorParallelGroup) -> int:
         if table is None or loaded is None:
             return 0 if table is None else 1
         check_facts(table)
-        pool_table = channel.gather([0])
+        pool_table = channel.gather([0, 0])
         if pool_table is None:
             return 0
-        num_blocks = pool_table[0][0]
-        pool = KVPool(loaded.num_layers, num_blocks, config.block_size, loaded.num_kv_heads, loaded.head_dim,
-                      loaded.dtype)
+        num_blocks, max_model_len = pool_table[0]
+        pool = make_kv_pool(loaded, config, num_blocks, max_model_len)
         # Only rank 0 needs logits: with an identity head, ModelRunner.forward returns the last hidden states,
         # which still depend on every collective of the forward (and an untied head's weights are freed).
         loaded.model.lm_head = nn.Identity()

@@ -102,11 +102,7 @@ def run(args: argparse.Namespace) -> int:
                               f"(served: {', '.join(fixed_names)})")
     try:
         service_config = ServiceConfig(lazy_load=args.lazy_load, unload_after_idle_s=args.unload_after_idle)
-        config = ServerConfig(host=args.host, port=args.port, api_key=args.api_key,
-                              allowed_origins=tuple(args.allowed_origins), model_aliases=aliases,
-                              tool_parser=args.tool_parser, reasoning_parser=args.reasoning_parser,
-                              limits=Limits(**{name: getattr(args, name) for name in _LIMIT_FLAGS}),
-                              **{name: getattr(args, name) for name in _SERVER_FLAGS})
+        config = _server_config(args, aliases)
         if args.mock:
             specs = [ModelSpec(names[0], mock_engine_factory(args, engine_config_from_args(args), speedup=args.speedup),
                                inline=True)]
@@ -133,13 +129,20 @@ def parse_model_aliases(values: list[str]) -> tuple[tuple[str, str], ...]:
     return tuple(aliases)
 
 
+def _server_config(args: argparse.Namespace, aliases: tuple[tuple[str, str], ...]) -> ServerConfig:
+    return ServerConfig(host=args.host, port=args.port, api_key=args.api_key,
+                        allowed_origins=tuple(args.allowed_origins), model_aliases=aliases,
+                        tool_parser=args.tool_parser, reasoning_parser=args.reasoning_parser,
+                        limits=Limits(**{name: getattr(args, name) for name in _LIMIT_FLAGS}),
+                        **{name: getattr(args, name) for name in _SERVER_FLAGS})
+
+
 def _run_tensor_parallel(args: argparse.Namespace, name: str | None) -> int:
     """One model over a tensor-parallel group: started here (--tensor-parallel N), or by mlx.launch, whose
     rank 0 serves while every other rank runs the worker loop."""
     import trio
 
     from trillm.engine.distributed import TensorParallelError, TensorParallelGroup
-    from trillm.web.config import ServerConfig
     from trillm.web.service import ServiceConfig
     from trillm.web.tp import TensorParallelOptions, serve_tensor_parallel
 
@@ -162,9 +165,7 @@ def _run_tensor_parallel(args: argparse.Namespace, name: str | None) -> int:
             return run_worker(tp)
     try:
         options = TensorParallelOptions(tp.size if tp is not None else args.tensor_parallel, args.tp_timeout)
-        config = ServerConfig(host=args.host, port=args.port, api_key=args.api_key,
-                              max_request_bytes=args.max_request_bytes, max_prompt_tokens=args.max_prompt_tokens,
-                              max_tokens_limit=args.max_tokens_limit)
+        config = _server_config(args, parse_model_aliases(args.model_aliases))
         engine_config = engine_config_from_args(args, (args.model or [None])[0])
     except (ValueError, EngineError) as exc:
         return _usage(str(exc))
