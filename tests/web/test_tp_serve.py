@@ -185,7 +185,8 @@ def test_two_ranks_serve_like_one_then_a_killed_rank_fails_the_streams(
 def test_a_frozen_rank_trips_the_timeout(tiny_model_path: Path, tmp_path: Path) -> None:
     port = _free_port()
     argv = [str(BIN / "trillm"), "serve", "--tensor-parallel", "2", "--model", str(tiny_model_path),
-            "--num-kv-blocks", "256", "--tp-timeout", "1", "--port", str(port), "--log-level", "warning"]
+            "--num-kv-blocks", "256", "--tp-timeout", "1", "--kernels", "ref", "--port", str(port),
+            "--log-level", "warning"]
     with server(argv, tmp_path, port) as (proc, url, marker, log):
         (worker,) = children(proc.pid)
         t_stop = 0.0
@@ -223,7 +224,7 @@ def test_a_model_that_does_not_shard_is_refused(tmp_path: Path) -> None:
                              intermediate_size=192)
     marker = uuid.uuid4().hex
     proc = subprocess.run([str(BIN / "trillm"), "serve", "--tensor-parallel", "2", "--model", str(model),
-                           "--port", str(_free_port())], env={**os.environ, MARKER_ENV: marker},
+                           "--kernels", "ref", "--port", str(_free_port())], env={**os.environ, MARKER_ENV: marker},
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 1
     assert ("six-heads cannot be split over 2 ranks: its 3 KV heads do not divide by 2 (--tensor-parallel 3 would)"
