@@ -86,6 +86,8 @@ def run(args: argparse.Namespace) -> int:
         return _usage("give one --served-model-name per --model")
     if args.mock and args.model:
         return _usage("--mock serves the mock engine; it takes no --model")
+    if args.tensor_parallel is not None and args.tensor_parallel < 1:
+        return _usage("--tensor-parallel takes a number of ranks >= 1")
     if launched_by_mlx() or (args.tensor_parallel or 1) > 1:
         return _run_tensor_parallel(args, names[0])
     if args.lazy_load:  # requests must name a model before it is loaded, so fix the names now

@@ -64,7 +64,7 @@ def tiny_prompts(model: LoadedModel) -> list[list[int]]:
 def test_two_ranks_equal_one_rank(tiny_model_path: Path, tiny_model: LoadedModel, tmp_path: Path) -> None:
     """Greedy tokens and logprobs, batched / one at a time / arriving mid-decode (so one step holds decodes
     and prefill chunks in several forwards); launch-ahead decode on; four 600-token prompts in one forward
-    overflow the plan's first collective."""
+    overflow the plan's first collective; an engine rebuilt on the same group (as after a failure) serves on."""
     # kernels="ref": the references on every rank, skipping each rank's start-up kernel self-check (at a
     # 4096-token chunk it would take longer than the test)
     config = EngineConfig(model=str(tiny_model_path), block_size=16, num_kv_blocks=512, max_num_seqs=8,
@@ -73,7 +73,7 @@ def test_two_ranks_equal_one_rank(tiny_model_path: Path, tiny_model: LoadedModel
     tp = run_tp(2, config, prompts, 10, tmp_path)
     ref = scenarios(LLMEngine(config, loaded=tiny_model), prompts, greedy(10))
     assert_same_outputs(tp, ref)
-    assert tp["plan_overflows"] >= 1
+    assert tp["plan_overflows"] >= 1 and tp["launched_ahead"]
     assert tp["worker_exits"] == [] and tp["worker_codes"] == [0]  # alive throughout, then stopped cleanly
 
 

@@ -70,7 +70,16 @@ def main(argv: list[str]) -> int:
     try:
         tp = TensorParallelGroup.connect("ring", ranks.doorbell)
         factory = TensorParallelEngine(config, tp)
-        result = scenarios(factory(), prompts, greedy(max_tokens), kinds)
+        engine = factory()
+        result = scenarios(engine, prompts, greedy(max_tokens), kinds[:1])
+        engine = factory()  # as after an engine failure: a new engine on the same shard, pool and group
+        result |= scenarios(engine, prompts, greedy(max_tokens), kinds[1:])
+        engine.add_request("ahead", prompts[0], greedy(4))
+        engine.step()
+        engine.step()
+        result["launched_ahead"] = engine.has_step_in_flight
+        while engine.has_unfinished_requests():
+            engine.step()
         result["plan_overflows"] = factory.channel.num_overflows
         result["worker_exits"] = [str(e) for e in ranks.poll()]
         factory.close()
