@@ -3,9 +3,12 @@ time the step's collectives take on their own, and what that predicts for N mach
 
 Two measurements, each in its own set of processes (MLX allows one distributed group per process):
 - engine: rank 0 of an N-rank group (workers from LocalRanks) next to a one-rank engine on the full model,
-  in one process, alternating trials; decode steps are timed after every prompt has its first token.
+  in one process, alternating trials; decode steps are timed after every prompt has its first token. The
+  same process also times mlx-lm's own decode forward of the full model (its dense KVCache, no engine).
 - collectives: N ranks that only communicate, running a decode step's collectives back to back: 2 all_sums of
-  [B, hidden] fp32 per layer (o_proj, down_proj) and one plan broadcast; rank 0 times them.
+  [B, hidden] fp32 per layer (o_proj, down_proj) and one plan broadcast; rank 0 times them. Then the same
+  ranks shard the model with mlx-lm's `model.shard(group)` and time mlx-lm's own decode forward over N
+  ranks: the independent reference for what the platform's collectives cost inside a forward.
 
 On a 2-core machine N ranks share the cores and MLX's collectives busy-wait, so N ranks cannot be faster here.
 The prediction for N machines assumes decode is memory-bound (a step takes time in proportion to the weight
@@ -51,6 +54,23 @@ def _decode_steps(engine: Any, prompts: list[list[int]], steps: int) -> list[flo
     return times[:-1]  # the last step only settles the launched-ahead one
 
 
+def mlx_lm_decode_s(model: Any, batch: int, steps: int) -> float:
+    """mlx-lm's own decode forward (dense KVCache after a 16-token prompt), seconds per step (median)."""
+    import mlx.core as mx
+    from mlx_lm.models.cache import make_prompt_cache
+
+    cache = make_prompt_cache(model)
+    mx.eval(model(mx.zeros((batch, 16), mx.int32), cache=cache))
+    token = mx.zeros((batch, 1), mx.int32)
+    mx.eval(model(token, cache=cache))
+    times = []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        mx.eval(model(token, cache=cache))
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
 def phase_engine(args: argparse.Namespace) -> dict[str, Any]:
     import trillm.kernels  # noqa: F401  (BLAS before mlx)
     from trillm.engine.config import EngineConfig
@@ -82,9 +102,11 @@ def phase_engine(args: argparse.Namespace) -> dict[str, Any]:
                 one += _decode_steps(single, prompts, args.steps)
                 many += _decode_steps(engine, prompts, args.steps)
             rows.append({"batch": b, "step_ms_1": 1e3 * statistics.median(one),
-                         "step_ms_n": 1e3 * statistics.median(many), "steps": len(one)})
+                         "step_ms_n": 1e3 * statistics.median(many), "steps": len(one),
+                         "mlx_lm_ms_1": 1e3 * mlx_lm_decode_s(full.model, b, args.steps)})
             print(f"  batch {b}: 1 rank {rows[-1]['step_ms_1']:.1f} ms/step, {args.size} ranks "
-                  f"{rows[-1]['step_ms_n']:.1f} ms/step", flush=True)
+                  f"{rows[-1]['step_ms_n']:.1f} ms/step; mlx-lm's forward alone {rows[-1]['mlx_lm_ms_1']:.1f} ms",
+                  flush=True)
         factory.close()
         plan_capacity = factory.channel.capacity
     finally:
@@ -129,6 +151,16 @@ def _collective_schedule(args: argparse.Namespace, rank0: bool) -> dict[str, Any
             print(f"  batch {b}: all_sum [{b}, {args.hidden}] fp32 {r['activation_us']:.0f} us, plan "
                   f"{r['plan_us']:.0f} us, a step's {2 * args.layers + 1} collectives {r['step_us'] / 1e3:.2f} ms",
                   flush=True)
+    from trillm.engine.loader import load_model
+
+    loaded = load_model(args.model, lazy=True)
+    loaded.model.shard(group)
+    mx.eval(loaded.model.parameters())
+    for row in out["rows"]:
+        row["mlx_lm_ms_n"] = 1e3 * mlx_lm_decode_s(loaded.model, row["batch"], args.steps)
+        if rank0:
+            print(f"  batch {row['batch']}: mlx-lm's own forward sharded over {tp.size}: {row['mlx_lm_ms_n']:.1f} ms",
+                  flush=True)
     return out
 
 
@@ -137,7 +169,8 @@ def phase_collectives(args: argparse.Namespace) -> dict[str, Any]:
 
     worker = [sys.executable, "-m", "trillm.bench.bench_tp", "--phase", "collectives-worker",
               "--batches", ",".join(map(str, args.batches)), "--hidden", str(args.hidden), "--layers",
-              str(args.layers), "--plan-capacity", str(args.plan_capacity), "--repeats", str(args.repeats)]
+              str(args.layers), "--plan-capacity", str(args.plan_capacity), "--repeats", str(args.repeats),
+              "--steps", str(args.steps), *(["--model", args.model] if args.model else [])]
     ranks = LocalRanks.start(args.size, command=worker)
     try:
         return _collective_schedule(args, rank0=True)
@@ -223,30 +256,32 @@ def main(argv: list[str] | None = None) -> int:
     print(f"engine: 1 rank and {args.size} ranks, decode steps", flush=True)
     engine = _run_phase(["--phase", "engine", *common, "--steps", str(args.steps), "--trials", str(args.trials),
                          *(["--model", args.model] if args.model else [])], folder / "engine.json")
-    print(f"collectives alone, {args.size} ranks on loopback", flush=True)
+    print(f"collectives alone, then mlx-lm's own sharded forward, {args.size} ranks on loopback", flush=True)
     coll = _run_phase(["--phase", "collectives", *common, "--hidden", str(engine["hidden"]), "--layers",
                        str(engine["num_layers"]), "--plan-capacity", str(engine["plan_capacity"]),
-                       "--repeats", str(args.repeats)], folder / "collectives.json")
+                       "--repeats", str(args.repeats), "--steps", str(args.steps),
+                       *(["--model", args.model] if args.model else [])], folder / "collectives.json")
     for r in engine["rows"]:
-        _check(r["step_ms_1"], f"the one-rank step at batch {r['batch']}")
-        _check(r["step_ms_n"], f"the {args.size}-rank step at batch {r['batch']}")
+        for k in ("step_ms_1", "step_ms_n", "mlx_lm_ms_1"):
+            _check(r.get(k), f"{k} at batch {r['batch']}")
     for r in coll["rows"]:
-        for k in ("activation_us", "plan_us", "step_us"):
-            _check(r[k], f"{k} at batch {r['batch']}")
+        for k in ("activation_us", "plan_us", "step_us", "mlx_lm_ms_n"):
+            _check(r.get(k), f"{k} at batch {r['batch']}")
     pred = predict(engine, coll, args.size, args.link_latency_us, args.link_gbps)
     pred2 = predict(engine, coll, 2, args.link_latency_us, args.link_gbps)
 
     lines = [f"model {engine['model']}: {engine['num_layers']} layers, hidden {engine['hidden']}, "
              f"{engine['weight_bytes'] / 1e6:.0f} MB of weights, {100 * engine['sharded_bytes'] / engine['weight_bytes']:.0f}% "
              f"of them sharded", "",
-             f"| batch | 1 rank ms/step | {args.size} ranks ms/step (this host) | 1 rank tok/s | {args.size} ranks tok/s "
-             f"| collectives alone ms/step (loopback) | share of the {args.size}-rank step |",
-             "|---:|---:|---:|---:|---:|---:|---:|"]
+             f"| batch | trillm, 1 rank: ms/step (tok/s) | trillm, {args.size} ranks: ms/step (tok/s) "
+             f"| mlx-lm forward, 1 rank / {args.size} ranks: ms | a step's collectives alone: ms |",
+             "|---:|---:|---:|---:|---:|"]
     coll_by_b = {r["batch"]: r for r in coll["rows"]}
     for r in engine["rows"]:
-        c = coll_by_b[r["batch"]]["step_us"] / 1e3
-        lines.append(f"| {r['batch']} | {r['step_ms_1']:.1f} | {r['step_ms_n']:.1f} | {1e3 * r['batch'] / r['step_ms_1']:.1f} "
-                     f"| {1e3 * r['batch'] / r['step_ms_n']:.1f} | {c:.2f} | {100 * c / r['step_ms_n']:.1f}% |")
+        c = coll_by_b[r["batch"]]
+        lines.append(f"| {r['batch']} | {r['step_ms_1']:.1f} ({1e3 * r['batch'] / r['step_ms_1']:.1f}) "
+                     f"| {r['step_ms_n']:.1f} ({1e3 * r['batch'] / r['step_ms_n']:.1f}) "
+                     f"| {r['mlx_lm_ms_1']:.1f} / {c['mlx_lm_ms_n']:.1f} | {c['step_us'] / 1e3:.2f} |")
     lines += ["", f"prediction for N machines ({args.link_latency_us:g} us per hop, {args.link_gbps:g} Gbit/s, "
               "decode memory-bound):", "",
               "| machines | batch | compute ms | link ms | predicted ms/step | vs 1 rank |", "|---:|---:|---:|---:|---:|---:|"]
