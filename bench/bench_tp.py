@@ -134,7 +134,7 @@ def _collective_schedule(args: argparse.Namespace, rank0: bool) -> dict[str, Any
         x = mx.ones((b, args.hidden), mx.float32)
         plan = mx.zeros((args.plan_capacity,), mx.int32)
         mx.eval(mx.distributed.all_sum(x, group=group), mx.distributed.all_sum(plan, group=group))
-        samples = {"step": [], "activation": [], "plan": []}
+        samples: dict[str, list[float]] = {"step": [], "activation": [], "plan": []}
         for _ in range(args.repeats):
             t0 = time.perf_counter()
             mx.eval(mx.distributed.all_sum(plan, group=group))
@@ -185,7 +185,8 @@ def ring_all_sum_s(nbytes: float, n: int, latency_s: float, bytes_per_s: float) 
     return 2 * (n - 1) * (latency_s + nbytes / n / bytes_per_s)
 
 
-def predict(engine: dict[str, Any], coll: dict[str, Any], n: int, latency_us: float, gbps: float) -> list[dict[str, Any]]:
+def predict(engine: dict[str, Any], coll: dict[str, Any], n: int, latency_us: float,
+            gbps: float) -> list[dict[str, Any]]:
     layers, hidden = engine["num_layers"], engine["hidden"]
     shard_frac = engine["sharded_bytes"] / engine["weight_bytes"]
     compute_frac = (1 - shard_frac) + shard_frac / n
@@ -270,9 +271,9 @@ def main(argv: list[str] | None = None) -> int:
     pred = predict(engine, coll, args.size, args.link_latency_us, args.link_gbps)
     pred2 = predict(engine, coll, 2, args.link_latency_us, args.link_gbps)
 
+    sharded_pct = 100 * engine["sharded_bytes"] / engine["weight_bytes"]
     lines = [f"model {engine['model']}: {engine['num_layers']} layers, hidden {engine['hidden']}, "
-             f"{engine['weight_bytes'] / 1e6:.0f} MB of weights, {100 * engine['sharded_bytes'] / engine['weight_bytes']:.0f}% "
-             f"of them sharded", "",
+             f"{engine['weight_bytes'] / 1e6:.0f} MB of weights, {sharded_pct:.0f}% of them sharded", "",
              f"| batch | trillm, 1 rank: ms/step (tok/s) | trillm, {args.size} ranks: ms/step (tok/s) "
              f"| mlx-lm forward, 1 rank / {args.size} ranks: ms | a step's collectives alone: ms |",
              "|---:|---:|---:|---:|---:|"]
@@ -284,15 +285,17 @@ def main(argv: list[str] | None = None) -> int:
                      f"| {r['mlx_lm_ms_1']:.1f} / {c['mlx_lm_ms_n']:.1f} | {c['step_us'] / 1e3:.2f} |")
     lines += ["", f"prediction for N machines ({args.link_latency_us:g} us per hop, {args.link_gbps:g} Gbit/s, "
               "decode memory-bound):", "",
-              "| machines | batch | compute ms | link ms | predicted ms/step | vs 1 rank |", "|---:|---:|---:|---:|---:|---:|"]
+              "| machines | batch | compute ms | link ms | predicted ms/step | vs 1 rank |",
+              "|---:|---:|---:|---:|---:|---:|"]
     for n, rows in sorted({2: pred2, args.size: pred}.items()):
         for p in rows:
             lines.append(f"| {n} | {p['batch']} | {p['compute_ms']:.1f} | {p['comm_ms']:.2f} | "
                          f"{p['predicted_step_ms']:.1f} | {p['speedup']:.2f}x |")
     text = "\n".join(lines)
     print("\n" + text)
-    write_json(folder / "tp.json", {"engine": engine, "collectives": coll, "prediction": {str(args.size): pred, "2": pred2},
-                                    "assumptions": {"link_latency_us": args.link_latency_us, "link_gbps": args.link_gbps}})
+    assumptions = {"link_latency_us": args.link_latency_us, "link_gbps": args.link_gbps}
+    write_json(folder / "tp.json", {"engine": engine, "collectives": coll,
+                                    "prediction": {str(args.size): pred, "2": pred2}, "assumptions": assumptions})
     (folder / "tp.md").write_text(text + "\n")
     write_meta(folder, "bench tp", argv, vars(args))
     print(f"\nwrote {folder}")

@@ -138,7 +138,7 @@ from trillm.engine.config import EngineConfig
 from trillm.engine.llm_engine import LLMEngine
 from trillm.engine.model_runner import ModelRunner
 from trillm.engine.sampling_params import SamplingParams
-eng = LLMEngine(EngineConfig(model={str(tiny_model_path)!r}, num_kv_blocks=64))
+eng = LLMEngine(EngineConfig(model={str(tiny_model_path)!r}, num_kv_blocks=64, kernels="ref"))
 eng.generate([[1, 2, 3]], SamplingParams(max_tokens=3))
 assert type(eng.runner) is ModelRunner, type(eng.runner)
 loaded = [m for m in ("trillm.engine.tp_runner", "trillm.engine.distributed", "trillm.engine.tp_worker") if m in sys.modules]
