@@ -19,6 +19,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "profile-ops": ("trillm.bench.profile_ops", "where one engine step spends its time, per op kind"),
     "mock-parity": ("trillm.bench.bench_mock_parity", "the simulator's TTFT/ITL against the real engine on one trace"),
     "score": ("trillm.bench.bench_score", "prompt-logprob scoring throughput against plain prefill"),
+    "tp": ("trillm.bench.bench_tp", "tensor parallelism: 1 vs N ranks on this host, collectives, N-machine estimate"),
 }
 
 

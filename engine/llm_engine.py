@@ -27,6 +27,7 @@ from trillm.engine.scheduler import Finish, SampledToken, ScheduledBatch, Schedu
 from trillm.engine.sequence import Sequence, SequenceStatus
 
 if TYPE_CHECKING:
+    from trillm.engine.kv_cache import KVPool
     from trillm.engine.mock.model import MockLoadedModel
     from trillm.kernels.selfcheck import KernelReport
 
@@ -55,6 +56,29 @@ class StepInfo:
 
     batch: ScheduledBatch
     virtual_seconds: float | None  # a simulated runner's duration for it; None: the step's wall time
+
+
+def make_kv_pool(lm: LoadedModel, config: EngineConfig, num_blocks: int, max_model_len: int) -> KVPool:
+    """The paged KV pool for `lm`, with the kernels the start-up self-check picks for its shapes.
+
+    Call it on the engine thread: the kernels compile (and their check runs) on the stream serving uses.
+    """
+    import mlx.core as mx
+
+    from trillm.engine.kv_cache import KVPool
+    from trillm.kernels.layout import ModelShapes
+    from trillm.kernels.selfcheck import KernelCheckError, select_kernels
+
+    sinks = any(isinstance(getattr(m, "sinks", None), mx.array) for _, m in lm.model.named_modules())
+    shapes = ModelShapes(lm.num_attention_heads, lm.num_kv_heads, lm.head_dim, config.block_size, lm.dtype,
+                         sinks=sinks, max_batch=config.max_num_seqs, chunk=config.max_num_batched_tokens,
+                         max_context=max_model_len)  # fmt: skip
+    try:
+        kernels = select_kernels(shapes, config.kernels)
+    except KernelCheckError as exc:
+        raise ModelLoadError(f"--kernels strict: {exc}") from exc
+    return KVPool(lm.num_layers, num_blocks, config.block_size, lm.num_kv_heads, lm.head_dim, lm.dtype,
+                  kernels=kernels)  # fmt: skip
 
 
 class LLMEngine:
@@ -103,28 +127,13 @@ class LLMEngine:
         self._recent_sums = [0, 0]  # running sums over _recent, so statistics() is O(1)
 
     def _mlx_runner(self, num_blocks: int) -> Runner:
-        import mlx.core as mx
-
-        from trillm.engine.kv_cache import KVPool
         from trillm.engine.model_runner import ModelRunner
         from trillm.engine.sampler import Sampler
-        from trillm.kernels.layout import ModelShapes
-        from trillm.kernels.selfcheck import KernelCheckError, select_kernels
 
-        lm, config = self.loaded, self.config
-        assert isinstance(lm, LoadedModel), "the MLX runner needs a loaded model"
-        sinks = any(isinstance(getattr(m, "sinks", None), mx.array) for _, m in lm.model.named_modules())
-        shapes = ModelShapes(lm.num_attention_heads, lm.num_kv_heads, lm.head_dim, config.block_size, lm.dtype,
-                             sinks=sinks, max_batch=config.max_num_seqs, chunk=config.max_num_batched_tokens,
-                             max_context=self.max_model_len)  # fmt: skip
-        try:  # on the engine thread: the kernels compile (and their check runs) on the stream serving uses
-            kernels = select_kernels(shapes, config.kernels)
-        except KernelCheckError as exc:
-            raise ModelLoadError(f"--kernels strict: {exc}") from exc
-        self.kernel_report = kernels.report
-        pool = KVPool(lm.num_layers, num_blocks, config.block_size, lm.num_kv_heads, lm.head_dim, lm.dtype,
-                      kernels=kernels)  # fmt: skip
-        return ModelRunner(lm.model, pool, Sampler(config.seed))
+        assert isinstance(self.loaded, LoadedModel), "the MLX runner needs a loaded model"
+        pool = make_kv_pool(self.loaded, self.config, num_blocks, self.max_model_len)
+        self.kernel_report = pool.kernels.report
+        return ModelRunner(self.loaded.model, pool, Sampler(self.config.seed))
 
     # ---- requests ----------------------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, *, priority: int = 0) -> None:

@@ -82,8 +82,13 @@ def resolve_dtype(dtype: str | None) -> tuple[mx.Dtype | None, bool]:
     return mx.float32, False
 
 
-def load_model(spec: str | None = None, *, dtype: str | None = None, on_progress: ProgressFn | None = None) -> LoadedModel:
-    """Load `spec` (None: the default model; a .gguf file; a model folder; or a Hugging Face repo id)."""
+def load_model(spec: str | None = None, *, dtype: str | None = None, on_progress: ProgressFn | None = None,
+               lazy: bool = False) -> LoadedModel:
+    """Load `spec` (None: the default model; a .gguf file; a model folder; or a Hugging Face repo id).
+
+    lazy: leave the weights unevaluated, for a caller that first shards the model (a tensor-parallel rank then
+    reads in only its shard of each weight).
+    """
     report = on_progress or (lambda stage, fraction: None)
     report("locating", 0.0)
     path = Path(default_model_path() if spec is None else os.path.expanduser(spec))
@@ -100,7 +105,8 @@ def load_model(spec: str | None = None, *, dtype: str | None = None, on_progress
         loaded = _load_folder(_download(spec), spec.rsplit("/", 1)[-1], target, keep_quantized, report)
     else:
         raise ModelNotFound(f"no model at {str(path)!r} (expected a .gguf file, a model folder or a repo id)")
-    _eval_with_progress(loaded.model, report)
+    if not lazy:
+        _eval_with_progress(loaded.model, report)
     report("ready", 1.0)
     return loaded
 

@@ -11,6 +11,7 @@ from dataclasses import fields
 from functools import partial
 
 from trillm.engine.config import add_engine_arguments, engine_config_from_args
+from trillm.engine.distributed import BACKENDS, launched_by_mlx
 from trillm.engine.errors import EngineError
 from trillm.engine.mock import add_mock_arguments
 from trillm.web.config import ServerConfig
@@ -58,6 +59,14 @@ def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("--mock", action="store_true",
                    help="serve the mock engine (the real scheduler with a timing model, no weights); see its flags")
     p.add_argument("--speedup", type=float, default=1.0, help="--mock: run the timing model this many times faster")
+    tp = p.add_argument_group("tensor parallelism")
+    tp.add_argument("--tensor-parallel", type=int, default=None, metavar="N",
+                    help="shard the model over N ranks on this host (mx.distributed ring over loopback; rank 0 "
+                         "serves). Under mlx.launch the group's own size is used")
+    tp.add_argument("--distributed-backend", default="any", choices=BACKENDS,
+                    help="under mlx.launch: the mx.distributed backend to join (default: any)")
+    tp.add_argument("--tp-timeout", type=float, default=60.0, metavar="SECONDS",
+                    help="a step that waits this long on the other ranks means one hangs: fail the model")
     add_engine_arguments(p)
     add_mock_arguments(p)
 
@@ -77,6 +86,10 @@ def run(args: argparse.Namespace) -> int:
         return _usage("give one --served-model-name per --model")
     if args.mock and args.model:
         return _usage("--mock serves the mock engine; it takes no --model")
+    if args.tensor_parallel is not None and args.tensor_parallel < 1:
+        return _usage("--tensor-parallel takes a number of ranks >= 1")
+    if launched_by_mlx() or (args.tensor_parallel or 1) > 1:
+        return _run_tensor_parallel(args, names[0])
     if args.lazy_load:  # requests must name a model before it is loaded, so fix the names now
         names = [n or _default_name(m) for n, m in zip(names, models)]
     try:
@@ -91,11 +104,7 @@ def run(args: argparse.Namespace) -> int:
                               f"(served: {', '.join(fixed_names)})")
     try:
         service_config = ServiceConfig(lazy_load=args.lazy_load, unload_after_idle_s=args.unload_after_idle)
-        config = ServerConfig(host=args.host, port=args.port, api_key=args.api_key,
-                              allowed_origins=tuple(args.allowed_origins), model_aliases=aliases,
-                              tool_parser=args.tool_parser, reasoning_parser=args.reasoning_parser,
-                              limits=Limits(**{name: getattr(args, name) for name in _LIMIT_FLAGS}),
-                              **{name: getattr(args, name) for name in _SERVER_FLAGS})
+        config = _server_config(args, aliases)
         if args.mock:
             specs = [ModelSpec(names[0], mock_engine_factory(args, engine_config_from_args(args), speedup=args.speedup),
                                inline=True)]
@@ -120,6 +129,56 @@ def parse_model_aliases(values: list[str]) -> tuple[tuple[str, str], ...]:
             raise ValueError(f"--model-alias wants NAME=SERVED (e.g. 'claude-*=SmolLM2-135M-Instruct'), got {value!r}")
         aliases.append((pattern.strip(), target.strip()))
     return tuple(aliases)
+
+
+def _server_config(args: argparse.Namespace, aliases: tuple[tuple[str, str], ...]) -> ServerConfig:
+    return ServerConfig(host=args.host, port=args.port, api_key=args.api_key,
+                        allowed_origins=tuple(args.allowed_origins), model_aliases=aliases,
+                        tool_parser=args.tool_parser, reasoning_parser=args.reasoning_parser,
+                        limits=Limits(**{name: getattr(args, name) for name in _LIMIT_FLAGS}),
+                        **{name: getattr(args, name) for name in _SERVER_FLAGS})
+
+
+def _run_tensor_parallel(args: argparse.Namespace, name: str | None) -> int:
+    """One model over a tensor-parallel group: started here (--tensor-parallel N), or by mlx.launch, whose
+    rank 0 serves while every other rank runs the worker loop."""
+    import trio
+
+    from trillm.engine.distributed import TensorParallelError, TensorParallelGroup
+    from trillm.web.service import ServiceConfig
+    from trillm.web.tp import TensorParallelOptions, serve_tensor_parallel
+
+    for flag, given in (("--mock", args.mock), ("several --model", len(args.model or []) > 1),
+                        ("--lazy-load", args.lazy_load), ("--unload-after-idle", args.unload_after_idle)):
+        if given:
+            return _usage(f"tensor parallelism serves one model, loaded at start-up: it does not take {flag}")
+    tp = None
+    if launched_by_mlx():
+        try:
+            tp = TensorParallelGroup.connect(args.distributed_backend)
+        except TensorParallelError as exc:
+            return _usage(str(exc))
+        if args.tensor_parallel not in (None, tp.size):
+            return _usage(f"--tensor-parallel {args.tensor_parallel} but the launcher started {tp.size} ranks")
+        if tp.rank != 0:
+            from trillm.engine.tp_worker import run_worker
+
+            signal.signal(signal.SIGINT, signal.SIG_DFL)  # blocked in a collective, Python could not react
+            return run_worker(tp)
+    try:
+        options = TensorParallelOptions(tp.size if tp is not None else args.tensor_parallel, args.tp_timeout)
+        config = _server_config(args, parse_model_aliases(args.model_aliases))
+        engine_config = engine_config_from_args(args, (args.model or [None])[0])
+    except (ValueError, EngineError) as exc:
+        return _usage(str(exc))
+    if tp is not None and tp.size == 1:
+        return _usage("the launcher started a single rank: run `trillm serve` without it")
+    try:
+        failure = trio.run(partial(serve_tensor_parallel, name, engine_config, config, options, tp=tp,
+                                   service_config=ServiceConfig(), shutdown_trigger=_wait_for_stop_signal))
+    except (KeyboardInterrupt, EngineError, BaseExceptionGroup) as exc:
+        return _exit_code(exc)
+    return 1 if failure is not None else 0
 
 
 def _usage(message: str) -> int:

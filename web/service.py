@@ -119,6 +119,7 @@ class EngineService:
         self._epoch = 0
         self._up_since: float | None = None
         self._started: trio.TaskStatus[EngineService] | None = None
+        self._declared_failure: Exception | None = None  # set by `fail`, raised in the engine's next hop
 
     @property
     def max_model_len(self) -> int:
@@ -155,6 +156,7 @@ class EngineService:
                 await self._load_wanted.wait()
                 self._load_wanted = trio.Event()
             self._set_state(ServiceState.UNHEALTHY if failed else ServiceState.LOADING)
+            self._take_declared_failure()  # it was about the previous engine
             try:
                 if self._inline:
                     await self._run_inline()
@@ -165,7 +167,11 @@ class EngineService:
             except Exception as exc:
                 if not self._has_reported_started():  # never came up: the caller gets the load error
                     raise
-                self._on_engine_failure(exc)
+                declared = self._take_declared_failure()
+                if declared is None:
+                    self._on_engine_failure(exc)
+                else:  # its requests already failed when the failure was declared
+                    log.info("model %s: the engine stopped after %s: %s", self.model_name, declared, exc)
                 failed = True
             else:  # unloaded after idling
                 log.info("unloaded %s after %s s idle", self.model_name, self._config.unload_after_idle_s)
@@ -202,6 +208,27 @@ class EngineService:
         self._set_state(ServiceState.UNHEALTHY)
         self.last_error = message
         self._fail_all("the engine failed while serving this request; it is restarting")
+
+    def fail(self, exc: Exception) -> None:
+        """Declare the running engine failed, from outside it (a watchdog: a tensor-parallel rank died or hangs).
+
+        Every open request fails now and the model turns unhealthy, without waiting for the engine thread:
+        it raises `exc` at its next hop into trio, and restarts as after any failure. (An engine blocked
+        inside a step cannot be reached from here; unblocking it is the watchdog's job.)
+        """
+        if self.state is not ServiceState.READY:
+            return
+        self._declared_failure = exc
+        self._on_engine_failure(exc)
+        self._wakeup.set()
+
+    def _take_declared_failure(self) -> Exception | None:
+        declared, self._declared_failure = self._declared_failure, None
+        return declared
+
+    def _raise_declared_failure(self) -> None:
+        if self._declared_failure is not None:
+            raise self._declared_failure
 
     def _fail_all(self, message: str) -> None:
         live, self._live = self._live, {}
@@ -300,6 +327,7 @@ class EngineService:
         timeout = self._config.unload_after_idle_s
         with trio.move_on_after(math.inf if timeout is None else timeout):
             while not self._inbox:
+                self._raise_declared_failure()
                 await self._wakeup.wait()
                 self._wakeup = trio.Event()
             return self._take_work()
@@ -310,6 +338,7 @@ class EngineService:
 
     def _deliver(self, result: StepResult) -> list[Work]:
         """Hand one step's results to their handles; returns the work that arrived meanwhile."""
+        self._raise_declared_failure()
         self._stats = result.statistics
         if result.report is not None:
             self._reports.append(result.report)
