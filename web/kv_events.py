@@ -4,13 +4,16 @@
 out to each subscriber's bounded memory channel. A subscriber that falls behind is dropped with a final
 message and must reconnect and resync (a gap in event ids says the same; so does a new `epoch`: the engine
 was rebuilt and its event ids restarted). Messages are JSON:
-  {"type": "hello", "model": NAME, "interval_s": s, "epoch": n}
+  {"type": "hello", "model": NAME, "interval_s": s, "epoch": n, "model_id": ID, "block_size": B,
+   "hash_seed": HEX, "prefix_caching": bool}   (the last four are null until the engine first loads)
   {"type": "steps", "model": NAME, "epoch": n, "reports": [{"load": {...}, "kv_events": [...]}, ...]}
 """
 
 from __future__ import annotations
 
 import json
+from dataclasses import asdict
+from typing import Any
 
 import trio
 from quart import websocket
@@ -49,6 +52,14 @@ class KVEventHub:
                 self._subscribers.discard(send)
                 send.close()  # the handler tells the client it fell behind
 
+    def hello(self) -> dict[str, Any]:
+        """What a subscriber needs first: the epoch, and how this engine hashes prompt blocks."""
+        spec = self.service.kv_cache_spec
+        facts = asdict(spec) if spec is not None else {"model_id": None, "block_size": None, "hash_seed": None,
+                                                        "prefix_caching": None}
+        return {"type": "hello", "model": self.service.model_name, "interval_s": self.interval_s,
+                "epoch": self.service.statistics().epoch, **facts}
+
     def subscribe(self) -> trio.MemoryReceiveChannel[str]:
         send, recv = trio.open_memory_channel[str](self._buffer)
         self._subscribers.add(send)
@@ -71,8 +82,7 @@ def register_kv_events(app: QuartTrio, hubs: dict[str, KVEventHub], path: str = 
             return
         recv = hub.subscribe()
         try:
-            await websocket.send(json.dumps({"type": "hello", "model": name, "interval_s": hub.interval_s,
-                                             "epoch": hub.service.statistics().epoch}))
+            await websocket.send(json.dumps({**hub.hello(), "model": name}))
             async for msg in recv:
                 await websocket.send(msg)
             await websocket.send(json.dumps({"type": "dropped", "message": "fell behind; reconnect and resync"}))
