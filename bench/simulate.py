@@ -56,7 +56,22 @@ class SimulationResult:
     extra: dict[str, Any] = field(default_factory=dict)
 
 
-Submit = Callable[[list[int], SamplingParams], AbstractContextManager[GenerationHandle]]
+@dataclass(frozen=True, slots=True)
+class Submitted:
+    handle: GenerationHandle
+    on_first_token: Callable[[], None] | None = None  # the router's bookkeeping, when one routed it
+
+
+Submit = Callable[[list[int], SamplingParams], AbstractContextManager[Submitted]]
+
+
+def direct(service: EngineService) -> Submit:
+    @contextmanager
+    def submit(prompt: list[int], params: SamplingParams) -> Iterator[Submitted]:
+        with service.submit(prompt, params) as handle:
+            yield Submitted(handle)
+
+    return submit
 
 
 async def _client(submit: Submit, req: TraceRequest, index: int, prompt: list[int], t0: float,
@@ -67,13 +82,15 @@ async def _client(submit: Submit, req: TraceRequest, index: int, prompt: list[in
     chars = 0
     error: tuple[str, str] | None = None
     try:
-        with submit(prompt, SamplingParams(max_tokens=req.output_length, ignore_eos=True)) as handle:
+        with submit(prompt, SamplingParams(max_tokens=req.output_length, ignore_eos=True)) as submitted:
             while True:
                 try:
-                    out = await handle.receive()
+                    out = await submitted.handle.receive()
                 except trio.EndOfChannel:
                     break
                 if out.new_token_ids:
+                    if not chunks and submitted.on_first_token is not None:
+                        submitted.on_first_token()
                     chunks.append(trio.current_time() - start)
                 chars += len(out.new_text)
                 usage = out.usage
@@ -101,7 +118,7 @@ async def simulate_async(trace: list[TraceRequest], service: EngineService, *, v
             for i, req in enumerate(trace):
                 await trio.sleep_until(t0 + req.timestamp / 1000)
                 prompt = prompt_tokens(req, i, vocab_size=vocab_size, block_tokens=block_tokens, seed=seed)
-                clients.start_soon(_client, service.submit, req, i, prompt, t0, records)
+                clients.start_soon(_client, direct(service), req, i, prompt, t0, records)
         virtual = trio.current_time() - t0
         while (st := service.statistics()).num_live_requests or (
                 st.engine is not None and (st.engine.num_running or st.engine.num_waiting)):
@@ -162,14 +179,14 @@ async def simulate_router_async(trace: list[TraceRequest], services: list[Engine
             nursery.start_soon(_feed, router, key, service, interval_s)
 
         @contextmanager
-        def submit(prompt: list[int], params: SamplingParams) -> Iterator[GenerationHandle]:
+        def submit(prompt: list[int], params: SamplingParams) -> Iterator[Submitted]:
             a = router.choose(None, prompt)
             if a is None:
                 raise EngineError("no replica in the pool")
             computed = False
             try:  # the router forgets the request when its response ends, as the proxy does
                 with by_url[a.worker.replica].submit(prompt, params) as handle:
-                    yield handle
+                    yield Submitted(handle, lambda: router.on_first_token(a))
                 computed = True
             finally:
                 router.release(a, computed=computed)

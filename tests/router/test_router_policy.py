@@ -80,18 +80,19 @@ def test_in_flight_prompts_count_as_cached_soon_and_as_load() -> None:
     a = router.choose(None, system + [50, 51, 52, 53, 54])
     assert a is not None
     w = router.worker(a.worker)
-    assert w is not None and w.load == Load(1, 12)  # 11 hashed blocks + the tail
-    # A second request sharing the prefix follows the first (its blocks are being computed there) ...
+    assert w is not None and w.load == Load(1, 12, 12)  # 11 hashed blocks + the tail, all to prefill
+    router.on_first_token(a)
+    # A second request sharing the prefix follows the first (its blocks are there, or being stored) ...
     b = router.choose(None, system + [60, 61, 62, 63, 64])
     assert b is not None and b.worker == a.worker and b.cached_blocks == 10
-    assert w.load == Load(2, 14)  # the shared blocks are counted once
+    assert w.load == Load(2, 14, 2)  # the shared blocks are counted once
     # ... and an unrelated one goes elsewhere.
     c = router.choose(None, list(range(70, 90)))
     assert c is not None and c.worker != a.worker
     router.release(a)
     router.release(a)  # idempotent
     router.release(b)
-    assert w.load == Load(0, 0)
+    assert w.load == Load(0, 0, 0)
 
 
 def test_reported_load_counts_when_it_is_larger_than_our_own() -> None:
@@ -187,3 +188,20 @@ def test_a_computed_prompt_stays_cached_soon_until_its_events_have_surely_come()
         assert router.on_steps(key, 1, [empty])
     w = router.worker(key)
     assert w is not None and w.cached(SPEC.matchable_hashes(prompt)) == 0
+
+
+def test_queued_prefill_spreads_a_burst_of_one_shared_prefix() -> None:
+    router = ready_router(weights=CostWeights(prefill_weight=4.0))
+    system = list(range(3, 3 + 10 * BS))
+    first = router.choose(None, system + [90, 91])
+    assert first is not None
+    w = router.worker(first.worker)
+    assert w is not None and w.load.prefill_blocks == 11
+    # While the first is still computing the prefix, waiting behind it costs more than computing it anew.
+    second = router.choose(None, system + [92, 93])
+    assert second is not None and second.worker != first.worker
+    router.on_first_token(first)
+    router.on_first_token(first)  # idempotent
+    assert w.load.prefill_blocks == 0
+    third = router.choose(None, system + [94, 95])  # now the prefix is there (or being computed elsewhere)
+    assert third is not None and third.worker in (first.worker, second.worker) and third.cached_blocks == 10

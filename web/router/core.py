@@ -63,6 +63,11 @@ class Assignment:
     hashes: tuple[str, ...] = ()  # the blocks this assignment adds to the worker's in-flight set
     owner: Worker | None = field(default=None, repr=False)  # the worker object that counts it (not its key:
     released: bool = False  # a replica's workers are rebuilt when its models change)
+    prefilled: bool = False  # its first token came: no longer in the worker's prefill queue
+
+    @property
+    def prefill_blocks(self) -> int:
+        return self.prompt_blocks - self.cached_blocks
 
 
 @dataclass(frozen=True, slots=True)
@@ -106,6 +111,7 @@ class Worker:
         self._recent: dict[str, int] = {}  # computed prompts' blocks -> the event batch after which to forget
         self._num_batches = 0
         self._num_inflight = 0
+        self._prefill_queue = 0  # uncached blocks of in-flight assignments before their first token
         self.num_routed = 0
 
     def cached(self, hashes: Sequence[str]) -> int:
@@ -132,17 +138,24 @@ class Worker:
         own_blocks = len(self._pending) + self._pending_tail_blocks
         r = self.reported
         if r is None:
-            return Load(own_requests, own_blocks)
-        return Load(max(own_requests, r.num_running + r.num_waiting), max(own_blocks, r.num_blocks_used))
+            return Load(own_requests, own_blocks, self._prefill_queue)
+        return Load(max(own_requests, r.num_running + r.num_waiting), max(own_blocks, r.num_blocks_used),
+                    self._prefill_queue)
 
     def add(self, a: Assignment) -> None:
         self._num_inflight += 1
+        self._prefill_queue += a.prefill_blocks
         self.num_routed += 1
         self._pending.update(a.hashes)
         self._pending_tail_blocks += a.prompt_blocks - len(a.hashes)
 
+    def prefilled(self, a: Assignment) -> None:
+        self._prefill_queue -= a.prefill_blocks
+
     def remove(self, a: Assignment, computed: bool) -> None:
         self._num_inflight -= 1
+        if not a.prefilled:
+            self._prefill_queue -= a.prefill_blocks
         self._pending.subtract(a.hashes)
         for h in a.hashes:
             if self._pending[h] <= 0:
@@ -286,6 +299,14 @@ class Router:
         self._prompt_blocks += blocks
         self._predicted_cached_blocks += a.cached_blocks
         return a
+
+    def on_first_token(self, a: Assignment) -> None:
+        """The assignment's first token came: its prompt is computed, it no longer delays what queues there."""
+        if a.prefilled or a.released:
+            return
+        a.prefilled = True
+        if a.owner is not None:
+            a.owner.prefilled(a)
 
     def release(self, a: Assignment, *, computed: bool = False) -> None:
         """The assignment's response ended: `computed` if the replica answered it (so its prompt is cached

@@ -3,10 +3,11 @@
 The KV-aware cost follows NVIDIA Dynamo's KV router: a worker that already caches a long prefix of the prompt
 saves that much prefill, weighed against how busy it is,
 
-    cost = prefill_weight * (prompt blocks not cached there) + block_weight * (KV blocks in use)
-           + request_weight * (running + waiting requests)
+    cost = prefill_weight * (prompt blocks not cached there + prefill blocks queued there)
+           + block_weight * (KV blocks in use) + request_weight * (running + waiting requests)
 
-and the cheapest worker wins. Ties go round-robin, so equal workers share the load. Everything is in KV
+and the cheapest worker wins. The queued prefill (uncached blocks of requests sent there that have not
+produced a token yet) is work the new request waits behind, like Dynamo's "potential prefill blocks". Ties go round-robin, so equal workers share the load. Everything is in KV
 blocks of the worker's block size; pure functions of frozen records, so they are testable without a server.
 """
 
@@ -24,6 +25,7 @@ class Load:
 
     requests: int  # running + waiting
     active_blocks: int  # KV blocks in use
+    prefill_blocks: int = 0  # uncached prompt blocks of requests routed there still before their first token
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,7 +53,7 @@ class CostWeights:
 
 
 def kv_cost(c: Candidate, w: CostWeights) -> float:
-    return (w.prefill_weight * c.prefill_blocks + w.block_weight * c.load.active_blocks
+    return (w.prefill_weight * (c.prefill_blocks + c.load.prefill_blocks) + w.block_weight * c.load.active_blocks
             + w.request_weight * c.load.requests)
 
 

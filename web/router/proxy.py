@@ -105,16 +105,16 @@ class Forwarder:
         tried: list[str] = []
         refused: httpx.Response | None = None
         refused_body = b""
-        first = True
+        first_attempt = True
         while True:
             a = self.router.choose(model, ids, exclude=tried)
             if a is None:
                 break
             replica = a.worker.replica
             tried.append(replica)
-            if first:
+            if first_attempt:
                 self.metrics.on_decision(time.perf_counter() - t0, tokenize_s)
-                first = False
+                first_attempt = False
             request = self.client.build_request(method, replica + target, content=raw, headers=fwd_headers)
             try:
                 response = await self.client.send(request, stream=True)
@@ -139,25 +139,53 @@ class Forwarder:
                 self.metrics.on_retry("503")
                 self.metrics.on_response(replica, RETRY_STATUS)
                 continue
+            # Nothing has gone to the client until the first piece of the body is here: a replica that dies
+            # before it (headers sent, body not) still lets the request move.
+            chunks = response.aiter_raw()
+            try:
+                first: bytes | None = await chunks.__anext__()
+            except StopAsyncIteration:
+                first = None
+            except httpx.TransportError:
+                await response.aclose()
+                self.router.release(a)
+                self.metrics.on_retry("dropped")
+                self.metrics.on_response(replica, None)
+                continue
+            except BaseException:
+                with trio.CancelScope(shield=True):
+                    await response.aclose()
+                self.router.release(a)
+                raise
             self.metrics.on_response(replica, response.status_code)
-            return await self._relay(response, a)
+            return await self._relay(response, first, chunks, a)
         if refused is not None:  # every replica that answered was full: the client sees the last 503
             return Response(refused_body, RETRY_STATUS, response_headers(refused.headers))
         self.metrics.unroutable += 1
         raise APIError(503, "no replica can take this request right now", "server_error", "no_replica_available",
                        headers={"Retry-After": "1"})
 
-    async def _relay(self, response: httpx.Response, a: Assignment) -> Response:
+    async def _relay(self, response: httpx.Response, first: bytes | None, chunks: AsyncIterator[bytes],
+                     a: Assignment) -> Response:
+        """The response, its body streamed from `first` on; releases `a` and closes `response` when done."""
         is_sse = response.headers.get("content-type", "").startswith("text/event-stream")
         router = self.router
-
         computed = False  # the replica answered it in full: its prompt is cached there now
 
         async def body() -> AsyncGenerator[bytes, None]:
             nonlocal computed
             try:
+                if first is None:
+                    computed = response.status_code < 400
+                    return
+                if not is_sse:
+                    router.on_first_token(a)  # any other body is complete when it comes
+                yield first
+                # A trillm replica's stream opens with a chunk at once (the role, or a keepalive): the next
+                # one carries tokens, so the prompt has been computed.
                 try:
-                    async for chunk in response.aiter_raw():
+                    async for chunk in chunks:
+                        router.on_first_token(a)
                         yield chunk
                     computed = response.status_code < 400
                 except httpx.TransportError as exc:
@@ -174,17 +202,14 @@ class Forwarder:
         gen = body()
         # Start it now, so that its `finally` (release, close) runs even if the body is never iterated.
         try:
-            first = await gen.__anext__()
+            head = await gen.__anext__()
         except StopAsyncIteration:
-            first = b""
-        except BaseException:
-            await gen.aclose()
-            raise
+            head = b""
 
         async def stream() -> AsyncIterator[bytes]:
             try:
-                if first:
-                    yield first
+                if head:
+                    yield head
                 async for chunk in gen:
                     yield chunk
             finally:

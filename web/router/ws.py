@@ -182,8 +182,9 @@ class WSSession:
             self.metrics.on_retry("503")
             self.nursery.start_soon(self.dispatch, key, gen)
             return
-        if kind == "delta":
+        if kind == "delta" and not gen.started:
             gen.started = True
+            self.router.on_first_token(gen.assignment)
         await self.out.send(text)
         if kind in ("done", "error", "cancelled"):
             self.router.release(gen.assignment, computed=gen.started)  # a delta came: the prompt was computed
