@@ -9,7 +9,8 @@ cached_tokens over prompt tokens), TTFT p50/p90, throughput and the router's own
 -> upstream request sent, from its /stats). Then the overhead pass: one fast replica, requests sent
 alternately straight to it and through the router, one at a time: the TTFT the extra hop adds, and the
 router process's CPU time per request. Targets: >= 2x the cached tokens of round-robin on multi-turn, and
-router overhead under 2 ms per request at p50. Writes router.json and router.md under RESULTS_DIR/<timestamp>/.
+router overhead under 2 ms per request at p50. Each policy runs --trials times in rotating order (the figures
+are the medians). Writes router.json and router.md under RESULTS_DIR/<timestamp>/.
 """
 
 from __future__ import annotations
@@ -181,8 +182,39 @@ def _stat(seconds: list[float]) -> dict[str, float]:
     return {"mean": s.mean, "p50": s.p50, "p90": s.p90, "p99": s.p99}
 
 
+def trial_json(run: RunResult, stats: dict[str, Any], concurrency: int) -> dict[str, Any]:
+    s = run.summary
+    return {
+        "completed": s.completed, "total": len(run.records), "errors": s.errors,
+        "prompt_tokens": s.input_tokens, "cached_tokens": s.cached_tokens, "prefix_hit_rate": hit_rate(run),
+        "ttft_p50_ms": s.ttft.p50, "ttft_p90_ms": s.ttft.p90, "e2e_p50_ms": s.e2e.p50,
+        "request_throughput": s.request_throughput, "output_throughput": s.output_throughput,
+        "duration_s": s.duration_s, "decision_ms": stats["overhead"]["decision_ms"],
+        "tokenize_ms": stats["overhead"]["tokenize_ms"], "retries": stats["retries"],
+        "routed": sorted(r["routed"] for r in stats["replicas"]),
+        "predicted_cached_blocks": stats["predicted_cached_blocks"], "concurrency": concurrency,
+        "records": [r.to_json() for r in run.records],
+    }
+
+
+MEDIANS = ("completed", "total", "prompt_tokens", "cached_tokens", "prefix_hit_rate", "ttft_p50_ms", "ttft_p90_ms",
+          "e2e_p50_ms", "request_throughput", "output_throughput", "duration_s")
+
+
+def median_of(trials: list[dict[str, Any]]) -> dict[str, Any]:
+    """Each figure's median over the trials (the trials themselves are kept alongside)."""
+    out: dict[str, Any] = {k: statistics.median(t[k] for t in trials) for k in MEDIANS}
+    for k in ("decision_ms", "tokenize_ms"):
+        out[k] = {q: statistics.median(t[k][q] for t in trials) for q in trials[0][k]}
+    out["completed"], out["total"] = min(t["completed"] for t in trials), trials[0]["total"]
+    out["routed"] = [t["routed"] for t in trials]
+    out["errors"] = [t["errors"] for t in trials]
+    out["trials"] = trials
+    return out
+
+
 def markdown(doc: dict[str, Any]) -> str:
-    lines = [f"# trillm bench router: {doc['replicas']} mock replicas", ""]
+    lines = [f"# trillm bench router: {doc['replicas']} mock replicas, median of {doc['flags']['trials']} trials", ""]
     for wl, runs in doc["workloads"].items():
         lines += [f"## {wl}", "",
                   "| policy | ok/total | prefix hit rate | cached tokens | TTFT p50 | TTFT p90 | req/s | out tok/s "
@@ -231,6 +263,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--speedup", type=float, default=1.0, help="the mock replicas' --speedup")
     p.add_argument("--replica-flag", action="append", default=[], help="extra `serve --mock` flag (repeatable)")
     p.add_argument("--router-flag", action="append", default=[], help="extra `route` flag (repeatable)")
+    p.add_argument("--trials", type=int, default=2, help="runs of each policy, in rotating order (medians reported)")
     p.add_argument("--overhead-requests", type=int, default=200, help="0 skips the overhead pass")
     p.add_argument("--overhead-words", type=int, default=400, help="prompt words in the overhead pass")
     p.add_argument("--seed", type=int, default=0)
@@ -253,36 +286,32 @@ def main(argv: list[str] | None = None) -> int:
             units = len(workload.sessions())
             concurrency = args.concurrency or units
             doc["workloads"][wl_name] = {}
-            for k, policy in enumerate(policies):
-                fleet = Fleet.start(out, f"{wl_name}-{policy}", args.replicas, policy, replica_flags, args.router_flag)
-                try:
-                    run, stats = trio.run(drive, fleet.router.url, policy, workload, concurrency, opts,
-                                          not args.no_progress)
-                finally:
-                    fleet.stop()
-                check_measured(run, stats)
-                s = run.summary
-                doc["workloads"][wl_name][policy] = {
-                    "completed": s.completed, "total": len(run.records), "errors": s.errors,
-                    "prompt_tokens": s.input_tokens, "cached_tokens": s.cached_tokens, "prefix_hit_rate": hit_rate(run),
-                    "ttft_p50_ms": s.ttft.p50, "ttft_p90_ms": s.ttft.p90, "e2e_p50_ms": s.e2e.p50,
-                    "request_throughput": s.request_throughput, "output_throughput": s.output_throughput,
-                    "duration_s": s.duration_s, "decision_ms": stats["overhead"]["decision_ms"],
-                    "tokenize_ms": stats["overhead"]["tokenize_ms"], "retries": stats["retries"],
-                    "routed": sorted(r["routed"] for r in stats["replicas"]),
-                    "predicted_cached_blocks": stats["predicted_cached_blocks"], "concurrency": concurrency,
-                    "records": [r.to_json() for r in run.records],
-                }
-                print(f"{wl_name:>13} {policy:>12}: {s.completed}/{len(run.records)} ok, hit rate {hit_rate(run):.3f}, "
-                      f"TTFT p50 {s.ttft.p50:.0f} ms p90 {s.ttft.p90:.0f} ms, {s.output_throughput:.0f} out tok/s, "
-                      f"decision p50 {stats['overhead']['decision_ms']['p50']:.2f} ms", file=sys.stderr, flush=True)
-            runs = doc["workloads"][wl_name]
+            trials: dict[str, list[dict[str, Any]]] = {policy: [] for policy in policies}
+            for t in range(args.trials):  # the order rotates, so the machine's drift hits every policy alike
+                for policy in policies[t % len(policies):] + policies[:t % len(policies)]:
+                    tag = f"{wl_name}-{policy}-t{t}"
+                    fleet = Fleet.start(out, tag, args.replicas, policy, replica_flags, args.router_flag)
+                    try:
+                        run, stats = trio.run(drive, fleet.router.url, policy, workload, concurrency, opts,
+                                              not args.no_progress)
+                    finally:
+                        fleet.stop()
+                    check_measured(run, stats)
+                    trials[policy].append(trial_json(run, stats, concurrency))
+                    s = run.summary
+                    print(f"{wl_name:>13} {policy:>12} trial {t}: {s.completed}/{len(run.records)} ok, hit rate "
+                          f"{hit_rate(run):.3f}, TTFT p50 {s.ttft.p50:.0f} ms p90 {s.ttft.p90:.0f} ms, "
+                          f"{s.output_throughput:.0f} out tok/s, decision p50 "
+                          f"{stats['overhead']['decision_ms']['p50']:.2f} ms", file=sys.stderr, flush=True)
+            runs = doc["workloads"][wl_name] = {policy: median_of(ts) for policy, ts in trials.items()}
             if "kv" in runs and "round-robin" in runs:
                 kv, rr = runs["kv"], runs["round-robin"]
                 doc["comparisons"][wl_name] = {
                     "cached_ratio_kv_over_round_robin": kv["cached_tokens"] / max(1, rr["cached_tokens"]),
                     "ttft_p50_ratio_kv_over_round_robin": kv["ttft_p50_ms"] / max(1e-9, rr["ttft_p50_ms"]),
-                    "same_requests_succeeded": kv["completed"] == rr["completed"] == kv["total"],
+                    "cached_ratio_per_trial": [a["cached_tokens"] / max(1, b["cached_tokens"])
+                                               for a, b in zip(trials["kv"], trials["round-robin"])],
+                    "same_requests_succeeded": all(x["completed"] == x["total"] for ts in trials.values() for x in ts),
                 }
         if args.overhead_requests > 0:
             fleet = Fleet.start(out, "overhead", 1, "kv", ["--speedup", "1000", *args.replica_flag], args.router_flag)

@@ -35,12 +35,16 @@ class KVEventHub:
         return len(self._subscribers)
 
     async def run(self) -> None:
-        """Drain and fan out until cancelled (reports are dropped while nobody listens)."""
+        """Drain and fan out until cancelled (reports are dropped while nobody listens). A new epoch is news
+        even without reports: subscribers must drop what they know of the old engine's cache now."""
+        epoch = self.service.statistics().epoch
         while True:
             await trio.sleep(self.interval_s)
             reports = self.service.drain_reports()
-            if reports and self._subscribers:
+            new_epoch = self.service.statistics().epoch
+            if (reports or new_epoch != epoch) and self._subscribers:
                 self.publish(reports)
+            epoch = new_epoch
 
     def publish(self, reports: list[StepReport]) -> None:
         msg = json.dumps({"type": "steps", "model": self.service.model_name,

@@ -205,3 +205,12 @@ def test_queued_prefill_spreads_a_burst_of_one_shared_prefix() -> None:
     assert w.load.prefill_blocks == 0
     third = router.choose(None, system + [94, 95])  # now the prefix is there (or being computed elsewhere)
     assert third is not None and third.worker in (first.worker, second.worker) and third.cached_blocks == 10
+
+
+def test_a_batch_without_events_from_a_new_epoch_still_breaks_the_stream() -> None:
+    router = ready_router()
+    key = WorkerKey(URLS[0], "m")
+    store(router, URLS[0], ["a"])
+    assert not router.on_steps(key, 2, [])  # the replica rebuilt its engine: what we knew is gone
+    w = router.worker(key)
+    assert w is not None and len(w.index) == 0 and not w.index.synced

@@ -364,3 +364,63 @@ async def test_a_replica_whose_tokenizer_differs_is_tokenized_remotely() -> None
             stats = (await client.get(r.url + "/stats")).json()
             assert stats["overhead"]["tokenized"] == 1 and stats["prompt_blocks"] > 0
         nursery.cancel_scope.cancel()
+
+
+async def test_a_replica_engine_restart_resyncs_its_index() -> None:
+    from conftest import MockFactory
+    from trillm.web.service import ServiceConfig
+
+    factory = MockFactory(config=CONFIG)  # the threaded shell, so a failed step restarts the engine
+    async with trio.open_nursery() as nursery:
+        serving = await nursery.start(partial(serve, [ModelSpec(None, factory)], ServerConfig(port=0),
+                                              service_config=ServiceConfig(restart_backoff_s=0.05)))
+        async with routing([serving.url]) as r, httpx.AsyncClient() as client:
+            await wait_synced(r, 1)
+            body = {"prompt": "some words to cache " * 10, "max_tokens": 2}
+            assert (await client.post(r.url + "/v1/completions", json=body)).status_code == 200
+
+            async def worker() -> dict[str, Any]:
+                st = (await client.get(r.url + "/stats")).json()
+                return st["replicas"][0]["workers"][0]  # type: ignore[no-any-return]
+
+            with trio.fail_after(5):
+                while (await worker())["index_blocks"] == 0:
+                    await trio.sleep(0.02)
+            factory.fail_next_step()
+            assert (await client.post(r.url + "/v1/completions", json=body)).status_code == 500
+            with trio.fail_after(10):
+                while (w := await worker())["epoch"] != 2 or not w["synced"]:
+                    await trio.sleep(0.02)
+            assert w["resyncs"] >= 1 and w["index_blocks"] == 0  # the new engine's cache is empty
+            assert (await client.post(r.url + "/v1/completions", json=body)).status_code == 200
+            with trio.fail_after(5):
+                while (await worker())["index_blocks"] == 0:  # and its new events fill the index again
+                    await trio.sleep(0.02)
+        nursery.cancel_scope.cancel()
+
+
+async def test_api_keys_on_the_front_and_towards_the_replicas() -> None:
+    async with trio.open_nursery() as nursery:
+        serving = await nursery.start(serve, [ModelSpec(None, mock_factory(), inline=True)],
+                                      ServerConfig(port=0, api_key="replica-key"))
+        config = RouterConfig((serving.url,), ServerConfig(port=0, api_key="front-key"),
+                              replica_api_key="replica-key", health_interval_s=0.1)
+        async with trio.open_nursery() as inner:
+            r: Routing = await inner.start(partial(route, config))
+            await wait_synced(r, 1)  # the monitor reached /v1/models and /internal/kv-events with its key
+            async with httpx.AsyncClient() as client:
+                body = {"prompt": "a b c", "max_tokens": 2}
+                assert (await client.post(r.url + "/v1/completions", json=body)).status_code == 401
+                resp = await client.post(r.url + "/v1/completions", json=body,
+                                         headers={"Authorization": "Bearer front-key"})
+                assert resp.status_code == 200, resp.text
+                assert (await client.get(r.url + "/health")).status_code == 200  # open, as on a replica
+            ws_url = r.url.replace("http", "ws", 1) + "/v1/ws"
+            async with trio_websocket.open_websocket_url(
+                    ws_url, extra_headers=[(b"Authorization", b"Bearer front-key")]) as ws:
+                await ws.send_message(json.dumps({"type": "generate", "id": 1, "prompt": "x", "max_tokens": 2}))
+                with trio.fail_after(10):
+                    while json.loads(await ws.get_message())["type"] != "done":
+                        pass
+            inner.cancel_scope.cancel()
+        nursery.cancel_scope.cancel()

@@ -7,7 +7,9 @@ the very same decisions over inline mock services on a virtual clock:
 - health.py: a replica's health state (in or out of the pool).
 - core.py: the Router: workers (replica x model), what was routed where, choose() and its bookkeeping.
 - prompt.py: a request body's prompt token ids, computed the way the replicas compute them.
+- tokenizers.py: where those come from: a local tokenizer checked against the replica's, or its /tokenize.
 - replica.py: the trio shells per replica: health checks, model discovery, KV-event subscriptions.
 - proxy.py / ws.py: forwarding HTTP (streamed byte for byte, with retries) and the /v1/ws websocket.
-- app.py: the quart-trio app and `route()`, which serves it on hypercorn.
+- app.py: the quart-trio app and `route()`, which serves it on hypercorn; config.py: RouterConfig;
+  metrics.py: the router's /metrics and /stats.
 """

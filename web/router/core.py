@@ -227,7 +227,7 @@ class Router:
         worker = self.worker(key)
         if worker is None:
             return False
-        ok = True
+        ok = worker.index.apply(epoch, ())  # a batch without events still says which engine it is from
         for report in reports:
             worker.reported = report.load
             if ok:
