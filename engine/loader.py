@@ -127,7 +127,7 @@ def _download(repo_id: str) -> Path:
 def _load_gguf(path: Path, target: mx.Dtype | None, keep_quantized: bool, report: ProgressFn) -> LoadedModel:
     g = load_gguf(path, keep_quantized=keep_quantized, dtype=target, on_progress=report)
     name = _QUANT_SUFFIX.sub("", path.stem) or path.stem
-    return _loaded(g.model, g.tokenizer, g.config, f"gguf:{_file_fingerprint(path)}", name, g.dtype)
+    return _loaded(g.model, g.tokenizer, g.config, model_id_of(path), name, g.dtype)
 
 
 def _load_folder(path: Path, name: str, target: mx.Dtype | None, keep_quantized: bool, report: ProgressFn) -> LoadedModel:
@@ -146,7 +146,7 @@ def _load_folder(path: Path, name: str, target: mx.Dtype | None, keep_quantized:
         target = _checkpoint_dtype(model)
     model.set_dtype(target)
     report("tokenizer", 0.15)
-    return _loaded(model, _folder_tokenizer(path), config, f"folder:{_folder_fingerprint(path)}", name, target)
+    return _loaded(model, _folder_tokenizer(path), config, model_id_of(path), name, target)
 
 
 def _folder_tokenizer(path: Path) -> Tokenizer:
@@ -161,15 +161,21 @@ def _folder_tokenizer(path: Path) -> Tokenizer:
     return Tokenizer(hf, eos_token_ids=eos_ids)
 
 
+def model_id_of(path: str | os.PathLike[str]) -> str:
+    """The model_id `load_model` gives a local .gguf file or model folder, without loading anything."""
+    p = Path(path)
+    return f"gguf:{_file_fingerprint(p)}" if p.is_file() else f"folder:{_folder_fingerprint(p)}"
+
+
 def load_tokenizer(spec: str | None = None) -> tuple[Tokenizer, str]:
     """Only the tokenizer of a local model (a .gguf file or a model folder; None: the default model), and
     the model_id `load_model` would give it: enough to tokenize prompts exactly as its engine does."""
     path = Path(default_model_path() if spec is None else os.path.expanduser(spec))
     if path.is_file():
         _, meta = read_gguf(path)  # the tensors are dropped unread
-        return build_gguf_tokenizer(meta, str(path)), f"gguf:{_file_fingerprint(path)}"
+        return build_gguf_tokenizer(meta, str(path)), model_id_of(path)
     if path.is_dir() and (path / "config.json").is_file():
-        return _folder_tokenizer(path), f"folder:{_folder_fingerprint(path)}"
+        return _folder_tokenizer(path), model_id_of(path)
     raise ModelNotFound(f"no local model at {str(path)!r} (expected a .gguf file or a model folder)")
 
 

@@ -12,6 +12,8 @@ HELP = "route requests over several trillm replicas (KV-aware: to the replica ca
 
 
 def configure(p: argparse.ArgumentParser) -> None:
+    from trillm.web.router.policy import CostWeights
+
     p.add_argument("--replica", action="append", required=True, metavar="URL",
                    help="a replica's base URL, e.g. http://127.0.0.1:8001 (repeat for each replica)")
     p.add_argument("--host", default="127.0.0.1")
@@ -19,10 +21,11 @@ def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("--policy", choices=("kv", "round-robin", "least-loaded"), default="kv",
                    help="kv: lowest prefill-blocks-not-cached x weight + load (default); or round-robin, "
                         "least-loaded")
-    p.add_argument("--prefill-weight", type=float, default=1.0,
-                   help="kv: cost of one prompt block the replica has not cached, in KV blocks in use")
-    p.add_argument("--request-weight", type=float, default=0.0,
-                   help="kv: cost of one running or waiting request, in KV blocks in use")
+    weights = CostWeights()
+    p.add_argument("--prefill-weight", type=float, default=weights.prefill_weight,
+                   help="kv: cost of one prompt block to prefill there, in KV blocks in use (default: %(default)s)")
+    p.add_argument("--request-weight", type=float, default=weights.request_weight,
+                   help="kv: cost of one running or waiting request, in KV blocks in use (default: %(default)s)")
     p.add_argument("--tokenizer", default="auto", metavar="auto|remote|PATH",
                    help="how the router computes prompt token ids: auto (locally where it can build the "
                         "replicas' tokenizer, else the replica's /tokenize), remote, or a model file/folder to "

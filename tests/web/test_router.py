@@ -424,3 +424,39 @@ async def test_api_keys_on_the_front_and_towards_the_replicas() -> None:
                         pass
             inner.cancel_scope.cancel()
         nursery.cancel_scope.cancel()
+
+
+async def test_real_replicas_a_conversation_follows_its_prefix(tiny_model_path: Any) -> None:
+    """Two replicas of the real engine (the tiny random llama, its HF tokenizer): with the model's tokenizer
+    loaded in the router (and checked against the replicas') each turn goes where the previous one is
+    cached; with the replicas' /tokenize instead, the same."""
+    from trillm.web.service import ServiceConfig
+
+    def factory() -> Any:
+        from trillm.engine.llm_engine import LLMEngine
+
+        return LLMEngine(EngineConfig(model=str(tiny_model_path), num_kv_blocks=256, max_num_seqs=4,
+                                      max_num_batched_tokens=128))
+
+    async with trio.open_nursery() as nursery:
+        replicas = [await nursery.start(partial(serve, [ModelSpec(None, factory)], ServerConfig(port=0),
+                                                service_config=ServiceConfig())) for _ in range(2)]
+        for tokenizer, state in ((str(tiny_model_path), "local"), ("remote", "remote")):
+            async with routing([s.url for s in replicas], tokenizer=tokenizer) as r, \
+                    httpx.AsyncClient(timeout=60) as client:
+                st = await wait_synced(r, 2)
+                assert list(st["tokenizers"].values()) == [state]
+                messages: list[dict[str, str]] = [{"role": "system", "content": f"{tokenizer}: " + "be kind. " * 30}]
+                cached = []
+                for turn in range(3):
+                    messages.append({"role": "user", "content": f"question number {turn} " * 4})
+                    resp = await client.post(r.url + "/v1/chat/completions",
+                                             json={"messages": messages, "max_tokens": 3, "temperature": 0})
+                    assert resp.status_code == 200, resp.text
+                    body = resp.json()
+                    cached.append(body["usage"]["prompt_tokens_details"]["cached_tokens"])
+                    messages.append({"role": "assistant", "content": body["choices"][0]["message"]["content"]})
+                routed = sorted(rep["routed"] for rep in (await client.get(r.url + "/stats")).json()["replicas"])
+                assert cached[0] == 0 and min(cached[1:]) > 0, cached
+                assert routed == [0, 3]  # the whole conversation on one replica
+        nursery.cancel_scope.cancel()

@@ -7,7 +7,11 @@ saves that much prefill, weighed against how busy it is,
            + block_weight * (KV blocks in use) + request_weight * (running + waiting requests)
 
 and the cheapest worker wins. The queued prefill (uncached blocks of requests sent there that have not
-produced a token yet) is work the new request waits behind, like Dynamo's "potential prefill blocks". Ties go round-robin, so equal workers share the load. Everything is in KV
+produced a token yet) is work the new request waits behind, like Dynamo's "potential prefill blocks".
+The default prefill weight, 8, is the time of prefilling one block against holding one block through a
+decode of a few dozen tokens, about 9:1 in the mock engine's roofline model of SmolLM2 (more on the CPU
+engine); in the simulator it was the smallest weight that kept every conversation on its replica, with
+round-robin's hit rate or better on shared prefixes and bursts (bench/simulate.py, `--replicas`). Ties go round-robin, so equal workers share the load. Everything is in KV
 blocks of the worker's block size; pure functions of frozen records, so they are testable without a server.
 """
 
@@ -43,7 +47,7 @@ class Candidate:
 
 @dataclass(frozen=True, slots=True)
 class CostWeights:
-    prefill_weight: float = 4.0
+    prefill_weight: float = 8.0
     block_weight: float = 1.0
     request_weight: float = 0.0
 

@@ -1,7 +1,8 @@
 """Where the router gets a request's prompt token ids (it needs them only to hash the prompt's blocks).
 
 - local: the replicas' own tokenizer in this process: the mock engine's (known from the replica's model id),
-  or one loaded from the model's files (`--tokenizer PATH`, used for replicas whose model id it matches).
+  the default model's (when the replica's model id is the default model's), or one loaded from the model's
+  files (`--tokenizer PATH`, used for replicas whose model id it matches).
   It is trusted only after it tokenized every probe exactly as the replica's POST /tokenize did. Cost: the
   chat template and the tokenizer's encode, in this process.
 - remote: the replica's POST /tokenize (one extra round trip per request; used until a local one is trusted,
@@ -39,6 +40,7 @@ class PromptSource:
             from trillm.engine.loader import load_tokenizer
 
             self._given = load_tokenizer(mode)
+        self._default_id: str | None = None  # the default model's id, once asked
         self._trusted: dict[str, TokenizerLike | None] = {}  # model id -> verified local tokenizer (None: remote)
         self._checking: set[str] = set()
 
@@ -51,12 +53,29 @@ class PromptSource:
         out.update({m: "checking" for m in self._checking})
         return out
 
-    def _candidate(self, model_id: str) -> TokenizerLike | None:
+    async def _candidate(self, model_id: str) -> TokenizerLike | None:
         if self.mode == "remote":
             return None
         if self._given is not None and self._given[1] == model_id:
             return self._given[0]
+        if self.mode == "auto" and model_id.startswith("gguf:"):
+            return await self._default_model_tokenizer(model_id)
         return mock_tokenizer_for(model_id)
+
+    async def _default_model_tokenizer(self, model_id: str) -> TokenizerLike | None:
+        """The default model's tokenizer when `model_id` is the default model's (read on a worker thread)."""
+        from trillm.engine.errors import EngineError
+        from trillm.engine.loader import default_model_path, load_tokenizer, model_id_of
+
+        try:
+            if self._default_id is None:
+                self._default_id = await trio.to_thread.run_sync(model_id_of, default_model_path())
+            if self._default_id != model_id:
+                return None
+            tokenizer, _ = await trio.to_thread.run_sync(load_tokenizer, None)
+        except (EngineError, OSError):
+            return None  # no default model installed here: tokenize remotely
+        return tokenizer
 
     async def verify(self, key: WorkerKey) -> None:
         """Decide (once per model id) whether a local tokenizer matches this worker's replica."""
@@ -66,12 +85,12 @@ class PromptSource:
         model_id = worker.spec.model_id
         if model_id in self._trusted or model_id in self._checking:
             return
-        candidate = self._candidate(model_id)
-        if candidate is None:
-            self._trusted[model_id] = None
-            return
         self._checking.add(model_id)
         try:
+            candidate = await self._candidate(model_id)
+            if candidate is None:
+                self._trusted[model_id] = None
+                return
             await self._check(worker, model_id, candidate)
         except Exception as exc:  # a bug here must not take the replica's monitor down: tokenize remotely
             log.exception("%s: checking the local tokenizer failed", key, exc_info=exc)
