@@ -263,7 +263,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--speedup", type=float, default=1.0, help="the mock replicas' --speedup")
     p.add_argument("--replica-flag", action="append", default=[], help="extra `serve --mock` flag (repeatable)")
     p.add_argument("--router-flag", action="append", default=[], help="extra `route` flag (repeatable)")
-    p.add_argument("--trials", type=int, default=2, help="runs of each policy, in rotating order (medians reported)")
+    p.add_argument("--trials", type=int, default=3, help="runs of each policy, in rotating order (medians reported)")
     p.add_argument("--overhead-requests", type=int, default=200, help="0 skips the overhead pass")
     p.add_argument("--overhead-words", type=int, default=400, help="prompt words in the overhead pass")
     p.add_argument("--seed", type=int, default=0)
