@@ -263,6 +263,18 @@ def tool_request(body: ChatCompletionRequest) -> ToolRequest | None:
     return ToolRequest(tools, "named", choice.function.name, parallel)
 
 
+def generation_prompt_ids(body: ChatCompletionRequest | CompletionRequest, tokenizer: Tokenizer,
+                          tools: ToolRequest | None = None, options: ChatOptions = ChatOptions()) -> list[int]:
+    """The prompt ids a generation runs on: the chat template over the messages (and the tools, in the form
+    this model's template takes them), or the completion's prompt. A KV-aware router computes them too."""
+    if isinstance(body, CompletionRequest):
+        return completion_prompt_ids(body, tokenizer)
+    messages, tool_dicts = _messages(body.messages), None
+    if tools is not None or any(m.tool_calls or m.role == "tool" for m in body.messages):
+        messages, tool_dicts = template_inputs(messages, tools, model_features(tokenizer, options))
+    return render_chat(messages, tokenizer, tools=tool_dicts, template_kwargs=body.chat_template_kwargs)
+
+
 def parse_generation(body: ChatCompletionRequest | CompletionRequest, model_name: str, tokenizer: Tokenizer,
                      model: RequestLimits, limits: Limits, options: ChatOptions = ChatOptions()) -> GenerationRequest:
     """Turn a validated body into prompt ids and params (raising InvalidRequest for what does not fit)."""
@@ -271,15 +283,8 @@ def parse_generation(body: ChatCompletionRequest | CompletionRequest, model_name
     if size > limits.max_prompt_bytes:
         raise _bad(f"the prompt has {size} bytes; this server allows at most {limits.max_prompt_bytes}")
     answer = answer_spec(body)
-    tools: ToolRequest | None = None
-    if isinstance(body, ChatCompletionRequest):
-        tools = tool_request(body)
-        messages, tool_dicts = _messages(body.messages), None
-        if tools is not None or any(m.tool_calls or m.role == "tool" for m in body.messages):
-            messages, tool_dicts = template_inputs(messages, tools, model_features(tokenizer, options))
-        ids = render_chat(messages, tokenizer, tools=tool_dicts, template_kwargs=body.chat_template_kwargs)
-    else:
-        ids = completion_prompt_ids(body, tokenizer)
+    tools = tool_request(body) if isinstance(body, ChatCompletionRequest) else None
+    ids = generation_prompt_ids(body, tokenizer, tools, options)
     if not ids:
         raise _bad("the prompt is empty")
     if limits.max_prompt_tokens is not None and len(ids) > limits.max_prompt_tokens:

@@ -74,7 +74,7 @@ async def routing(urls: list[str], **config: Any) -> AsyncIterator[Routing]:
 async def wait_synced(r: Routing, n: int, timeout: float = 10, *, hashed: bool = True) -> dict[str, Any]:
     """Until n workers are in the pool with their KV-event streams started (and, if `hashed`, their block
     hashing known and their tokenizers decided)."""
-    async with httpx.AsyncClient() as client:
+    async with httpx.AsyncClient(timeout=30) as client:
         with trio.fail_after(timeout):
             while True:
                 st = (await client.get(r.url + "/stats")).json()
@@ -90,7 +90,7 @@ async def test_hello_says_how_the_replica_hashes_blocks() -> None:
     async with trio.open_nursery() as nursery:
         rep = await start_replica(nursery)
         ws_url = rep.url.replace("http", "ws", 1) + "/internal/kv-events"
-        async with trio_websocket.open_websocket_url(ws_url) as ws, httpx.AsyncClient() as client:
+        async with trio_websocket.open_websocket_url(ws_url) as ws, httpx.AsyncClient(timeout=30) as client:
             hello = json.loads(await ws.get_message())
             assert hello["model_id"] == mock_model_id(SPEC) and hello["block_size"] == CONFIG.block_size
             assert hello["hash_seed"] == root_hash(mock_model_id(SPEC)).hex() and hello["prefix_caching"] is True
@@ -122,7 +122,7 @@ async def run_multi_turn(policy: str) -> tuple[Any, dict[str, Any]]:
             await wait_synced(r, 3)
             result = await run_workload(Target(policy, r.url), workload, Arrival("concurrency", 7),
                                         GenerationOptions(ignore_eos=True, timeout_s=30), progress=False)
-            async with httpx.AsyncClient() as client:
+            async with httpx.AsyncClient(timeout=30) as client:
                 stats = (await client.get(r.url + "/stats")).json()
         nursery.cancel_scope.cancel()
     return result, stats
@@ -204,7 +204,7 @@ async def fake_replica(chunks: list[bytes], status: int = 200) -> AsyncIterator[
 
 async def test_responses_are_forwarded_byte_for_byte() -> None:
     chunks = [b'data: {"a": 1}\n\n', b": keepalive\n\n", b'data: {"b": "\xc3\xa9', b'"}\n\n', b"data: [DONE]\n\n"]
-    async with fake_replica(chunks) as url, routing([url]) as r, httpx.AsyncClient() as client:
+    async with fake_replica(chunks) as url, routing([url]) as r, httpx.AsyncClient(timeout=30) as client:
         await wait_synced(r, 1, hashed=False)
         body = {"messages": [{"role": "user", "content": "hi"}], "stream": True}
         got: list[bytes] = []
@@ -225,14 +225,14 @@ async def test_a_full_replica_passes_requests_to_the_next() -> None:
     async with trio.open_nursery() as nursery:
         busy = await start_replica(nursery, full)
         ok = await start_replica(nursery)
-        async with routing([busy.url, ok.url], policy="round-robin") as r, httpx.AsyncClient() as client:
+        async with routing([busy.url, ok.url], policy="round-robin") as r, httpx.AsyncClient(timeout=30) as client:
             await wait_synced(r, 2)
             for i in range(4):
                 resp = await client.post(r.url + "/v1/completions", json={"prompt": f"a b c {i}", "max_tokens": 3})
                 assert resp.status_code == 200, resp.text
             stats = (await client.get(r.url + "/stats")).json()
             assert stats["retries"].get("503", 0) == 2  # round-robin offered half of them to the full one
-        async with routing([busy.url], policy="round-robin") as r, httpx.AsyncClient() as client:
+        async with routing([busy.url], policy="round-robin") as r, httpx.AsyncClient(timeout=30) as client:
             await wait_synced(r, 1)
             resp = await client.post(r.url + "/v1/completions", json={"prompt": "a b c", "max_tokens": 3})
             assert resp.status_code == 503 and resp.json()["error"]["code"] == "overloaded"
@@ -245,7 +245,7 @@ async def test_a_dead_replica_leaves_the_pool_and_rejoins_when_it_is_back() -> N
     down = f"http://127.0.0.1:{port}"
     async with trio.open_nursery() as nursery:
         up = await start_replica(nursery)
-        async with routing([down, up.url], policy="round-robin") as r, httpx.AsyncClient() as client:
+        async with routing([down, up.url], policy="round-robin") as r, httpx.AsyncClient(timeout=30) as client:
             await wait_synced(r, 1)
             assert (await client.get(r.url + "/health")).json()["replicas"][down]["health"] == "unhealthy"
             for i in range(3):
@@ -345,7 +345,7 @@ async def test_websocket_generations_are_routed_and_cancellable() -> None:
                 assert sorted(e["error"]["message"][:6] for e in errors) == ["no run", "the me"]
                 # The shared system prompt was cached where the first one ran, and the rest followed it.
                 assert sum(done[i]["usage"]["prompt_tokens_details"]["cached_tokens"] for i in range(4)) > 0
-            async with httpx.AsyncClient() as client:
+            async with httpx.AsyncClient(timeout=30) as client:
                 stats = (await client.get(r.url + "/stats")).json()
             assert all(w["inflight"] == 0 for rep in stats["replicas"] for w in rep["workers"])
         nursery.cancel_scope.cancel()
@@ -355,7 +355,7 @@ async def test_a_replica_whose_tokenizer_differs_is_tokenized_remotely() -> None
     messages = [{"role": "user", "content": "hello"}]
     async with trio.open_nursery() as nursery:
         rep = await start_replica(nursery, scripted(messages, "Hi there!"))  # a byte tokenizer, mock model id
-        async with routing([rep.url]) as r, httpx.AsyncClient() as client:
+        async with routing([rep.url]) as r, httpx.AsyncClient(timeout=30) as client:
             st = await wait_synced(r, 1)
             (state,) = st["tokenizers"].values()
             assert state == "remote"
@@ -374,7 +374,7 @@ async def test_a_replica_engine_restart_resyncs_its_index() -> None:
     async with trio.open_nursery() as nursery:
         serving = await nursery.start(partial(serve, [ModelSpec(None, factory)], ServerConfig(port=0),
                                               service_config=ServiceConfig(restart_backoff_s=0.05)))
-        async with routing([serving.url]) as r, httpx.AsyncClient() as client:
+        async with routing([serving.url]) as r, httpx.AsyncClient(timeout=30) as client:
             await wait_synced(r, 1)
             body = {"prompt": "some words to cache " * 10, "max_tokens": 2}
             assert (await client.post(r.url + "/v1/completions", json=body)).status_code == 200
@@ -408,7 +408,7 @@ async def test_api_keys_on_the_front_and_towards_the_replicas() -> None:
         async with trio.open_nursery() as inner:
             r: Routing = await inner.start(partial(route, config))
             await wait_synced(r, 1)  # the monitor reached /v1/models and /internal/kv-events with its key
-            async with httpx.AsyncClient() as client:
+            async with httpx.AsyncClient(timeout=30) as client:
                 body = {"prompt": "a b c", "max_tokens": 2}
                 assert (await client.post(r.url + "/v1/completions", json=body)).status_code == 401
                 resp = await client.post(r.url + "/v1/completions", json=body,

@@ -13,7 +13,8 @@ from typing import Any, Literal
 
 from trillm.engine.errors import InvalidRequest
 from trillm.engine.tokenizer import TokenizerLike
-from trillm.web.protocol import chat_prompt_ids, completion_prompt_ids
+from trillm.web.openai_schema import ChatCompletionRequest, CompletionRequest, parse_object
+from trillm.web.protocol import generation_prompt_ids, tool_request
 
 PromptKind = Literal["chat", "completion"]
 
@@ -34,10 +35,11 @@ def prompt_kind(path: str) -> PromptKind | None:
     return None
 
 
-def ws_prompt_kind(message: dict[str, Any]) -> PromptKind:
-    """The endpoint a /v1/ws generate message asks for (the same rule as web/ws.py)."""
+def ws_request(message: dict[str, Any]) -> tuple[PromptKind, dict[str, Any]]:
+    """The endpoint a /v1/ws generate message asks for, and its request fields (the same rule as web/ws.py)."""
+    body = {k: v for k, v in message.items() if k not in ("type", "id", "endpoint")}
     endpoint = message.get("endpoint")
-    return "chat" if endpoint == "chat" or (endpoint is None and "messages" in message) else "completion"
+    return ("chat" if endpoint == "chat" or (endpoint is None and "messages" in body) else "completion"), body
 
 
 def probe_kind(body: dict[str, Any]) -> PromptKind:
@@ -45,9 +47,13 @@ def probe_kind(body: dict[str, Any]) -> PromptKind:
 
 
 def local_prompt_ids(kind: PromptKind, body: dict[str, Any], tokenizer: TokenizerLike) -> list[int] | None:
-    """The prompt ids a replica with this tokenizer computes for `body`; None if it would refuse it."""
+    """The prompt ids a replica with this tokenizer computes for `body` (with the default tool and reasoning
+    options); None if it would refuse it."""
     try:
-        return chat_prompt_ids(body, tokenizer) if kind == "chat" else completion_prompt_ids(body, tokenizer)
+        if kind == "chat":
+            chat = parse_object(ChatCompletionRequest, body)
+            return generation_prompt_ids(chat, tokenizer, tool_request(chat))
+        return generation_prompt_ids(parse_object(CompletionRequest, body), tokenizer)
     except (InvalidRequest, TypeError, ValueError, KeyError, AttributeError):
         return None
 
@@ -65,12 +71,13 @@ def token_id_prompt(kind: PromptKind, body: dict[str, Any]) -> list[int] | None:
 
 
 def tokenize_request(kind: PromptKind, body: dict[str, Any], model: str | None) -> dict[str, Any] | None:
-    """The POST /tokenize body that makes a replica tokenize `body`'s prompt as its generation would."""
+    """The POST /tokenize body that makes a replica tokenize `body`'s prompt as its generation would (its
+    /tokenize takes no tools: for a request with tools this is an approximation)."""
     out: dict[str, Any] = {} if model is None else {"model": model}
     if kind == "chat":
         if "messages" not in body:
             return None
-        out.update({k: body[k] for k in ("messages", "tools", "chat_template_kwargs") if k in body})
+        out.update({k: body[k] for k in ("messages", "chat_template_kwargs") if k in body})
         return out
     prompt = body.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):

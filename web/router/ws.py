@@ -20,7 +20,7 @@ import trio_websocket
 from trillm.web.errors import APIError, to_api_error
 from trillm.web.router.core import Assignment, Router
 from trillm.web.router.metrics import RouterMetrics
-from trillm.web.router.prompt import ws_prompt_kind
+from trillm.web.router.prompt import ws_request
 from trillm.web.router.proxy import request_model
 from trillm.web.router.tokenizers import PromptSource
 
@@ -103,11 +103,11 @@ class WSSession:
             elif len(self.active) >= self.max_generations:
                 await self.error(gid, APIError(429, "too many concurrent generations on this socket"))
             else:
-                body = {k: v for k, v in msg.items() if k not in ("type", "id")}
+                prompt_kind, body = ws_request(msg)
                 model = request_model(body)
                 ids = None
                 if self.router.policy.uses_kv:
-                    ids = await self.prompts.token_ids(ws_prompt_kind(body), body, model)
+                    ids = await self.prompts.token_ids(prompt_kind, body, model)
                 gen = _Generation(gid, text, model, ids)
                 self.active[key] = gen
                 self.metrics.ws_generations += 1
