@@ -175,6 +175,13 @@ def fake_replica_app(chunks: list[bytes], status: int = 200) -> QuartTrio:
     async def completions() -> Response:
         return Response(b"".join(chunks), status=status, content_type="application/json")
 
+    @app.post("/v1/messages")  # an endpoint the router knows nothing about: forwarded as it is
+    async def messages() -> Response:
+        from quart import request
+
+        return Response(b"echo:" + await request.get_data(), status=201, content_type="application/octet-stream",
+                        headers={"X-Seen-Query": request.query_string.decode()})
+
     @app.websocket("/internal/kv-events")
     async def kv() -> None:
         await app_websocket_send({"type": "hello", "model": "mock-model", "epoch": 0})
@@ -218,6 +225,9 @@ async def test_responses_are_forwarded_byte_for_byte() -> None:
         resp2 = await client.post(r.url + "/v1/completions", json={"prompt": "x"})
         assert resp2.content == b"".join(chunks) and resp2.headers["content-length"] == str(len(resp2.content))
         assert len(resp2.headers.get_list("date")) == 1
+        resp3 = await client.post(r.url + "/v1/messages?beta=true", content=b"\x00not json")
+        assert (resp3.status_code, resp3.content, resp3.headers["x-seen-query"]) == (201, b"echo:\x00not json",
+                                                                                     "beta=true")
 
 
 async def test_a_full_replica_passes_requests_to_the_next() -> None:
