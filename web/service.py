@@ -276,6 +276,7 @@ class EngineService:
         self.kv_cache_spec = KVCacheSpec.of(engine.block_manager, engine.loaded.model_id)
         self.model_name = self._served_name or engine.model_name
         self._epoch += 1
+        self._reports.clear()  # the old engine's events name blocks the new one never had
         self._up_since = trio.current_time()
         self._set_state(ServiceState.READY)
         self.last_error = None

@@ -402,6 +402,7 @@ async def test_a_replica_engine_restart_resyncs_its_index() -> None:
                 while (w := await worker())["epoch"] != 2 or not w["synced"]:
                     await trio.sleep(0.02)
             assert w["resyncs"] >= 1 and w["index_blocks"] == 0  # the new engine's cache is empty
+            await wait_synced(r, 1)  # and the replica back in the pool
             assert (await client.post(r.url + "/v1/completions", json=body)).status_code == 200
             with trio.fail_after(5):
                 while (await worker())["index_blocks"] == 0:  # and its new events fill the index again

@@ -3,7 +3,8 @@
 A *worker* is one model on one replica (a replica may serve several models, each with its own engine, KV
 cache and event stream). The router keeps, per worker, the KV index fed by its events, the load it last
 reported, and what this router has sent it that is still in flight: the in-flight prompts' block hashes
-count as cached-soon (the replica computes a shared prefix once and the followers reuse it) and as load.
+count as cached-soon (the replica computes a shared prefix once and the followers reuse it) and as load,
+and their uncached blocks, until their first token, as prefill queued there.
 `choose` builds one Candidate per eligible worker and lets the policy pick; `release` undoes an assignment
 when its response ends. A prompt that was computed stays cached-soon a little longer, until the worker's
 next event batches (which carry its "stored" events) have surely arrived: a conversation's next turn often
