@@ -242,6 +242,19 @@ async def test_a_full_replica_passes_requests_to_the_next() -> None:
                 assert resp.status_code == 200, resp.text
             stats = (await client.get(r.url + "/stats")).json()
             assert stats["retries"].get("503", 0) == 2  # round-robin offered half of them to the full one
+            ws_url = r.url.replace("http", "ws", 1) + "/v1/ws"
+            async with trio_websocket.open_websocket_url(ws_url) as ws:  # a refused generation moves too
+                for i in range(2):
+                    await ws.send_message(json.dumps({"type": "generate", "id": i, "prompt": "x y", "max_tokens": 2}))
+                done: list[Any] = []
+                with trio.fail_after(10):
+                    while len(done) < 2:
+                        msg = json.loads(await ws.get_message())
+                        assert msg["type"] in ("delta", "done"), msg
+                        if msg["type"] == "done":
+                            done.append(msg["id"])
+            stats = (await client.get(r.url + "/stats")).json()
+            assert stats["retries"]["503"] == 3
         async with routing([busy.url], policy="round-robin") as r, httpx.AsyncClient(timeout=30) as client:
             await wait_synced(r, 1)
             resp = await client.post(r.url + "/v1/completions", json={"prompt": "a b c", "max_tokens": 3})

@@ -77,9 +77,11 @@ class ReplicaMonitor:
             with trio.fail_after(self.timeout_s):
                 r = await self.client.get(self.url + "/v1/models", headers=self.headers)
             data = r.json()["data"] if r.status_code == 200 else None
-        except (httpx.HTTPError, trio.TooSlowError, OSError, ValueError, KeyError, TypeError):
-            data = None
+        except (httpx.HTTPError, trio.TooSlowError, OSError, ValueError, KeyError, TypeError) as exc:
+            log.warning("replica %s: GET /v1/models failed: %r", self.url, exc)
+            return False
         if not isinstance(data, list):
+            log.warning("replica %s: GET /v1/models answered %s", self.url, r.status_code)
             return False
         self.model_entries = [m for m in data if isinstance(m, dict) and isinstance(m.get("id"), str)]
         added, removed = self.router.set_models(self.url, [m["id"] for m in self.model_entries])

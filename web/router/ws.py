@@ -88,8 +88,12 @@ class WSSession:
         text = raw if isinstance(raw, str) else raw.decode()
         if kind == "cancel":
             gen = self.active.get(key)
-            if gen is None or gen.assignment is None:
+            if gen is None:
                 await self.error(gid, APIError(404, f"no running generation has id {gid!r}"))
+                return
+            if gen.assignment is None:  # between two replicas: it simply goes nowhere
+                del self.active[key]
+                await self.send({"type": "cancelled", "id": gen.gid})
                 return
             upstream = self._upstreams.get(gen.assignment.worker.replica)
             if upstream is not None:
@@ -118,6 +122,8 @@ class WSSession:
     async def dispatch(self, key: str, gen: _Generation) -> None:
         """Send a generation to the best replica it has not tried; an error to the client if none is left."""
         while True:
+            if self.active.get(key) is not gen:
+                return  # cancelled while it was between replicas
             a = self.router.choose(gen.model, gen.token_ids, exclude=gen.tried)
             if a is None:
                 self.active.pop(key, None)
