@@ -35,6 +35,8 @@ def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("--replica-api-key", default=os.environ.get("TRILLM_REPLICA_API_KEY"),
                    help="the key the replicas require (default: $TRILLM_REPLICA_API_KEY; unset: forward the "
                         "client's Authorization header)")
+    p.add_argument("--allowed-origin", action="append", default=[], dest="allowed_origins", metavar="ORIGIN",
+                   help="a web page origin (besides the router's own) that may open its websocket; repeatable")
     p.add_argument("--health-interval", type=float, default=1.0, metavar="SECONDS")
     p.add_argument("--max-request-bytes", type=int, default=4 << 20)
     p.add_argument("--log-level", default="info")
@@ -55,7 +57,7 @@ def run(args: argparse.Namespace) -> int:
         config = RouterConfig(
             tuple(u.rstrip("/") for u in args.replica),
             ServerConfig(host=args.host, port=args.port, api_key=args.api_key,
-                         max_request_bytes=args.max_request_bytes),
+                         max_request_bytes=args.max_request_bytes, allowed_origins=tuple(args.allowed_origins)),
             policy=args.policy, weights=CostWeights(args.prefill_weight, 1.0, args.request_weight),
             tokenizer=args.tokenizer, replica_api_key=args.replica_api_key, health_interval_s=args.health_interval,
         )

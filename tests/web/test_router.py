@@ -484,3 +484,41 @@ async def test_real_replicas_a_conversation_follows_its_prefix(tiny_model_path: 
                 assert cached[0] == 0 and min(cached[1:]) > 0, cached
                 assert routed == [0, 3]  # the whole conversation on one replica
         nursery.cancel_scope.cancel()
+
+
+async def test_messages_and_responses_apis_are_routed_by_their_prompt() -> None:
+    """Anthropic's Messages and OpenAI's Responses requests: the router translates them as the replicas do
+    (to a chat request) to hash their prompts, locally and through a replica's /tokenize alike."""
+    from trillm.engine.mock import MockTokenizer
+    from trillm.web.router.prompt import local_prompt_ids, tokenize_request
+
+    system = "you know a lot about rivers " * 20
+    bodies = {
+        "messages": {"model": "mock-model", "max_tokens": 4, "system": system,
+                     "messages": [{"role": "user", "content": [{"type": "text", "text": "the longest?"}]}]},
+        "responses": {"model": "mock-model", "max_output_tokens": 4, "instructions": system, "input": "the longest?"},
+    }
+    async with trio.open_nursery() as nursery:
+        replicas = [await start_replica(nursery) for _ in range(2)]
+        async with routing([r.url for r in replicas]) as r, httpx.AsyncClient(timeout=30) as client:
+            await wait_synced(r, 2)
+            for kind, body in bodies.items():
+                local = local_prompt_ids(kind, body, MockTokenizer(SPEC.vocab_size))  # type: ignore[arg-type]
+                payload = tokenize_request(kind, body, "mock-model")  # type: ignore[arg-type]
+                remote = (await client.post(replicas[0].url + "/tokenize", json=payload)).json()["tokens"]
+                assert local is not None and local == remote
+            path = {"messages": "/v1/messages", "responses": "/v1/responses"}
+            for kind, body in bodies.items():
+                for turn in range(2):
+                    resp = await client.post(r.url + path[kind], json=body)
+                    assert resp.status_code == 200, resp.text
+            stats = (await client.get(r.url + "/stats")).json()
+            # Both translate to the same chat prompt (system + user), so every request after the first found
+            # it where the router had sent the first.
+            assert stats["predicted_cached_blocks"] >= 3 * (len(system.split()) // CONFIG.block_size)
+            assert sorted(rep["routed"] for rep in stats["replicas"]) == [0, 4]
+            # The router's own errors take the API's shape: Anthropic's on /v1/messages.
+        async with routing(["http://127.0.0.1:1"]) as r, httpx.AsyncClient(timeout=30) as client:
+            resp = await client.post(r.url + "/v1/messages", json=bodies["messages"])
+            assert resp.status_code == 503 and resp.json()["type"] == "error"
+        nursery.cancel_scope.cancel()

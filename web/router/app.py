@@ -1,7 +1,8 @@
 """The router's quart-trio app and `route()`, which runs it on hypercorn with a monitor per replica.
 
-Routes: every POST (and GET) under /v1/ is forwarded to one replica (chat and completions are routed by
-their prompt; anything else, e.g. /v1/messages, by load), as are POST /tokenize and /detokenize; /v1/ws is
+Routes: every POST (and GET) under /v1/ is forwarded to one replica (chat, completions, Anthropic's
+Messages and OpenAI's Responses are routed by their prompt; anything else by load), as are POST /tokenize
+and /detokenize; /v1/ws is
 proxied per generation (ws.py). The router answers GET /v1/models (every replica's models), /health (200
 while any replica is in the pool), /metrics and /stats (its own view: replicas, workers, indexes, decision
 times) itself.
@@ -21,9 +22,10 @@ from quart import Response, request, websocket
 from quart_trio import QuartTrio
 from werkzeug.exceptions import HTTPException
 
-from trillm.web.app import error_response, is_authorized, is_protected, json_response
+from trillm.web.app import error_response, is_authorized, is_protected, same_or_allowed_origin
 from trillm.web.asgi import ShieldedFinalSend
 from trillm.web.errors import APIError, to_api_error
+from trillm.web.http import json_response
 from trillm.web.router.config import RouterConfig
 from trillm.web.router.core import Router
 from trillm.web.router.metrics import RouterMetrics, statistics_json
@@ -59,12 +61,15 @@ def create_router_app(config: RouterConfig, router: Router, forwarder: Forwarder
     @app.before_request
     async def check_auth() -> Response | None:
         if is_protected(request.path) and not is_authorized(api_key, request.headers):
-            return error_response(APIError(401, "missing or wrong API key (Authorization: Bearer ...)",
-                                           "authentication_error", "invalid_api_key"))
+            return error_response(APIError(401, "missing or wrong API key (Authorization: Bearer ... or x-api-key)",
+                                           "authentication_error", "invalid_api_key"), request.path)
         return None
 
     @app.before_websocket
     async def check_ws_auth() -> Response | None:
+        if not same_or_allowed_origin(websocket.headers, config.server.allowed_origins):
+            return error_response(APIError(403, "cross-origin websocket refused (see --allowed-origin)",
+                                           "permission_error", "origin_not_allowed"))
         if not is_authorized(api_key, websocket.headers, subprotocol_api_key(websocket.requested_subprotocols)):
             return error_response(APIError(401, "missing or wrong API key", "authentication_error",
                                            "invalid_api_key"))
@@ -74,14 +79,15 @@ def create_router_app(config: RouterConfig, router: Router, forwarder: Forwarder
     async def http_error(exc: HTTPException) -> Response:
         code = exc.code or 500
         return error_response(APIError(code, exc.description or exc.name,
-                                       "invalid_request_error" if code < 500 else "server_error", exc.name))
+                                       "invalid_request_error" if code < 500 else "server_error", exc.name),
+                              request.path)
 
     @app.errorhandler(Exception)
     async def any_error(exc: Exception) -> Response:
         err = to_api_error(exc)
         if err.status == 500:
             log.exception("unhandled error on %s", request.path, exc_info=exc)
-        return error_response(err)
+        return error_response(err, request.path)  # in the shape of the API at that path, as a replica does
 
     async def forward(path: str) -> Response:
         raw = await request.get_data(cache=False)
@@ -145,6 +151,8 @@ def create_router_app(config: RouterConfig, router: Router, forwarder: Forwarder
             headers.append((b"Authorization", f"Bearer {auth}".encode()))
         elif "Authorization" in websocket.headers:
             headers.append((b"Authorization", websocket.headers["Authorization"].encode()))
+        elif "x-api-key" in websocket.headers:
+            headers.append((b"x-api-key", websocket.headers["x-api-key"].encode()))
         elif (offered := subprotocol_api_key(websocket.requested_subprotocols)) is not None:
             headers.append((b"Authorization", b"Bearer " + offered))
         send, recv = trio.open_memory_channel[str](256)

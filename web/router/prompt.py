@@ -13,10 +13,17 @@ from typing import Any, Literal
 
 from trillm.engine.errors import InvalidRequest
 from trillm.engine.tokenizer import TokenizerLike
+from trillm.web import anthropic_api, responses_api
+from trillm.web.anthropic_schema import MessagesRequest
 from trillm.web.openai_schema import ChatCompletionRequest, CompletionRequest, parse_object
 from trillm.web.protocol import generation_prompt_ids, tool_request
+from trillm.web.responses_schema import ResponsesRequest
 
-PromptKind = Literal["chat", "completion"]
+# chat and completion: OpenAI's endpoints; messages and responses: Anthropic's Messages and OpenAI's
+# Responses APIs, which the replicas translate into a chat request (the same translation is used here).
+PromptKind = Literal["chat", "completion", "messages", "responses"]
+PATHS: dict[str, PromptKind] = {"/v1/chat/completions": "chat", "/v1/completions": "completion",
+                                "/v1/messages": "messages", "/v1/responses": "responses"}
 
 # Bodies whose tokenization must agree between the router's tokenizer and a replica's before it is used.
 PROBES: tuple[dict[str, Any], ...] = (
@@ -28,10 +35,17 @@ PROBES: tuple[dict[str, Any], ...] = (
 
 def prompt_kind(path: str) -> PromptKind | None:
     """What kind of prompt an HTTP endpoint takes; None for endpoints the router does not tokenize."""
-    if path == "/v1/chat/completions":
-        return "chat"
-    if path == "/v1/completions":
-        return "completion"
+    return PATHS.get(path)
+
+
+def chat_request(kind: PromptKind, body: dict[str, Any]) -> ChatCompletionRequest | None:
+    """The chat request a replica generates for `body` (None for a completion); raises InvalidRequest."""
+    if kind == "chat":
+        return parse_object(ChatCompletionRequest, body)
+    if kind == "messages":
+        return anthropic_api.chat_body(parse_object(MessagesRequest, body))
+    if kind == "responses":
+        return responses_api.chat_body(parse_object(ResponsesRequest, body))
     return None
 
 
@@ -50,8 +64,8 @@ def local_prompt_ids(kind: PromptKind, body: dict[str, Any], tokenizer: Tokenize
     """The prompt ids a replica with this tokenizer computes for `body` (with the default tool and reasoning
     options); None if it would refuse it."""
     try:
-        if kind == "chat":
-            chat = parse_object(ChatCompletionRequest, body)
+        chat = chat_request(kind, body)
+        if chat is not None:
             return generation_prompt_ids(chat, tokenizer, tool_request(chat))
         return generation_prompt_ids(parse_object(CompletionRequest, body), tokenizer)
     except (InvalidRequest, TypeError, ValueError, KeyError, AttributeError):
@@ -74,10 +88,16 @@ def tokenize_request(kind: PromptKind, body: dict[str, Any], model: str | None) 
     """The POST /tokenize body that makes a replica tokenize `body`'s prompt as its generation would (its
     /tokenize takes no tools: for a request with tools this is an approximation)."""
     out: dict[str, Any] = {} if model is None else {"model": model}
-    if kind == "chat":
-        if "messages" not in body:
+    if kind != "completion":
+        try:
+            chat = chat_request(kind, body)
+        except (InvalidRequest, TypeError, ValueError, KeyError, AttributeError):
             return None
-        out.update({k: body[k] for k in ("messages", "chat_template_kwargs") if k in body})
+        if chat is None:
+            return None
+        out["messages"] = [m.model_dump(mode="json", by_alias=True, exclude_none=True) for m in chat.messages]
+        if chat.chat_template_kwargs is not None:
+            out["chat_template_kwargs"] = chat.chat_template_kwargs
         return out
     prompt = body.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):

@@ -49,7 +49,7 @@ class Forwarded:
 
 def request_headers(headers: Iterable[tuple[str, str]], replica_api_key: str | None) -> list[tuple[str, str]]:
     out = [(k, v) for k, v in headers if k.lower() not in HOP_BY_HOP
-           and not (replica_api_key is not None and k.lower() == "authorization")]
+           and not (replica_api_key is not None and k.lower() in ("authorization", "x-api-key"))]
     if replica_api_key is not None:
         out.append(("Authorization", f"Bearer {replica_api_key}"))
     return out
