@@ -20,6 +20,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "mock-parity": ("trillm.bench.bench_mock_parity", "the simulator's TTFT/ITL against the real engine on one trace"),
     "score": ("trillm.bench.bench_score", "prompt-logprob scoring throughput against plain prefill"),
     "tp": ("trillm.bench.bench_tp", "tensor parallelism: 1 vs N ranks on this host, collectives, N-machine estimate"),
+    "router": ("trillm.bench.bench_router", "KV-aware routing vs round-robin over mock replicas; the router's overhead"),
 }
 
 

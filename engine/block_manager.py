@@ -27,6 +27,17 @@ def root_hash(model_id: str) -> bytes:
     return hashlib.blake2b(b"trillm-prefix-v1:" + model_id.encode(), digest_size=16).digest()
 
 
+def block_hashes(root: bytes, token_ids: Seq[int], block_size: int, max_blocks: int | None = None) -> list[bytes]:
+    """The chained hashes of token_ids' full blocks (at most max_blocks), as the prefix cache computes them."""
+    n = len(token_ids) // block_size if max_blocks is None else min(max_blocks, len(token_ids) // block_size)
+    out: list[bytes] = []
+    parent = root
+    for i in range(n):
+        parent = hash_block(parent, token_ids[i * block_size : (i + 1) * block_size])
+        out.append(parent)
+    return out
+
+
 @dataclass(slots=True)
 class Block:
     block_id: int
@@ -69,6 +80,11 @@ class BlockManager:
     @property
     def num_cached_free_blocks(self) -> int:
         return self._num_cached_free
+
+    @property
+    def hash_seed(self) -> bytes:
+        """The root of every chain of block hashes (seeded by the model's identity)."""
+        return self._root
 
     @property
     def cached_block_hashes(self) -> frozenset[bytes]:

@@ -51,6 +51,36 @@ def error_response(err: APIError, path: str = "") -> Response:
     return json_response(err.body(), err.status, err.headers)
 
 
+def is_authorized(api_key: str | None, headers: Any, offered_key: bytes | None = None) -> bool:
+    """No key configured, or the right one: a Bearer token, x-api-key, or offered as a websocket subprotocol."""
+    if api_key is None:
+        return True
+    if offered_key is not None and hmac.compare_digest(offered_key, api_key.encode()):
+        return True
+    x_api_key = headers.get("x-api-key")  # Anthropic's clients send the key here
+    if x_api_key is not None and hmac.compare_digest(x_api_key.strip().encode(), api_key.encode()):
+        return True
+    scheme, _, token = headers.get("Authorization", "").partition(" ")
+    return scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), api_key.encode())
+
+
+def is_protected(path: str) -> bool:
+    """What needs the API key: the API, internal feeds and the tokenizer endpoints (not /, /health, /metrics)."""
+    return path.startswith(("/v1/", "/internal/")) or path in ("/tokenize", "/detokenize", "/tokenizer_info")
+
+
+def same_or_allowed_origin(headers: Any, allowed_origins: Sequence[str]) -> bool:
+    """A web page on any site can open a websocket to 127.0.0.1 (browsers send no CORS preflight for them),
+    so a browser's Origin must be this server's own, or one the operator allowed."""
+    origin: str | None = headers.get("Origin")
+    if origin is None:
+        return True  # not a browser
+    if origin in allowed_origins:
+        return True
+    host: str = headers.get("Host", "")
+    return urlsplit(origin).netloc.lower() == host.lower()
+
+
 def create_app(services: Sequence[EngineService], config: ServerConfig = ServerConfig()) -> QuartTrio:
     """The app for already-running services (their nursery belongs to the caller, see server.py)."""
     here = os.path.dirname(os.path.abspath(__file__))
@@ -61,40 +91,18 @@ def create_app(services: Sequence[EngineService], config: ServerConfig = ServerC
     app.extensions["trillm.registry"] = registry
 
     def authorized(headers: Any, offered_key: bytes | None = None) -> bool:
-        if config.api_key is None:
-            return True
-        if offered_key is not None and hmac.compare_digest(offered_key, config.api_key.encode()):
-            return True
-        x_api_key = headers.get("x-api-key")  # Anthropic's clients send the key here
-        if x_api_key is not None and hmac.compare_digest(x_api_key.strip().encode(), config.api_key.encode()):
-            return True
-        scheme, _, token = headers.get("Authorization", "").partition(" ")
-        return scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), config.api_key.encode())
-
-    def protected(path: str) -> bool:
-        return path.startswith(("/v1/", "/internal/")) or path in ("/tokenize", "/detokenize", "/tokenizer_info")
+        return is_authorized(config.api_key, headers, offered_key)
 
     @app.before_request
     async def check_auth() -> Response | None:
-        if protected(request.path) and not authorized(request.headers):
+        if is_protected(request.path) and not authorized(request.headers):
             return error_response(APIError(401, "missing or wrong API key (Authorization: Bearer ... or x-api-key)",
                                            "authentication_error", "invalid_api_key"), request.path)
         return None
 
-    def same_or_allowed_origin(headers: Any) -> bool:
-        # A web page on any site can open a websocket to 127.0.0.1 (browsers send no CORS preflight for
-        # them), so a browser's Origin must be this server's own, or one the operator allowed.
-        origin: str | None = headers.get("Origin")
-        if origin is None:
-            return True  # not a browser
-        if origin in config.allowed_origins:
-            return True
-        host: str = headers.get("Host", "")
-        return urlsplit(origin).netloc.lower() == host.lower()
-
     @app.before_websocket
     async def check_ws_auth() -> Response | None:
-        if not same_or_allowed_origin(websocket.headers):
+        if not same_or_allowed_origin(websocket.headers, config.allowed_origins):
             return error_response(APIError(403, "cross-origin websocket refused (see --allowed-origin)",
                                            "permission_error", "origin_not_allowed"))
         if not authorized(websocket.headers, subprotocol_api_key(websocket.requested_subprotocols)):

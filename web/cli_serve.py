@@ -114,9 +114,9 @@ def run(args: argparse.Namespace) -> int:
     except (ValueError, OSError, EngineError) as exc:
         return _usage(str(exc))
     try:
-        trio.run(partial(serve, specs, config, service_config=service_config, shutdown_trigger=_wait_for_stop_signal))
+        trio.run(partial(serve, specs, config, service_config=service_config, shutdown_trigger=wait_for_stop_signal))
     except (KeyboardInterrupt, EngineError, BaseExceptionGroup) as exc:
-        return _exit_code(exc)
+        return exit_code(exc)
     return 0
 
 
@@ -175,9 +175,9 @@ def _run_tensor_parallel(args: argparse.Namespace, name: str | None) -> int:
         return _usage("the launcher started a single rank: run `trillm serve` without it")
     try:
         failure = trio.run(partial(serve_tensor_parallel, name, engine_config, config, options, tp=tp,
-                                   service_config=ServiceConfig(), shutdown_trigger=_wait_for_stop_signal))
+                                   service_config=ServiceConfig(), shutdown_trigger=wait_for_stop_signal))
     except (KeyboardInterrupt, EngineError, BaseExceptionGroup) as exc:
-        return _exit_code(exc)
+        return exit_code(exc)
     return 1 if failure is not None else 0
 
 
@@ -193,7 +193,8 @@ def _default_name(model: str | None) -> str:
     return name.removesuffix(".gguf") or model
 
 
-async def _wait_for_stop_signal() -> None:
+async def wait_for_stop_signal() -> None:
+    """Return on SIGINT or SIGTERM (a graceful shutdown: hypercorn's shutdown_trigger)."""
     import trio
 
     with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
@@ -202,7 +203,7 @@ async def _wait_for_stop_signal() -> None:
             return
 
 
-def _exit_code(exc: BaseException) -> int:
+def exit_code(exc: BaseException, command: str = "serve") -> int:
     """Typed errors (e.g. the model could not be loaded) become one clear line, not a traceback."""
     if isinstance(exc, BaseExceptionGroup):
         engine_errors, rest = exc.split(EngineError)
@@ -216,5 +217,5 @@ def _exit_code(exc: BaseException) -> int:
         exc = first
     if isinstance(exc, KeyboardInterrupt):
         return 0
-    print(f"trillm serve: {exc}", file=sys.stderr)
+    print(f"trillm {command}: {exc}", file=sys.stderr)
     return 1

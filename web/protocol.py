@@ -295,6 +295,19 @@ def tool_request(body: ChatCompletionRequest) -> ToolRequest | None:
     return ToolRequest(tools, "named", choice.function.name, parallel)
 
 
+def generation_prompt_ids(body: ChatCompletionRequest | CompletionRequest, tokenizer: Tokenizer,
+                          tools: ToolRequest | None = None, options: ChatOptions = ChatOptions()) -> list[list[int]]:
+    """The prompt ids a generation runs on, one list per prompt: the chat template over the messages (and the
+    tools, in the form this model's template takes them), or each of the completion's prompts. A KV-aware
+    router computes them too."""
+    if isinstance(body, CompletionRequest):
+        return [prompt_ids(p, tokenizer) for p in completion_prompts(body)]
+    messages, tool_dicts = _messages(body.messages), None
+    if tools is not None or any(m.tool_calls or m.role == "tool" for m in body.messages):
+        messages, tool_dicts = template_inputs(messages, tools, model_features(tokenizer, options))
+    return [render_chat(messages, tokenizer, tools=tool_dicts, template_kwargs=body.chat_template_kwargs)]
+
+
 def parse_generation(body: ChatCompletionRequest | CompletionRequest, model_name: str, tokenizer: Tokenizer,
                      model: RequestLimits, limits: Limits, options: ChatOptions = ChatOptions()) -> GenerationRequest:
     """Turn a validated body into prompt ids and params (raising InvalidRequest for what does not fit)."""
@@ -303,22 +316,16 @@ def parse_generation(body: ChatCompletionRequest | CompletionRequest, model_name
     if size > limits.max_prompt_bytes:
         raise _bad(f"the prompt has {size} bytes; this server allows at most {limits.max_prompt_bytes}")
     answer = answer_spec(body)
-    tools: ToolRequest | None = None
+    tools = tool_request(body) if isinstance(body, ChatCompletionRequest) else None
     echo_texts: tuple[str, ...] = ()
-    if isinstance(body, ChatCompletionRequest):
-        tools = tool_request(body)
-        messages, tool_dicts = _messages(body.messages), None
-        if tools is not None or any(m.tool_calls or m.role == "tool" for m in body.messages):
-            messages, tool_dicts = template_inputs(messages, tools, model_features(tokenizer, options))
-        prompts = [render_chat(messages, tokenizer, tools=tool_dicts, template_kwargs=body.chat_template_kwargs)]
-    else:
+    if isinstance(body, CompletionRequest):
         given = completion_prompts(body)
         if len(given) > limits.max_prompts:
             raise _bad(f"'prompt' has {len(given)} prompts; this server allows at most {limits.max_prompts}")
-        prompts = [prompt_ids(p, tokenizer) for p in given]
         if body.echo:  # a text prompt echoes as given; token ids as they decode
             echo_texts = tuple(p if isinstance(p, str) else tokenizer.decode(p, skip_special_tokens=False)
                                for p in given)
+    prompts = generation_prompt_ids(body, tokenizer, tools, options)
     for i, ids in enumerate(prompts):
         which = f"prompt {i}" if len(prompts) > 1 else "the prompt"
         if not ids:

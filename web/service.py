@@ -29,7 +29,7 @@ import trio
 from trillm.engine.admission import RequestLimits
 from trillm.engine.driver import Abort, EngineDriver, StepResult, Submit, Work
 from trillm.engine.errors import EngineError, Overloaded
-from trillm.engine.kv_events import StepReport
+from trillm.engine.kv_events import KVCacheSpec, StepReport
 from trillm.engine.llm_engine import LLMEngine
 from trillm.engine.outputs import EngineStatistics
 from trillm.engine.sampling_params import SamplingParams
@@ -105,6 +105,7 @@ class EngineService:
         self.metrics = ModelMetrics()
         self.tokenizer: TokenizerLike | None = None
         self.limits: RequestLimits | None = None
+        self.kv_cache_spec: KVCacheSpec | None = None  # the latest engine's block naming, for a KV-aware router
         self._stats: EngineStatistics | None = None
         self.kernel_report: KernelReport | None = None  # the running engine's kernel self-check
         self._inbox: list[Work] = []
@@ -308,8 +309,10 @@ class EngineService:
         self.tokenizer = engine.tokenizer
         self.limits = engine.limits
         self.kernel_report = engine.kernel_report
+        self.kv_cache_spec = KVCacheSpec.of(engine.block_manager, engine.loaded.model_id)
         self.model_name = self._served_name or engine.model_name
         self._epoch += 1
+        self._reports.clear()  # the old engine's events name blocks the new one never had
         self._up_since = trio.current_time()
         self._set_state(ServiceState.READY)
         self.last_error = None
