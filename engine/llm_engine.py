@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import time
 from collections import deque
 from collections.abc import Callable, Iterable
@@ -30,6 +31,9 @@ if TYPE_CHECKING:
     from trillm.kernels.selfcheck import KernelReport
 
 _RATE_WINDOW_S = 10.0
+REQUEST_FAILED = "this request failed while its output was produced; other requests are unaffected"
+
+log = logging.getLogger("trillm.engine")
 
 
 @dataclass(slots=True)
@@ -114,7 +118,8 @@ class LLMEngine:
         self.kernel_report = kernels.report
         pool = KVPool(lm.num_layers, num_blocks, config.block_size, lm.num_kv_heads, lm.head_dim, lm.dtype,
                       kernels=kernels)  # fmt: skip
-        return ModelRunner(lm.model, pool, Sampler(config.seed))
+        # Padded embeddings (more logits than tokens) must never yield an id the tokenizer cannot decode.
+        return ModelRunner(lm.model, pool, Sampler(config.seed, vocab_size=self.tokenizer.vocab_size))
 
     # ---- requests ----------------------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, *, priority: int = 0) -> None:
@@ -184,7 +189,24 @@ class LLMEngine:
     def _outputs(self, batch: ScheduledBatch, sampled: list[SampledToken]) -> list[RequestOutput]:
         kept = self.scheduler.postprocess(batch, sampled)
         self._count(sum(c.num_tokens for c in batch.prefills), len(kept))
-        return [self._output(s, finish) for s, finish in kept]
+        outputs = []
+        for s, finish in kept:
+            try:
+                outputs.append(self._output(s, finish))
+            except Exception:  # one request's detokenizing or stop handling: it fails alone, the step goes on
+                log.exception("request %s failed while its output was produced", s.seq.request_id)
+                outputs.append(self._fail_request(s.seq))
+        return outputs
+
+    def _fail_request(self, seq: Sequence) -> RequestOutput:
+        """End one request with FinishReason.ERROR and free its blocks; the others are untouched."""
+        self._requests.pop(seq.request_id, None)
+        if not seq.is_finished:
+            self.scheduler.finish(seq)
+        return RequestOutput(request_id=seq.request_id, new_token_ids=(), new_text="",
+                             finish_reason=FinishReason.ERROR,
+                             usage=Usage(seq.num_prompt_tokens, seq.num_output_tokens, seq.num_cached_tokens),
+                             error=REQUEST_FAILED)
 
     def _count(self, prompt_tokens: int, generated: int) -> None:
         self._num_steps += 1

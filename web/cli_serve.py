@@ -13,7 +13,7 @@ from functools import partial
 from trillm.engine.config import add_engine_arguments, engine_config_from_args
 from trillm.engine.errors import EngineError
 from trillm.engine.mock import add_mock_arguments
-from trillm.web.config import ServerConfig
+from trillm.web.config import ServeError, ServerConfig
 from trillm.web.protocol import Limits
 from trillm.web.reasoning import REASONING_PARSERS
 from trillm.web.tool_parsers import TOOL_PARSERS
@@ -48,6 +48,11 @@ def configure(p: argparse.ArgumentParser) -> None:
                         "into the system prompt)")
     p.add_argument("--reasoning-parser", default=None, choices=(*REASONING_PARSERS, "none"),
                    help="the reasoning markers to split off as reasoning_content (default: detected; none: off)")
+    p.add_argument("--drain-timeout", type=float, default=ServerConfig().drain_timeout_s, metavar="SECONDS",
+                   help="on SIGTERM/SIGINT, open requests may finish for this long; then they end with an error "
+                        "event (SSE) or message (websocket) (default: %(default)s)")
+    p.add_argument("--keep-alive-timeout", type=float, default=ServerConfig().keep_alive_timeout_s,
+                   metavar="SECONDS", help="close an idle HTTP connection after this long (default: %(default)s)")
     p.add_argument("--lazy-load", action="store_true", help="load each model on its first request")
     p.add_argument("--unload-after-idle", type=float, default=None, metavar="SECONDS",
                    help="free a model after this long without requests (the next request reloads it)")
@@ -80,7 +85,8 @@ def run(args: argparse.Namespace) -> int:
         service_config = ServiceConfig(lazy_load=args.lazy_load, unload_after_idle_s=args.unload_after_idle)
         config = ServerConfig(host=args.host, port=args.port, api_key=args.api_key,
                               allowed_origins=tuple(args.allowed_origins), tool_parser=args.tool_parser,
-                              reasoning_parser=args.reasoning_parser,
+                              reasoning_parser=args.reasoning_parser, drain_timeout_s=args.drain_timeout,
+                              keep_alive_timeout_s=args.keep_alive_timeout,
                               limits=Limits(**{name: getattr(args, name) for name in _LIMIT_FLAGS}),
                               **{name: getattr(args, name) for name in _SERVER_FLAGS})
         if args.mock:
@@ -93,7 +99,7 @@ def run(args: argparse.Namespace) -> int:
         return _usage(str(exc))
     try:
         trio.run(partial(serve, specs, config, service_config=service_config, shutdown_trigger=_wait_for_stop_signal))
-    except (KeyboardInterrupt, EngineError, BaseExceptionGroup) as exc:
+    except (KeyboardInterrupt, EngineError, ServeError, BaseExceptionGroup) as exc:
         return _exit_code(exc)
     return 0
 
@@ -120,9 +126,9 @@ async def _wait_for_stop_signal() -> None:
 
 
 def _exit_code(exc: BaseException) -> int:
-    """Typed errors (e.g. the model could not be loaded) become one clear line, not a traceback."""
+    """Typed errors (the model could not be loaded, the port is busy) become one clear line, not a traceback."""
     if isinstance(exc, BaseExceptionGroup):
-        engine_errors, rest = exc.split(EngineError)
+        engine_errors, rest = exc.split((EngineError, ServeError))
         if rest is not None and rest.split(KeyboardInterrupt)[1] is not None:
             raise exc
         if engine_errors is None:

@@ -25,6 +25,11 @@ class ModelRegistry:
             raise ValueError("serve at least one model")
         self.services = list(services)
 
+    async def wait_drained(self) -> None:
+        """Until a graceful shutdown has ended every live request (see EngineService.drain)."""
+        for service in self.services:
+            await service.wait_drained()
+
     def select(self, model: object) -> EngineService:
         if model is None:
             return self.services[0]
@@ -38,7 +43,7 @@ class ModelRegistry:
 
 def ready_tokenizer(service: EngineService) -> TokenizerLike:
     if service.tokenizer is None or service.state is not ServiceState.READY:
-        raise EngineUnavailable(f"model {service.model_name} is {service.state.value}; retry shortly")
+        raise service.unavailable()
     return service.tokenizer
 
 

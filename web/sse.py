@@ -3,14 +3,18 @@
 from __future__ import annotations
 
 import json
+import logging
 from collections.abc import AsyncIterator
 from typing import Any
 
 import trio
 
+from trillm.engine.errors import EngineError
 from trillm.web.errors import to_api_error
 from trillm.web.protocol import ResponseBuilder
 from trillm.web.stream import GenerationFailed, GenerationHandle
+
+log = logging.getLogger("trillm.web.sse")
 
 DONE = b"data: [DONE]\n\n"
 KEEPALIVE = b": keepalive\n\n"
@@ -44,7 +48,10 @@ async def sse_stream(handle: GenerationHandle, builder: ResponseBuilder, *,
             if data:
                 yield data
         yield b"".join(sse_event(c) for c in builder.final_chunks()) + DONE
-    except GenerationFailed as exc:
+    except (GenerationFailed, EngineError) as exc:  # the engine failed, the client lagged, the server stops
+        yield sse_event(to_api_error(exc).body()) + DONE
+    except Exception as exc:  # a bug rendering this stream ends it with an error event, never a dropped connection
+        log.exception("the event stream failed", exc_info=exc)
         yield sse_event(to_api_error(exc).body()) + DONE
     finally:
         handle.close()
