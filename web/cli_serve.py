@@ -9,6 +9,7 @@ import signal
 import sys
 from dataclasses import fields
 from functools import partial
+from typing import TYPE_CHECKING
 
 from trillm.engine.config import add_engine_arguments, engine_config_from_args
 from trillm.engine.errors import EngineError
@@ -17,6 +18,10 @@ from trillm.web.config import ServeError, ServerConfig
 from trillm.web.protocol import Limits
 from trillm.web.reasoning import REASONING_PARSERS
 from trillm.web.tool_parsers import TOOL_PARSERS
+
+if TYPE_CHECKING:
+    from trillm.web.server import ModelSpec
+    from trillm.web.service import ServiceConfig
 
 HELP = "serve an OpenAI-compatible HTTP/SSE and websocket API"
 _LIMIT_FLAGS = tuple(f.name for f in fields(Limits))  # what one request may ask: web/protocol.py Limits
@@ -65,11 +70,9 @@ def configure(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    import trio
-
     from trillm.engine.llm_engine import LLMEngine
     from trillm.engine.mock import mock_engine_factory
-    from trillm.web.server import ModelSpec, serve
+    from trillm.web.server import ModelSpec
     from trillm.web.service import ServiceConfig
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -97,6 +100,15 @@ def run(args: argparse.Namespace) -> int:
                      for name, model in zip(names, models)]
     except (ValueError, OSError, EngineError) as exc:
         return _usage(str(exc))
+    return serve_until_stopped(specs, config, service_config)
+
+
+def serve_until_stopped(specs: list[ModelSpec], config: ServerConfig, service_config: ServiceConfig) -> int:
+    """Serve until SIGTERM or SIGINT (then drain, see serve()); the exit code, with one line for typed errors."""
+    import trio
+
+    from trillm.web.server import serve
+
     try:
         trio.run(partial(serve, specs, config, service_config=service_config, shutdown_trigger=_wait_for_stop_signal))
     except (KeyboardInterrupt, EngineError, ServeError, BaseExceptionGroup) as exc:

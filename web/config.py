@@ -26,7 +26,10 @@ class ServerConfig:
     max_ws_requests: int = 64  # concurrent engine requests on one websocket, counting each of n choices
     sse_keepalive_s: float = 5.0  # comment lines while a stream waits or prefills
     backlog: int = 4096  # listen queue: a burst of clients connecting at once is not refused
-    keep_alive_timeout_s: float = 5.0
+    # hypercorn counts a fresh connection as idle until its first request, and HTTP clients keep idle
+    # connections for reuse (httpx: 5 s): a timeout that short closed connections whose request was on its
+    # way (a loaded client, or a reused connection), without any response. Longer than any client's expiry.
+    keep_alive_timeout_s: float = 75.0
     drain_timeout_s: float = 10.0  # on SIGTERM: open requests may finish for this long, then end with an error
     allowed_origins: tuple[str, ...] = ()  # web pages (besides the server's own) that may open its websockets
     tool_parser: str | None = None  # the tool-call format (web/tool_parsers.py); None: detected per model
