@@ -4,12 +4,9 @@ error message and a going-away close (websocket); the process exits within the t
 from __future__ import annotations
 
 import json
-import signal
-import subprocess
 import sys
 import textwrap
 import time
-from pathlib import Path
 from typing import Any
 
 import httpx
@@ -17,57 +14,7 @@ import trio
 import trio_websocket
 
 from conftest import parse_sse
-
-HERE = Path(__file__).resolve().parent
-
-
-class Server:
-    """A `trillm serve` (or a script serving through the same code) in its own process, on a free port."""
-
-    def __init__(self, argv: list[str]) -> None:
-        self.proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                     cwd=HERE)  # fmt: skip
-        self.log: list[str] = []
-        self.url = ""
-
-    async def wait_until(self, marker: str, timeout_s: float = 60) -> str:
-        assert self.proc.stdout is not None
-        stdout = self.proc.stdout
-        with trio.fail_after(timeout_s):
-            while True:
-                line = await trio.to_thread.run_sync(stdout.readline)
-                if not line:
-                    raise AssertionError("the server exited:\n" + "".join(self.log))
-                self.log.append(line)
-                if marker in line:
-                    return line
-
-    async def started(self) -> str:
-        line = await self.wait_until("trillm is serving")
-        self.url = line.split(" at ", 1)[1].split("/v1", 1)[0]
-        return self.url
-
-    def terminate(self) -> float:
-        self.proc.send_signal(signal.SIGTERM)
-        return time.perf_counter()
-
-    async def exit_code(self, timeout_s: float) -> int:
-        with trio.fail_after(timeout_s):
-            while self.proc.poll() is None:
-                await trio.sleep(0.02)
-        assert self.proc.stdout is not None
-        self.log.extend(await trio.to_thread.run_sync(self.proc.stdout.readlines))
-        return self.proc.returncode
-
-    def kill(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait()
-
-
-def trillm(*args: str) -> list[str]:
-    return [sys.executable, "-m", "trillm.web.cli", "serve", "--port", "0", *args]
-
+from live_process import Server, trillm
 
 async def test_sigterm_drains_open_streams_then_ends_the_rest_with_an_error() -> None:
     server = Server(trillm("--mock", "--drain-timeout", "1.5", "--max-num-seqs", "8"))
