@@ -207,7 +207,7 @@ async def settle(client: httpx.AsyncClient, timeout_s: float) -> dict[str, Any]:
     """GET /stats until nothing is live, running or waiting and no block is held (or timeout_s passed)."""
     deadline = trio.current_time() + timeout_s
     while True:
-        model = (await client.get("/stats")).json()["models"][0]
+        model: dict[str, Any] = (await client.get("/stats")).json()["models"][0]
         engine = model["engine"] or {}
         idle = model["live_requests"] == 0 and not engine.get("running") and not engine.get("waiting") \
             and not engine.get("kv_blocks_used")
