@@ -149,12 +149,15 @@ async def websocket(url: str, work: Workload, tally: Tally) -> None:
             await ws.send_message(json.dumps({"type": "generate", "id": gid, **work.body()}))
         cut = rng.random() < work.disconnect
         pending, first = set(gids), None
+        cancelled: set[str] = set()
         while pending:
             msg = json.loads(await ws.get_message())
             if msg["type"] == "delta":
                 first = first or time.perf_counter()
                 if cut:
                     if rng.random() < 0.5:
+                        # It may finish before the cancel arrives: the cancel then gets a "no running generation".
+                        cancelled.add(msg["id"])
                         await ws.send_message(json.dumps({"type": "cancel", "id": msg["id"]}))
                         cut = False
                     else:
@@ -167,6 +170,8 @@ async def websocket(url: str, work: Workload, tally: Tally) -> None:
                 pending.discard(msg["id"])
                 tally.disconnects += 1
             elif msg["type"] == "error":
+                if msg["id"] in cancelled and msg["error"].get("code") == "generation_not_found":
+                    continue
                 pending.discard(msg["id"])
                 tally.error_events[msg["error"].get("code") or "?"] += 1
         if first is not None and not cut:

@@ -88,7 +88,8 @@ class _Session:
         if kind == "cancel":
             scope = self.active.get(key)
             if scope is None:
-                await self.error(gid, APIError(404, f"no running generation has id {gid!r}"))
+                await self.error(gid, APIError(404, f"no running generation has id {gid!r}",
+                                               code="generation_not_found"))
             else:
                 scope.cancel()
         elif kind == "generate":

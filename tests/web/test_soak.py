@@ -89,10 +89,12 @@ async def one_ws(url: str, rng: random.Random, i: int, tally: Tally) -> None:
             await ws.send_message(json.dumps({"type": "generate", "id": gid, **body_for(rng, i)}))
         cut = rng.random() < 0.3
         pending = set(gids)
+        cancelled: set[str] = set()
         while pending:
             msg = json.loads(await ws.get_message())
             if msg["type"] == "delta" and cut:
                 if rng.random() < 0.5:
+                    cancelled.add(msg["id"])  # (it may finish before the cancel arrives: then the cancel is a 404)
                     await ws.send_message(json.dumps({"type": "cancel", "id": msg["id"]}))
                 else:
                     tally.disconnects += 1
@@ -102,7 +104,7 @@ async def one_ws(url: str, rng: random.Random, i: int, tally: Tally) -> None:
                 pending.discard(msg["id"])
                 tally.done += msg["type"] == "done"
                 tally.disconnects += msg["type"] == "cancelled"
-            elif msg["type"] == "error":
+            elif msg["type"] == "error" and not (msg["id"] in cancelled and msg["error"]["code"] == "generation_not_found"):
                 tally.errors.append(json.dumps(msg))
                 pending.discard(msg["id"])
 
