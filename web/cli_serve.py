@@ -30,6 +30,8 @@ DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 
 
 def configure(p: argparse.ArgumentParser) -> None:
+    from trillm.web.service import ServiceConfig
+
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--model", action="append", default=None,
@@ -46,6 +48,9 @@ def configure(p: argparse.ArgumentParser) -> None:
     for name in _SERVER_FLAGS:
         default = getattr(ServerConfig(), name)
         limits.add_argument("--" + name.replace("_", "-"), type=int, default=default, help=f"default: {default}")
+    limits.add_argument("--max-buffered-bytes", type=int, default=ServiceConfig().max_buffered_bytes,
+                        help="unread output (text, token ids, logprobs) held for a slow client before its request "
+                             "is aborted (default: %(default)s)")
     p.add_argument("--allowed-origin", action="append", default=[], dest="allowed_origins",
                    help="a web page origin (scheme://host:port) allowed to open the websockets; repeatable")
     p.add_argument("--tool-parser", default=None, choices=TOOL_PARSERS,
@@ -85,7 +90,8 @@ def run(args: argparse.Namespace) -> int:
     if args.lazy_load:  # requests must name a model before it is loaded, so fix the names now
         names = [n or _default_name(m) for n, m in zip(names, models)]
     try:
-        service_config = ServiceConfig(lazy_load=args.lazy_load, unload_after_idle_s=args.unload_after_idle)
+        service_config = ServiceConfig(lazy_load=args.lazy_load, unload_after_idle_s=args.unload_after_idle,
+                                       max_buffered_bytes=args.max_buffered_bytes)
         config = ServerConfig(host=args.host, port=args.port, api_key=args.api_key,
                               allowed_origins=tuple(args.allowed_origins), tool_parser=args.tool_parser,
                               reasoning_parser=args.reasoning_parser, drain_timeout_s=args.drain_timeout,

@@ -252,3 +252,28 @@ async def test_a_connection_whose_first_request_comes_late_is_answered() -> None
                 while chunk := await stream_.receive_some(65536):
                     data += chunk
         assert data.startswith(b"HTTP/1.1 200")
+
+
+
+def test_readme_lists_every_limit_flag_with_its_default() -> None:
+    import argparse
+    import re
+    from pathlib import Path
+
+    from trillm.web import cli_serve
+
+    parser = argparse.ArgumentParser()
+    cli_serve.configure(parser)
+    help_text = parser.format_help()
+    section = help_text.split("limits on one request", 1)[1].split("\n\n", 1)[0]
+    flags = sorted(set(re.findall(r"^  (--[a-z-]+)", section, re.M))) + [
+        "--drain-timeout", "--keep-alive-timeout", "--max-waiting"]
+    assert len(flags) > 12
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    rows = {ln.split("|")[1]: ln for ln in readme.splitlines() if ln.startswith("| `--")}
+    for flag in flags:
+        row = next((r for cell, r in rows.items() if f"`{flag}`" in cell), None)
+        assert row is not None, f"README's limits table lacks {flag}"
+        default = parser.get_default(flag[2:].replace("-", "_"))
+        shown = "none" if default is None else f"{default:g}" if isinstance(default, float) else str(default)
+        assert shown in row, (flag, default, row)
