@@ -335,17 +335,17 @@ class EngineService:
             for rid in self._live:  # free their blocks: the engine is still up
                 self._inbox.append(Abort(rid))
             self._wakeup.set()
-            self._fail_all(EngineUnavailable("the server is shutting down", code="shutting_down"))
+            self._fail_all(lambda: EngineUnavailable("the server is shutting down", code="shutting_down"))
         self._drained.set()
 
     async def wait_drained(self) -> None:
         await self._drained.wait()
 
-    def _fail_all(self, error: str | Exception) -> None:
-        """End every live generation with `error` (a message becomes GenerationFailed) and abort it."""
+    def _fail_all(self, error: str | Callable[[], Exception]) -> None:
+        """End every live generation with an error (GenerationFailed(error), or error()) and abort it."""
         live, self._live = self._live, {}
         for handle in {id(h): h for h in live.values()}.values():
-            handle.fail(GenerationFailed(error) if isinstance(error, str) else error)
+            handle.fail(GenerationFailed(error) if isinstance(error, str) else error())
 
     @property
     def healthy(self) -> bool:
@@ -522,4 +522,3 @@ class EngineService:
             else:
                 await trio.sleep(0)
             work = self._deliver(result)
-
