@@ -224,12 +224,15 @@ async def settle(client: httpx.AsyncClient, timeout_s: float) -> dict[str, Any]:
 async def run(url: str, pid: int, args: argparse.Namespace) -> dict[str, Any]:
     tally = Tally()
     samples: list[tuple[float, float]] = []  # (seconds since start, RSS MB)
+    occupancy: list[tuple[int, int]] = []  # (running, waiting) once a second: how full the batch was
     t0 = trio.current_time()
 
     async def sampler() -> None:
         while True:
             if (mb := rss_mb(pid)) is not None:
                 samples.append((trio.current_time() - t0, mb))
+            engine = (await control.get("/stats")).json()["models"][0]["engine"] or {}
+            occupancy.append((engine.get("running", 0), engine.get("waiting", 0)))
             await trio.sleep(1.0)
 
     async with httpx.AsyncClient(base_url=url, timeout=30) as control:
@@ -253,6 +256,9 @@ async def run(url: str, pid: int, args: argparse.Namespace) -> dict[str, Any]:
         "by_kind": dict(tally.by_kind), "statuses": dict(tally.statuses), "5xx": fivexx,
         "transport_errors": dict(tally.transport_errors), "error_events": dict(tally.error_events),
         "requests_per_s": tally.requests / elapsed if elapsed else 0.0,
+        "engine_load": {"running_mean": sum(r for r, _ in occupancy) / len(occupancy) if occupancy else None,
+                        "running_max": max((r for r, _ in occupancy), default=None),
+                        "waiting_max": max((w for _, w in occupancy), default=None)},
         "well_behaved": {"n": len(tally.e2e_s), "ttft_p50_s": percentile(tally.ttft_s, 0.5),
                          "ttft_p99_s": percentile(tally.ttft_s, 0.99), "e2e_p50_s": percentile(tally.e2e_s, 0.5),
                          "e2e_p99_s": percentile(tally.e2e_s, 0.99)},
