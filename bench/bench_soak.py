@@ -268,8 +268,17 @@ async def run(url: str, pid: int, args: argparse.Namespace) -> dict[str, Any]:
         "rss_mb": {"start": samples[0][1] if samples else None, "after_warmup": after_warmup,
                    "max": max((mb for _, mb in samples), default=None), "final": final,
                    "growth_after_warmup": None if final is None or after_warmup is None else final - after_warmup,
-                   "samples": len(samples)},
+                   "samples": len(samples), "trend": trend(samples, 10)},
     }
+
+
+def trend(samples: list[tuple[float, float]], points: int) -> list[tuple[int, float]]:
+    """RSS at `points` evenly spaced moments, (seconds, MB): is it still growing at the end, or flat?"""
+    if not samples:
+        return []
+    step = max(1, len(samples) // points)
+    picked = samples[::step] + ([samples[-1]] if (len(samples) - 1) % step else [])
+    return [(round(t), round(mb, 1)) for t, mb in picked]
 
 
 async def progress(tally: Tally, t0: float, duration: float) -> None:
