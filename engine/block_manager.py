@@ -27,6 +27,17 @@ def root_hash(model_id: str) -> bytes:
     return hashlib.blake2b(b"trillm-prefix-v1:" + model_id.encode(), digest_size=16).digest()
 
 
+def block_hashes(root: bytes, token_ids: Seq[int], block_size: int, max_blocks: int | None = None) -> list[bytes]:
+    """The chained hashes of token_ids' full blocks (at most max_blocks), as the prefix cache computes them."""
+    n = len(token_ids) // block_size if max_blocks is None else min(max_blocks, len(token_ids) // block_size)
+    out: list[bytes] = []
+    parent = root
+    for i in range(n):
+        parent = hash_block(parent, token_ids[i * block_size : (i + 1) * block_size])
+        out.append(parent)
+    return out
+
+
 @dataclass(slots=True)
 class Block:
     block_id: int
@@ -71,6 +82,11 @@ class BlockManager:
         return self._num_cached_free
 
     @property
+    def hash_seed(self) -> bytes:
+        """The root of every chain of block hashes (seeded by the model's identity)."""
+        return self._root
+
+    @property
     def cached_block_hashes(self) -> frozenset[bytes]:
         """The hashes the prefix cache can match right now (what KV events have told a router)."""
         return frozenset(self._cached)
@@ -92,10 +108,18 @@ class BlockManager:
         salt = seq.params.cache_salt
         return self._root if salt is None else root_hash(f"{self._model_id}\x00salt:{salt}")
 
+    def _looks_up(self, seq: Sequence) -> bool:
+        """Whether seq may reuse cached blocks. A request for prompt logprobs may not: it needs the logits at
+        every prompt position, and a hit skips exactly the forward that computes them (the cache keeps K/V,
+        not logits), so a hit saves it nothing. Bypassing the lookup, rather than recomputing hit positions,
+        keeps one path (its positions always computed, into blocks it owns) that cannot return a number from
+        a skipped position. Its own full blocks are still published for later requests."""
+        return self.enable_prefix_caching and seq.params.prompt_logprobs is None
+
     def _match(self, seq: Sequence) -> list[int]:
         """Cached blocks for the longest prefix of seq's tokens, leaving at least its last token to compute
         (its logits are needed, so a full-prompt hit recomputes the last block)."""
-        if not self.enable_prefix_caching:
+        if not self._looks_up(seq):
             return []
         self._extend_hashes(seq)
         hits: list[int] = []
@@ -113,7 +137,7 @@ class BlockManager:
         Equal chained hashes at the same index mean an identical prefix, so seq could reuse them once
         computed instead of computing them a second time.
         """
-        if not self.enable_prefix_caching or not running:
+        if not self._looks_up(seq) or not running:
             return 0
         start = len(self._match(seq))  # also extends seq.block_hashes
         limit = (seq.num_tokens - 1) // self.block_size

@@ -12,7 +12,7 @@ import itertools
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from trillm.engine.block_manager import BlockManager
+from trillm.engine.block_manager import BlockManager, block_hashes
 
 
 @dataclass(frozen=True, slots=True)
@@ -45,6 +45,28 @@ class StepReport:
     @classmethod
     def from_json(cls, doc: dict[str, Any]) -> StepReport:
         return cls(StepLoad(**doc["load"]), tuple(KVEvent(**e) for e in doc["kv_events"]))
+
+
+@dataclass(frozen=True, slots=True)
+class KVCacheSpec:
+    """How one engine names its cached blocks: what a router needs to hash prompts the way the engine does."""
+
+    model_id: str
+    block_size: int
+    hash_seed: str  # hex of the root hash every chain of block hashes starts from
+    prefix_caching: bool  # False: nothing is ever cached (and no KV events are published)
+
+    @classmethod
+    def of(cls, block_manager: BlockManager, model_id: str) -> KVCacheSpec:
+        return cls(model_id, block_manager.block_size, block_manager.hash_seed.hex(),
+                   block_manager.enable_prefix_caching)
+
+    def matchable_hashes(self, token_ids: list[int]) -> list[str]:
+        """The hex hashes of the prompt's blocks a prefix-cache hit can cover (never its last token)."""
+        if not self.prefix_caching or not token_ids:
+            return []
+        limit = (len(token_ids) - 1) // self.block_size
+        return [h.hex() for h in block_hashes(bytes.fromhex(self.hash_seed), token_ids, self.block_size, limit)]
 
 
 class KVEventLog:

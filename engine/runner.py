@@ -3,7 +3,8 @@
 A step is launched, then collected: `launch` queues the step's work and returns at once; `collect` waits for
 it (the step's one host sync) and reads its tokens back. A runner that `supports_launch_ahead` may be handed
 the next decode step while the previous one is still unread: `launch(..., after=previous)` feeds each
-decode row the token `previous` sampled for it, without reading it back first.
+decode row the token `previous` sampled for it, without reading it back first. Prompt logprobs (prefill
+chunks of requests that ask for them) are read after `collect`, by `collect_prompt_logprobs`.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from trillm.engine.scheduler import SampledToken, ScheduledBatch
 from trillm.engine.sequence import Sequence
 
 if TYPE_CHECKING:
+    from trillm.engine.prompt_logprobs import ScoredSpan
     from trillm.engine.sampler import SampleRow
 
 RowsFn = Callable[[Sequence], "SampleRow"]
@@ -29,6 +31,7 @@ class Launch:
     seqs: list[Sequence]  # the sampled rows, in the runner's order (decodes first)
     pending: object  # the runner's own handle on the unread results
     virtual_seconds: float | None = None  # a simulated step's duration; None: its wall time is its duration
+    prompt_logprobs: object = None  # the runner's own handle on the step's unread prompt logprobs, if any
 
 
 class Runner(Protocol):
@@ -38,3 +41,7 @@ class Runner(Protocol):
                after: Launch | None = None) -> Launch: ...
 
     def collect(self, launch: Launch) -> list[SampledToken]: ...
+
+    def collect_prompt_logprobs(self, launch: Launch) -> list[ScoredSpan]:
+        """The prompt logprobs the collected step computed, one span per scored prefill chunk."""
+        ...

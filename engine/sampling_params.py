@@ -18,6 +18,9 @@ class SamplingParams:
 
     temperature 0 means greedy. top_k <= 0 and top_p = 1 disable those filters. Penalties follow OpenAI
     (presence/frequency, over generated tokens) and vLLM (repetition, over prompt and generated tokens).
+    prompt_logprobs (vLLM's name): the logprob of every prompt token after the first, with this many top
+    alternatives per position (0: the prompt token's own only); None: not computed. max_tokens 0 generates
+    nothing: the request ends after its prompt is computed (pure scoring).
     """
 
     max_tokens: int = 256
@@ -36,6 +39,7 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: bool = False
     top_logprobs: int = 0
+    prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     cache_salt: str | None = None  # isolates this request's prefix-cache entries (vLLM's cache_salt)
@@ -49,8 +53,8 @@ class SamplingParams:
         def bad(msg: str) -> None:
             raise InvalidRequest(msg)
 
-        if not isinstance(self.max_tokens, int) or self.max_tokens <= 0:
-            bad(f"max_tokens must be a positive integer, got {self.max_tokens!r}")
+        if not isinstance(self.max_tokens, int) or isinstance(self.max_tokens, bool) or self.max_tokens < 0:
+            bad(f"max_tokens must be a non-negative integer, got {self.max_tokens!r}")
         if self.min_tokens < 0 or self.min_tokens > self.max_tokens:
             bad(f"min_tokens must be in [0, max_tokens], got {self.min_tokens!r}")
         if not 0.0 <= self.temperature <= 100.0:
@@ -67,6 +71,8 @@ class SamplingParams:
             bad(f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty!r}")
         if not 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS:
             bad(f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {self.top_logprobs!r}")
+        if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= MAX_TOP_LOGPROBS:
+            bad(f"prompt_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {self.prompt_logprobs!r}")
         if any(not isinstance(s, str) or not s for s in self.stop):
             bad("stop strings must be non-empty strings")
         for tok, bias in self.logit_bias:

@@ -12,7 +12,8 @@ One step's flow (nano-vllm's, with vLLM v1's accounting):
 - `schedule_ahead(batch)` decides whether the next decode step can be launched before this one is read back.
 - `postprocess(batch, sampled)` runs once the step's tokens are known: it appends them, publishes newly full
   blocks to the prefix cache, detects finishes (stop token ids, EOS, max_tokens, the context limit) and frees
-  finished sequences. `finish(seq)` does the same for finishes decided elsewhere (stop strings, aborts).
+  finished sequences. `finish_scored(batch)` then ends those that generate nothing (max_tokens 0).
+  `finish(seq)` does the same for finishes decided elsewhere (stop strings, aborts).
 """
 
 from __future__ import annotations
@@ -37,8 +38,13 @@ class PrefillChunk:
 
     @property
     def completes_prompt(self) -> bool:
-        """After this chunk every known token is computed, so the last logits are sampled."""
+        """After this chunk every known token is computed."""
         return self.start + self.num_tokens == self.seq.num_tokens
+
+    @property
+    def samples(self) -> bool:
+        """Its last logits are sampled: it completes the prompt of a request that generates (max_tokens > 0)."""
+        return self.completes_prompt and self.seq.params.max_tokens > 0
 
 
 @dataclass(slots=True)
@@ -59,7 +65,7 @@ class ScheduledBatch:
     @property
     def sampled(self) -> list[Sequence]:
         """The sequences that get a token from this step, in the runner's row order: decodes first."""
-        return self.decodes + [c.seq for c in self.prefills if c.completes_prompt]
+        return self.decodes + [c.seq for c in self.prefills if c.samples]
 
 
 @dataclass(frozen=True, slots=True)
@@ -229,8 +235,8 @@ class Scheduler:
         Tokens of sequences that finished or were aborted while the step ran (a step launched ahead) are
         dropped. Returns each kept token with its finish, if it ended its sequence.
         """
-        for chunk in batch.prefills:  # chunks that did not complete a prompt sampled nothing
-            if chunk.seq.status is SequenceStatus.RUNNING and not chunk.completes_prompt:
+        for chunk in batch.prefills:  # chunks that sampled nothing
+            if chunk.seq.status is SequenceStatus.RUNNING and not chunk.samples:
                 self.block_manager.register_computed(chunk.seq)
         kept: list[tuple[SampledToken, Finish | None]] = []
         for s in sampled:
@@ -251,6 +257,15 @@ class Scheduler:
                 self.finish(seq)
             kept.append((s, finish))
         return kept
+
+    def finish_scored(self, batch: ScheduledBatch) -> list[Sequence]:
+        """End the sequences whose prompt this step completed and that generate nothing (max_tokens 0: pure
+        scoring), by length; run after `postprocess`, which published their blocks."""
+        done = [c.seq for c in batch.prefills
+                if c.completes_prompt and not c.samples and c.seq.status is SequenceStatus.RUNNING]
+        for seq in done:
+            self.finish(seq)
+        return done
 
     def _check_stop(self, seq: Sequence, token: int) -> Finish | None:
         p = seq.params

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
 from functools import cached_property
 from typing import Any, Protocol
 
@@ -20,11 +21,23 @@ CHATML_TEMPLATE = (
 )
 
 
+@dataclass(frozen=True, slots=True)
+class SpecialTokens:
+    """A tokenizer's special-token strings and chat template, as clients that tokenize remotely ask for them."""
+
+    eos_token: str | None
+    bos_token: str | None
+    pad_token: str | None
+    chat_template: str | None
+
+
 class TokenizerLike(Protocol):
     """What the engine and the web layer need of a tokenizer (`Tokenizer` here, or the mock engine's)."""
 
     @property
     def vocab_size(self) -> int: ...
+    @property
+    def special_tokens(self) -> SpecialTokens: ...
     @property
     def eos_token_ids(self) -> frozenset[int]: ...
     @property
@@ -131,6 +144,19 @@ class Tokenizer:
     @property
     def has_chat_template(self) -> bool:
         return self.hf.chat_template is not None
+
+    @cached_property
+    def special_tokens(self) -> SpecialTokens:
+        def text(value: Any) -> str | None:
+            return value if isinstance(value, str) and value else None
+
+        eos = text(self.hf.eos_token)
+        if eos is None and self.eos_token_ids:
+            eos = self.decode([min(self.eos_token_ids)], skip_special_tokens=False) or None
+        template = text(self.hf.chat_template)
+        if template is None and self.hf.convert_tokens_to_ids("<|im_start|>") not in (None, self.hf.unk_token_id):
+            template = CHATML_TEMPLATE  # what render_chat_template falls back to
+        return SpecialTokens(eos, text(self.hf.bos_token), text(self.hf.pad_token), template)
 
     def render_chat_template(
         self,

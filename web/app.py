@@ -1,28 +1,30 @@
-"""The quart-trio app: OpenAI-compatible HTTP endpoints, /health, /metrics, /tokenize, and the websocket."""
+"""The quart-trio app: OpenAI-compatible HTTP endpoints, Anthropic's Messages and OpenAI's Responses APIs
+(agent_routes.py), /health, /metrics, /tokenize (and /detokenize, /tokenizer_info), and the websocket."""
 
 from __future__ import annotations
 
 import hmac
-import json
 import logging
 import os
 from urllib.parse import urlsplit
-from collections.abc import AsyncIterator, Sequence
-from typing import Any, TypeVar
+from collections.abc import Sequence
+from typing import Any
 
 import trio
-from pydantic import BaseModel
 from quart import Response, request, websocket
 from quart_trio import QuartTrio
 from werkzeug.exceptions import HTTPException
 
+from trillm.web.agent_routes import anthropic_path, register_agent_apis
+from trillm.web.anthropic_api import anthropic_error
 from trillm.web.config import ServerConfig
 from trillm.web.errors import APIError, to_api_error
+from trillm.web.http import event_stream_response, json_body, json_response, started
 from trillm.web.generation import ModelRegistry, any_tokenizer, off_thread, start_generation
 from trillm.web.metrics import render_kernel_metrics, render_metrics
 from trillm.web.playground import register_playground
 from trillm.web.openai_schema import (
-    ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest, openapi_document, parse_body,
+    ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest, openapi_document,
 )
 from trillm.web.protocol import Kind, ResponseBuilder, chat_prompt_ids
 from trillm.web.service import EngineService
@@ -30,12 +32,6 @@ from trillm.web.sse import sse_stream
 from trillm.web.ws import register_websocket, subprotocol_api_key
 
 log = logging.getLogger("trillm.web.app")
-M = TypeVar("M", bound=BaseModel)
-
-
-def json_response(obj: dict[str, Any], status: int = 200, headers: dict[str, str] | None = None) -> Response:
-    return Response(json.dumps(obj, ensure_ascii=False), status=status, headers=headers or {},
-                    content_type="application/json")
 
 
 def kernels_json(service: EngineService) -> dict[str, Any] | None:
@@ -47,29 +43,42 @@ def kernels_json(service: EngineService) -> dict[str, Any] | None:
             "ops": {r.op: {"implementation": r.implementation, "reason": r.reason} for r in report.ops}}
 
 
-def error_response(err: APIError) -> Response:
+def error_response(err: APIError, path: str = "") -> Response:
+    """The error in the shape of the API at `path`: Anthropic's on /v1/messages, OpenAI's elsewhere."""
+    if anthropic_path(path):
+        status, body = anthropic_error(err)
+        return json_response(body, status, err.headers)
     return json_response(err.body(), err.status, err.headers)
 
 
-async def json_body(model: type[M]) -> M:
-    """The request body validated against `model`. Only application/json is read: a browser can send a
-    text/plain POST to any site without asking first (blind CSRF), never an application/json one."""
-    if request.mimetype != "application/json":
-        raise APIError(415, "the request body must be JSON (Content-Type: application/json)",
-                       code="unsupported_media_type")
-    return parse_body(model, await request.get_data())
+def is_authorized(api_key: str | None, headers: Any, offered_key: bytes | None = None) -> bool:
+    """No key configured, or the right one: a Bearer token, x-api-key, or offered as a websocket subprotocol."""
+    if api_key is None:
+        return True
+    if offered_key is not None and hmac.compare_digest(offered_key, api_key.encode()):
+        return True
+    x_api_key = headers.get("x-api-key")  # Anthropic's clients send the key here
+    if x_api_key is not None and hmac.compare_digest(x_api_key.strip().encode(), api_key.encode()):
+        return True
+    scheme, _, token = headers.get("Authorization", "").partition(" ")
+    return scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), api_key.encode())
 
 
-async def _started(gen: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
-    """Start `gen` now, so its `finally` (the abort) runs even if the body is never iterated."""
-    first = await gen.__anext__()
+def is_protected(path: str) -> bool:
+    """What needs the API key: the API, internal feeds and the tokenizer endpoints (not /, /health, /metrics)."""
+    return path.startswith(("/v1/", "/internal/")) or path in ("/tokenize", "/detokenize", "/tokenizer_info")
 
-    async def body() -> AsyncIterator[bytes]:
-        yield first
-        async for chunk in gen:
-            yield chunk
 
-    return body()
+def same_or_allowed_origin(headers: Any, allowed_origins: Sequence[str]) -> bool:
+    """A web page on any site can open a websocket to 127.0.0.1 (browsers send no CORS preflight for them),
+    so a browser's Origin must be this server's own, or one the operator allowed."""
+    origin: str | None = headers.get("Origin")
+    if origin is None:
+        return True  # not a browser
+    if origin in allowed_origins:
+        return True
+    host: str = headers.get("Host", "")
+    return urlsplit(origin).netloc.lower() == host.lower()
 
 
 def create_app(services: Sequence[EngineService], config: ServerConfig = ServerConfig()) -> QuartTrio:
@@ -78,41 +87,22 @@ def create_app(services: Sequence[EngineService], config: ServerConfig = ServerC
     app = QuartTrio(__name__, root_path=here, instance_path=here)  # namespace package: give paths
     app.config["MAX_CONTENT_LENGTH"] = config.max_request_bytes
     app.config["RESPONSE_TIMEOUT"] = None  # quart's 60 s default silently cuts long generations
-    registry = ModelRegistry(services)
+    registry = ModelRegistry(services, config.model_aliases)
     app.extensions["trillm.registry"] = registry
 
     def authorized(headers: Any, offered_key: bytes | None = None) -> bool:
-        if config.api_key is None:
-            return True
-        if offered_key is not None and hmac.compare_digest(offered_key, config.api_key.encode()):
-            return True
-        scheme, _, token = headers.get("Authorization", "").partition(" ")
-        return scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), config.api_key.encode())
-
-    def protected(path: str) -> bool:
-        return path.startswith(("/v1/", "/internal/")) or path in ("/tokenize", "/detokenize")
+        return is_authorized(config.api_key, headers, offered_key)
 
     @app.before_request
     async def check_auth() -> Response | None:
-        if protected(request.path) and not authorized(request.headers):
-            return error_response(APIError(401, "missing or wrong API key (Authorization: Bearer ...)",
-                                           "authentication_error", "invalid_api_key"))
+        if is_protected(request.path) and not authorized(request.headers):
+            return error_response(APIError(401, "missing or wrong API key (Authorization: Bearer ... or x-api-key)",
+                                           "authentication_error", "invalid_api_key"), request.path)
         return None
-
-    def same_or_allowed_origin(headers: Any) -> bool:
-        # A web page on any site can open a websocket to 127.0.0.1 (browsers send no CORS preflight for
-        # them), so a browser's Origin must be this server's own, or one the operator allowed.
-        origin: str | None = headers.get("Origin")
-        if origin is None:
-            return True  # not a browser
-        if origin in config.allowed_origins:
-            return True
-        host: str = headers.get("Host", "")
-        return urlsplit(origin).netloc.lower() == host.lower()
 
     @app.before_websocket
     async def check_ws_auth() -> Response | None:
-        if not same_or_allowed_origin(websocket.headers):
+        if not same_or_allowed_origin(websocket.headers, config.allowed_origins):
             return error_response(APIError(403, "cross-origin websocket refused (see --allowed-origin)",
                                            "permission_error", "origin_not_allowed"))
         if not authorized(websocket.headers, subprotocol_api_key(websocket.requested_subprotocols)):
@@ -124,14 +114,15 @@ def create_app(services: Sequence[EngineService], config: ServerConfig = ServerC
     async def http_error(exc: HTTPException) -> Response:
         code = exc.code or 500
         return error_response(APIError(code, exc.description or exc.name,
-                                       "invalid_request_error" if code < 500 else "server_error", exc.name))
+                                       "invalid_request_error" if code < 500 else "server_error", exc.name),
+                              request.path)
 
     @app.errorhandler(Exception)
     async def any_error(exc: Exception) -> Response:
         err = to_api_error(exc, retry_after=1)
         if err.status == 500 and err.code == "internal_error":
             log.exception("unhandled error on %s", request.path, exc_info=exc)
-        return error_response(err)
+        return error_response(err, request.path)
 
     async def generate(kind: Kind) -> Response:
         body: ChatCompletionRequest | CompletionRequest = (
@@ -140,11 +131,7 @@ def create_app(services: Sequence[EngineService], config: ServerConfig = ServerC
         req, handle, tokenizer = await start_generation(service, body, config)
         builder = ResponseBuilder(req, handle.request_ids, tokenizer)
         if req.stream:
-            stream = await _started(sse_stream(handle, builder, keepalive_s=config.sse_keepalive_s))
-            response = Response(stream, content_type="text/event-stream",
-                                headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-            response.timeout = None
-            return response
+            return event_stream_response(await started(sse_stream(handle, builder, keepalive_s=config.sse_keepalive_s)))
         with handle:
             while True:
                 try:
@@ -163,9 +150,12 @@ def create_app(services: Sequence[EngineService], config: ServerConfig = ServerC
 
     @app.get("/v1/models")
     async def models() -> Response:
+        # OpenAI's list, with the fields Anthropic's clients read (type, display_name, created_at, has_more).
         data = [{"id": s.model_name, "object": "model", "created": 0, "owned_by": "trillm",
+                 "type": "model", "display_name": s.model_name, "created_at": "1970-01-01T00:00:00Z",
                  "max_model_len": s.max_model_len, "ready": s.healthy} for s in registry.services]
-        return json_response({"object": "list", "data": data})
+        return json_response({"object": "list", "data": data, "has_more": False,
+                              "first_id": data[0]["id"], "last_id": data[-1]["id"]})
 
     @app.get("/health")
     async def health() -> Response:
@@ -204,6 +194,16 @@ def create_app(services: Sequence[EngineService], config: ServerConfig = ServerC
             raise APIError(400, "give 'prompt' (a string) or 'messages'")
         return json_response({"tokens": ids, "count": len(ids), "max_model_len": service.max_model_len})
 
+    @app.get("/tokenizer_info")
+    async def tokenizer_info() -> Response:
+        # What a client that tokenizes through /tokenize and /detokenize needs (lm-eval's remote tokenizer).
+        service = registry.select(request.args.get("model"))
+        tokenizer = await any_tokenizer(service)
+        special = tokenizer.special_tokens
+        return json_response({"eos_token": special.eos_token, "bos_token": special.bos_token,
+                              "pad_token": special.pad_token, "chat_template": special.chat_template,
+                              "model_max_length": service.max_model_len, "vocab_size": tokenizer.vocab_size})
+
     @app.post("/detokenize")
     async def detokenize() -> Response:
         body = await json_body(DetokenizeRequest)
@@ -214,6 +214,7 @@ def create_app(services: Sequence[EngineService], config: ServerConfig = ServerC
         tokens = body.tokens
         return json_response({"prompt": await off_thread(lambda: tokenizer.decode(tokens, skip_special_tokens=False))})
 
+    register_agent_apis(app, registry, config)
     register_websocket(app, registry, config)
     register_playground(app, registry)
     return app

@@ -1,6 +1,6 @@
 """The `trillm` command: the one dispatcher that names every subcommand.
 
-`serve` and `generate` live here; `simulate` and `bench` are developer tools in trillm.bench, loaded by name
+`serve`, `route` and `generate` live in trillm.web; `simulate` and `bench` are developer tools in trillm.bench, loaded by name
 only when asked for (web never imports bench). Each subcommand module provides HELP, configure(parser) and
 run(args) -> exit code.
 """
@@ -30,6 +30,7 @@ class Command(Protocol):
 # name -> module; loaded when the parser is built, so keep their top-level imports light.
 SUBCOMMANDS: dict[str, str] = {
     "serve": "trillm.web.cli_serve",
+    "route": "trillm.web.cli_route",
     "generate": "trillm.web.cli",
     "simulate": "trillm.bench.simulate",
     "bench": "trillm.bench.cli",

@@ -12,6 +12,7 @@ from functools import partial
 from typing import TYPE_CHECKING
 
 from trillm.engine.config import add_engine_arguments, engine_config_from_args
+from trillm.engine.distributed import BACKENDS, launched_by_mlx
 from trillm.engine.errors import EngineError
 from trillm.engine.mock import add_mock_arguments
 from trillm.web.config import ServeError, ServerConfig
@@ -63,6 +64,9 @@ def configure(p: argparse.ArgumentParser) -> None:
                         "event (SSE) or message (websocket) (default: %(default)s)")
     p.add_argument("--keep-alive-timeout", type=float, default=ServerConfig().keep_alive_timeout_s,
                    metavar="SECONDS", help="close an idle HTTP connection after this long (default: %(default)s)")
+    p.add_argument("--model-alias", action="append", default=[], dest="model_aliases", metavar="NAME=SERVED",
+                   help="answer requests for NAME (a name or a glob such as 'claude-*') with the served model "
+                        "SERVED, for agents that send their own model names; repeatable, first match wins")
     p.add_argument("--lazy-load", action="store_true", help="load each model on its first request")
     p.add_argument("--unload-after-idle", type=float, default=None, metavar="SECONDS",
                    help="free a model after this long without requests (the next request reloads it)")
@@ -70,6 +74,14 @@ def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("--mock", action="store_true",
                    help="serve the mock engine (the real scheduler with a timing model, no weights); see its flags")
     p.add_argument("--speedup", type=float, default=1.0, help="--mock: run the timing model this many times faster")
+    tp = p.add_argument_group("tensor parallelism")
+    tp.add_argument("--tensor-parallel", type=int, default=None, metavar="N",
+                    help="shard the model over N ranks on this host (mx.distributed ring over loopback; rank 0 "
+                         "serves). Under mlx.launch the group's own size is used")
+    tp.add_argument("--distributed-backend", default="any", choices=BACKENDS,
+                    help="under mlx.launch: the mx.distributed backend to join (default: any)")
+    tp.add_argument("--tp-timeout", type=float, default=60.0, metavar="SECONDS",
+                    help="a step that waits this long on the other ranks means one hangs: fail the model")
     add_engine_arguments(p)
     add_mock_arguments(p)
 
@@ -87,17 +99,26 @@ def run(args: argparse.Namespace) -> int:
         return _usage("give one --served-model-name per --model")
     if args.mock and args.model:
         return _usage("--mock serves the mock engine; it takes no --model")
+    if args.tensor_parallel is not None and args.tensor_parallel < 1:
+        return _usage("--tensor-parallel takes a number of ranks >= 1")
+    if launched_by_mlx() or (args.tensor_parallel or 1) > 1:
+        return _run_tensor_parallel(args, names[0])
     if args.lazy_load:  # requests must name a model before it is loaded, so fix the names now
         names = [n or _default_name(m) for n, m in zip(names, models)]
     try:
+        aliases = parse_model_aliases(args.model_aliases)
+    except ValueError as exc:
+        return _usage(str(exc))
+    fixed_names = [n for n in names if n is not None]
+    if len(fixed_names) == len(names):  # otherwise the names are known once the models load
+        for pattern, target in aliases:
+            if target not in fixed_names:
+                return _usage(f"--model-alias {pattern}={target}: no served model is named {target!r} "
+                              f"(served: {', '.join(fixed_names)})")
+    try:
         service_config = ServiceConfig(lazy_load=args.lazy_load, unload_after_idle_s=args.unload_after_idle,
                                        max_buffered_bytes=args.max_buffered_bytes)
-        config = ServerConfig(host=args.host, port=args.port, api_key=args.api_key,
-                              allowed_origins=tuple(args.allowed_origins), tool_parser=args.tool_parser,
-                              reasoning_parser=args.reasoning_parser, drain_timeout_s=args.drain_timeout,
-                              keep_alive_timeout_s=args.keep_alive_timeout,
-                              limits=Limits(**{name: getattr(args, name) for name in _LIMIT_FLAGS}),
-                              **{name: getattr(args, name) for name in _SERVER_FLAGS})
+        config = _server_config(args, aliases)
         if args.mock:
             specs = [ModelSpec(names[0], mock_engine_factory(args, engine_config_from_args(args), speedup=args.speedup),
                                inline=True)]
@@ -116,10 +137,73 @@ def serve_until_stopped(specs: list[ModelSpec], config: ServerConfig, service_co
     from trillm.web.server import serve
 
     try:
-        trio.run(partial(serve, specs, config, service_config=service_config, shutdown_trigger=_wait_for_stop_signal))
+        trio.run(partial(serve, specs, config, service_config=service_config, shutdown_trigger=wait_for_stop_signal))
     except (KeyboardInterrupt, EngineError, ServeError, BaseExceptionGroup) as exc:
-        return _exit_code(exc)
+        return exit_code(exc)
     return 0
+
+
+def parse_model_aliases(values: list[str]) -> tuple[tuple[str, str], ...]:
+    """`NAME=SERVED` flags as (pattern, served name) pairs."""
+    aliases = []
+    for value in values:
+        pattern, sep, target = value.partition("=")
+        if not sep or not pattern.strip() or not target.strip():
+            raise ValueError(f"--model-alias wants NAME=SERVED (e.g. 'claude-*=SmolLM2-135M-Instruct'), got {value!r}")
+        aliases.append((pattern.strip(), target.strip()))
+    return tuple(aliases)
+
+
+def _server_config(args: argparse.Namespace, aliases: tuple[tuple[str, str], ...]) -> ServerConfig:
+    return ServerConfig(host=args.host, port=args.port, api_key=args.api_key,
+                        allowed_origins=tuple(args.allowed_origins), model_aliases=aliases,
+                        tool_parser=args.tool_parser, reasoning_parser=args.reasoning_parser,
+                        drain_timeout_s=args.drain_timeout, keep_alive_timeout_s=args.keep_alive_timeout,
+                        limits=Limits(**{name: getattr(args, name) for name in _LIMIT_FLAGS}),
+                        **{name: getattr(args, name) for name in _SERVER_FLAGS})
+
+
+def _run_tensor_parallel(args: argparse.Namespace, name: str | None) -> int:
+    """One model over a tensor-parallel group: started here (--tensor-parallel N), or by mlx.launch, whose
+    rank 0 serves while every other rank runs the worker loop."""
+    import trio
+
+    from trillm.engine.distributed import TensorParallelError, TensorParallelGroup
+    from trillm.web.service import ServiceConfig
+    from trillm.web.tp import TensorParallelOptions, serve_tensor_parallel
+
+    for flag, given in (("--mock", args.mock), ("several --model", len(args.model or []) > 1),
+                        ("--lazy-load", args.lazy_load), ("--unload-after-idle", args.unload_after_idle)):
+        if given:
+            return _usage(f"tensor parallelism serves one model, loaded at start-up: it does not take {flag}")
+    tp = None
+    if launched_by_mlx():
+        try:
+            tp = TensorParallelGroup.connect(args.distributed_backend)
+        except TensorParallelError as exc:
+            return _usage(str(exc))
+        if args.tensor_parallel not in (None, tp.size):
+            return _usage(f"--tensor-parallel {args.tensor_parallel} but the launcher started {tp.size} ranks")
+        if tp.rank != 0:
+            from trillm.engine.tp_worker import run_worker
+
+            signal.signal(signal.SIGINT, signal.SIG_DFL)  # blocked in a collective, Python could not react
+            return run_worker(tp)
+    try:
+        options = TensorParallelOptions(tp.size if tp is not None else args.tensor_parallel, args.tp_timeout)
+        config = _server_config(args, parse_model_aliases(args.model_aliases))
+        engine_config = engine_config_from_args(args, (args.model or [None])[0])
+    except (ValueError, EngineError) as exc:
+        return _usage(str(exc))
+    if tp is not None and tp.size == 1:
+        return _usage("the launcher started a single rank: run `trillm serve` without it")
+    try:
+        failure = trio.run(partial(serve_tensor_parallel, name, engine_config, config, options, tp=tp,
+                                   service_config=ServiceConfig(max_buffered_bytes=args.max_buffered_bytes),
+                                   shutdown_trigger=wait_for_stop_signal))
+    except (KeyboardInterrupt, EngineError, ServeError, BaseExceptionGroup) as exc:
+        return exit_code(exc)
+    return 1 if failure is not None else 0
 
 
 def _usage(message: str) -> int:
@@ -134,7 +218,8 @@ def _default_name(model: str | None) -> str:
     return name.removesuffix(".gguf") or model
 
 
-async def _wait_for_stop_signal() -> None:
+async def wait_for_stop_signal() -> None:
+    """Return on SIGINT or SIGTERM (a graceful shutdown: hypercorn's shutdown_trigger)."""
     import trio
 
     with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
@@ -143,7 +228,7 @@ async def _wait_for_stop_signal() -> None:
             return
 
 
-def _exit_code(exc: BaseException) -> int:
+def exit_code(exc: BaseException, command: str = "serve") -> int:
     """Typed errors (the model could not be loaded, the port is busy) become one clear line, not a traceback."""
     if isinstance(exc, BaseExceptionGroup):
         engine_errors, rest = exc.split((EngineError, ServeError))
@@ -157,5 +242,5 @@ def _exit_code(exc: BaseException) -> int:
         exc = first
     if isinstance(exc, KeyboardInterrupt):
         return 0
-    print(f"trillm serve: {exc}", file=sys.stderr)
+    print(f"trillm {command}: {exc}", file=sys.stderr)
     return 1

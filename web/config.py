@@ -34,6 +34,7 @@ class ServerConfig:
     allowed_origins: tuple[str, ...] = ()  # web pages (besides the server's own) that may open its websockets
     tool_parser: str | None = None  # the tool-call format (web/tool_parsers.py); None: detected per model
     reasoning_parser: str | None = None  # the reasoning markers (web/reasoning.py); None: detected; "none": off
+    model_aliases: tuple[tuple[str, str], ...] = ()  # (name or glob, served model name), tried in order
 
     def __post_init__(self) -> None:
         if not 0 <= self.port < 65536:

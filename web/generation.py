@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import fnmatch
 from collections.abc import Callable, Sequence
 from typing import TypeVar
 
@@ -18,12 +19,22 @@ from trillm.web.stream import GenerationHandle
 
 
 class ModelRegistry:
-    """The served models, by name; the first one answers requests that name no model."""
+    """The served models, by name; the first one answers requests that name no model.
 
-    def __init__(self, services: Sequence[EngineService]) -> None:
+    `aliases` are (pattern, served name) pairs, tried in order after the served names themselves: a pattern
+    is a name or a shell glob (`claude-*`), so agents that send their own model names reach a served model.
+    """
+
+    def __init__(self, services: Sequence[EngineService], aliases: Sequence[tuple[str, str]] = ()) -> None:
         if not services:
             raise ValueError("serve at least one model")
         self.services = list(services)
+        self.aliases = tuple(aliases)
+        served = {s.model_name for s in self.services}
+        for pattern, target in self.aliases:
+            if target not in served:
+                raise ValueError(f"--model-alias {pattern}={target}: no served model is named {target!r} "
+                                 f"(served: {', '.join(sorted(served))})")
 
     async def wait_drained(self) -> None:
         """Until a graceful shutdown has ended every live request (see EngineService.drain)."""
@@ -36,6 +47,12 @@ class ModelRegistry:
         for service in self.services:
             if service.model_name == model:
                 return service
+        if isinstance(model, str):
+            for pattern, target in self.aliases:
+                if fnmatch.fnmatchcase(model, pattern):
+                    for service in self.services:
+                        if service.model_name == target:
+                            return service
         names = ", ".join(s.model_name for s in self.services)
         raise APIError(404, f"model {model!r} is not served here (served: {names})", "invalid_request_error",
                        "model_not_found", "model")
@@ -65,23 +82,36 @@ async def off_thread(fn: Callable[[], T]) -> T:
     return await trio.to_thread.run_sync(fn)
 
 
-async def start_generation(service: EngineService, body: ChatCompletionRequest | CompletionRequest,
-                           config: ServerConfig) -> tuple[GenerationRequest, GenerationHandle, TokenizerLike]:
+async def prepare_generation(
+    service: EngineService, body: ChatCompletionRequest | CompletionRequest, config: ServerConfig, *,
+    adjust: Callable[[GenerationRequest], GenerationRequest] | None = None,
+) -> tuple[GenerationRequest, TokenizerLike]:
+    """Load the model if need be, then parse `body` for it; `adjust` may change the parsed request (once its
+    prompt length is known)."""
+    await service.ensure_loaded()
+    tokenizer = ready_tokenizer(service)
+    limits = service.limits
+    assert limits is not None  # set once the model is ready
+    name = service.model_name
+
+    def parse() -> GenerationRequest:
+        req = parse_generation(body, name, tokenizer, limits, config.limits, config.chat_options)
+        return req if adjust is None else adjust(req)
+
+    # Compiling a grammar takes milliseconds (the first one for a tokenizer, about a second): off the loop.
+    slow = prompt_bytes(body) > OFF_THREAD_PROMPT_BYTES or needs_grammar(body)
+    req = await off_thread(parse) if slow else parse()
+    return req, tokenizer
+
+
+async def start_generation(
+    service: EngineService, body: ChatCompletionRequest | CompletionRequest, config: ServerConfig, *,
+    adjust: Callable[[GenerationRequest], GenerationRequest] | None = None,
+) -> tuple[GenerationRequest, GenerationHandle, TokenizerLike]:
     """Parse and submit; typed errors (admission included) become 4xx/5xx before any byte is sent."""
     try:
-        await service.ensure_loaded()
-        tokenizer = ready_tokenizer(service)
-        limits = service.limits
-        assert limits is not None  # set once the model is ready
-        name = service.model_name
-
-        def parse() -> GenerationRequest:
-            return parse_generation(body, name, tokenizer, limits, config.limits, config.chat_options)
-
-        # Compiling a grammar takes milliseconds (the first one for a tokenizer, about a second): off the loop.
-        slow = prompt_bytes(body) > OFF_THREAD_PROMPT_BYTES or needs_grammar(body)
-        req = await off_thread(parse) if slow else parse()
-        handle = service.submit(req.prompt_token_ids, req.params, priority=req.priority)
+        req, tokenizer = await prepare_generation(service, body, config, adjust=adjust)
+        handle = service.submit_prompts(req.prompts, req.params, priority=req.priority)
     except (InvalidRequest, Overloaded, EngineUnavailable):
         service.metrics.on_outcome("rejected")
         raise

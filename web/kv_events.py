@@ -4,13 +4,16 @@
 out to each subscriber's bounded memory channel. A subscriber that falls behind is dropped with a final
 message and must reconnect and resync (a gap in event ids says the same; so does a new `epoch`: the engine
 was rebuilt and its event ids restarted). Messages are JSON:
-  {"type": "hello", "model": NAME, "interval_s": s, "epoch": n}
+  {"type": "hello", "model": NAME, "interval_s": s, "epoch": n, "model_id": ID, "block_size": B,
+   "hash_seed": HEX, "prefix_caching": bool}   (the last four are null until the engine first loads)
   {"type": "steps", "model": NAME, "epoch": n, "reports": [{"load": {...}, "kv_events": [...]}, ...]}
 """
 
 from __future__ import annotations
 
 import json
+from dataclasses import asdict
+from typing import Any
 
 import trio
 from quart import websocket
@@ -32,12 +35,16 @@ class KVEventHub:
         return len(self._subscribers)
 
     async def run(self) -> None:
-        """Drain and fan out until cancelled (reports are dropped while nobody listens)."""
+        """Drain and fan out until cancelled (reports are dropped while nobody listens). A new epoch is news
+        even without reports: subscribers must drop what they know of the old engine's cache now."""
+        epoch = self.service.statistics().epoch
         while True:
             await trio.sleep(self.interval_s)
             reports = self.service.drain_reports()
-            if reports and self._subscribers:
+            new_epoch = self.service.statistics().epoch
+            if (reports or new_epoch != epoch) and self._subscribers:
                 self.publish(reports)
+            epoch = new_epoch
 
     def publish(self, reports: list[StepReport]) -> None:
         msg = json.dumps({"type": "steps", "model": self.service.model_name,
@@ -48,6 +55,14 @@ class KVEventHub:
             except trio.WouldBlock:
                 self._subscribers.discard(send)
                 send.close()  # the handler tells the client it fell behind
+
+    def hello(self) -> dict[str, Any]:
+        """What a subscriber needs first: the epoch, and how this engine hashes prompt blocks."""
+        spec = self.service.kv_cache_spec
+        facts = asdict(spec) if spec is not None else {"model_id": None, "block_size": None, "hash_seed": None,
+                                                        "prefix_caching": None}
+        return {"type": "hello", "model": self.service.model_name, "interval_s": self.interval_s,
+                "epoch": self.service.statistics().epoch, **facts}
 
     def subscribe(self) -> trio.MemoryReceiveChannel[str]:
         send, recv = trio.open_memory_channel[str](self._buffer)
@@ -75,8 +90,7 @@ def register_kv_events(app: QuartTrio, hubs: dict[str, KVEventHub], path: str = 
                 # Whatever a client sends is read and dropped: unread frames would fill the socket's bounded
                 # queue and hide its close, leaving the handler (and its subscription) behind.
                 nursery.start_soon(_discard_incoming)
-                await websocket.send(json.dumps({"type": "hello", "model": name, "interval_s": hub.interval_s,
-                                                 "epoch": hub.service.statistics().epoch}))
+                await websocket.send(json.dumps({**hub.hello(), "model": name}))
                 async for msg in recv:
                     await websocket.send(msg)
                 await websocket.send(json.dumps({"type": "dropped", "message": "fell behind; reconnect and resync"}))

@@ -3,7 +3,7 @@
 Bodies are validated from their raw bytes (`parse_body`) in pydantic's strict mode: no silent coercion
 ("5" is not 5, true is not 1), no NaN or infinity, no invalid UTF-8 or lone surrogates (the JSON parser
 rejects them), bounded nesting. Unknown fields are ignored, as OpenAI's own server does, except those we
-know and refuse (`echo`, `best_of`, ...), which get a clear 400. Limits that depend on the served model
+know and refuse (`suffix`, chat's `echo`, ...), which get a clear 400. Limits that depend on the served model
 (the vocabulary, the context) are checked later, in protocol.py, when the model is known.
 
 The models' JSON schemas are what /openapi.json publishes, for users and for fuzzers.
@@ -128,7 +128,7 @@ class _Sampling(_Model):
 
     model: Annotated[str, Field(max_length=MAX_NAME)] | None = None
     n: Annotated[int, Field(ge=1)] = 1
-    max_tokens: Annotated[int, Field(ge=1, le=MAX_ID)] | None = None
+    max_tokens: Annotated[int, Field(ge=0, le=MAX_ID)] | None = None  # 0: score the prompt, generate nothing
     min_tokens: Annotated[int, Field(ge=0, le=MAX_ID)] = 0
     temperature: Annotated[float, Field(ge=0.0, le=100.0)] = 1.0
     top_p: Annotated[float, Field(gt=0.0, le=1.0)] = 1.0
@@ -158,10 +158,10 @@ class _Sampling(_Model):
     guided_choice: Annotated[list[Annotated[str, Field(min_length=1, max_length=4096)]], Field(min_length=1, max_length=1024)] | None = None
     guided_decoding_backend: Annotated[str, Field(max_length=64)] | None = None  # accepted, ignored: llguidance
     guided_whitespace_pattern: Annotated[str, Field(max_length=256)] | None = None  # accepted, ignored
+    # vLLM's extension: every prompt token's logprob, with this many top alternatives (range: protocol.py).
+    prompt_logprobs: Annotated[int, Field(ge=0, le=MAX_ID)] | None = None
 
-    # Known and refused: silently ignoring them would return something the client did not ask for.
-    best_of: Any = None
-    echo: Any = None
+    # Known and refused: silently ignoring it would return something the client did not ask for.
     suffix: Any = None
 
     @property
@@ -190,6 +190,9 @@ class ChatCompletionRequest(_Sampling):
     reasoning_effort: Literal["none", "minimal", "low", "medium", "high"] | None = None  # accepted, ignored
     response_format: ResponseFormat | None = None
     chat_template_kwargs: dict[str, Any] | None = None
+    # Known and refused here (completions-only, or vLLM's chat variants we do not implement).
+    echo: Any = None
+    best_of: Any = None
 
 
 Prompt = Text | Annotated[list[TokenId], Field(min_length=1)] | Annotated[list[Text], Field(min_length=1)] | Annotated[
@@ -197,8 +200,10 @@ Prompt = Text | Annotated[list[TokenId], Field(min_length=1)] | Annotated[list[T
 
 
 class CompletionRequest(_Sampling):
-    prompt: Prompt
+    prompt: Prompt  # a batch (a list of texts or of token-id lists) gets one set of n choices per prompt
     logprobs: Annotated[int, Field(ge=0)] | None = None
+    echo: bool = False  # the prompt before each choice's text (and its logprobs before the choice's)
+    best_of: Annotated[int, Field(ge=1, le=MAX_ID)] | None = None  # only best_of = n (protocol.py)
 
 
 class TokenizeRequest(_Model):

@@ -43,6 +43,7 @@ class Limits:
     max_stop_token_ids: int = 64
     max_logit_bias: int = 1024
     max_prompt_bytes: int = 1 << 20  # text to template and tokenize, checked before doing either
+    max_prompts: int = 256  # prompts in one /v1/completions batch
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -53,12 +54,16 @@ class Limits:
 
 @dataclass(frozen=True, slots=True)
 class GenerationRequest:
-    """One parsed /v1/chat/completions or /v1/completions body."""
+    """One parsed /v1/chat/completions or /v1/completions body.
+
+    Each prompt (a completions batch has several) runs as n engine requests with `params`; choice index
+    = prompt index x n + choice, the order `EngineService.submit_prompts` gives their request ids.
+    """
 
     kind: Kind
     model: str
-    prompt_token_ids: list[int]
-    params: list[SamplingParams]  # one per choice (n)
+    prompts: list[list[int]]
+    params: list[SamplingParams]  # one per choice (n), the same for every prompt
     stream: bool
     include_usage: bool
     logprobs: bool
@@ -67,6 +72,18 @@ class GenerationRequest:
     answer: AnswerSpec | None = None  # what the answer must match (response_format and the extensions)
     grammar: GrammarSpec | None = None  # the compiled constraint every choice runs under
     parsing: OutputParsing = OutputParsing()  # how the output splits into reasoning, text and tool calls
+    echo_texts: tuple[str, ...] = ()  # echo: each prompt's text, put before its choices' text
+    top_logprobs: int = 0  # alternatives shown per token in `logprobs`
+    prompt_logprobs: int | None = None  # vLLM's `prompt_logprobs` field in the response, with this many alternatives
+
+    @property
+    def prompt_token_ids(self) -> list[int]:
+        """The prompt (the first, for a batch)."""
+        return self.prompts[0]
+
+    @property
+    def echo(self) -> bool:
+        return bool(self.echo_texts)
 
 
 # ---- parsing ----
@@ -128,18 +145,22 @@ def render_chat(messages: list[dict[str, Any]], tokenizer: Tokenizer, *, tools: 
         raise _bad(f"the chat template could not be applied: {exc}") from exc
 
 
-def completion_prompt_ids(body: CompletionRequest, tokenizer: Tokenizer) -> list[int]:
+def completion_prompts(body: CompletionRequest) -> list[str | list[int]]:
+    """The body's prompts as given: texts, or token-id lists (a string or a token-id list is a batch of one)."""
     prompt = body.prompt
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
-        prompt = prompt[0]  # a batch of one
+    if isinstance(prompt, str):
+        return [prompt]
+    if all(isinstance(t, int) for t in prompt):
+        return [[t for t in prompt if isinstance(t, int)]]
+    return [p for p in prompt if isinstance(p, (str, list))]
+
+
+def prompt_ids(prompt: str | list[int], tokenizer: Tokenizer) -> list[int]:
     if isinstance(prompt, str):
         return tokenizer.encode(prompt, add_special_tokens=True)
-    if prompt and all(isinstance(t, int) for t in prompt):
-        ids = [t for t in prompt if isinstance(t, int)]
-        if any(t >= tokenizer.vocab_size for t in ids):
-            raise _bad(f"prompt token ids must be in [0, {tokenizer.vocab_size})")
-        return ids
-    raise _bad("'prompt': batches of several prompts are not supported")
+    if any(t >= tokenizer.vocab_size for t in prompt):
+        raise _bad(f"prompt token ids must be in [0, {tokenizer.vocab_size})")
+    return prompt
 
 
 def sampling_params(body: ChatCompletionRequest | CompletionRequest, kind: Kind, prompt_len: int,
@@ -147,12 +168,15 @@ def sampling_params(body: ChatCompletionRequest | CompletionRequest, kind: Kind,
     """Every sampling parameter the engine has, with OpenAI's names; one SamplingParams per choice."""
     if not body.n <= limits.max_n:
         raise _bad(f"'n' must be in [1, {limits.max_n}]")
-    if body.echo is not None and body.echo is not False:
-        raise _bad("'echo' is not supported")
+    if isinstance(body, ChatCompletionRequest) and body.echo is not None and body.echo is not False:
+        raise _bad("'echo' is not supported on chat completions (it is on /v1/completions)")
     if body.best_of is not None and not (type(body.best_of) is int and body.best_of == body.n):
         raise _bad("'best_of' is not supported (only best_of = n)")
     if body.suffix is not None and body.suffix != "":
         raise _bad("'suffix' is not supported")
+    echo = isinstance(body, CompletionRequest) and body.echo
+    if echo and body.n > 1 and body.temperature > 0:
+        raise _bad("'echo' with n > 1 needs temperature 0: sampled choices would each score the prompt again")
     if isinstance(body, ChatCompletionRequest):
         max_tokens = body.max_completion_tokens or body.max_tokens
     else:
@@ -187,6 +211,13 @@ def sampling_params(body: ChatCompletionRequest | CompletionRequest, kind: Kind,
         logprobs, top_logprobs = body.logprobs is not None, body.logprobs or 0
     if top_logprobs > MAX_TOP_LOGPROBS:
         raise _bad(f"at most {MAX_TOP_LOGPROBS} top logprobs per token")
+    if body.prompt_logprobs is not None and body.prompt_logprobs > MAX_TOP_LOGPROBS:
+        raise _bad(f"'prompt_logprobs' must be in [0, {MAX_TOP_LOGPROBS}]")
+    # The engine computes the prompt's logprobs once for both uses: echoed logprobs and vLLM's field.
+    wanted = [k for k in (body.prompt_logprobs, top_logprobs if echo and logprobs else None) if k is not None]
+    prompt_logprobs = max(wanted) if wanted else None
+    if max_tokens == 0 and not echo and body.prompt_logprobs is None:
+        raise _bad("max_tokens 0 generates nothing: it is for scoring a prompt (with 'echo' or 'prompt_logprobs')")
     common: dict[str, Any] = dict(
         max_tokens=max_tokens, min_tokens=body.min_tokens, temperature=body.temperature, top_p=body.top_p,
         top_k=max(0, body.top_k), min_p=body.min_p, repetition_penalty=body.repetition_penalty,
@@ -194,6 +225,7 @@ def sampling_params(body: ChatCompletionRequest | CompletionRequest, kind: Kind,
         stop=stop, stop_token_ids=stop_ids, ignore_eos=body.ignore_eos, logprobs=logprobs,
         top_logprobs=top_logprobs, skip_special_tokens=body.skip_special_tokens,
         include_stop_str_in_output=body.include_stop_str_in_output, cache_salt=body.cache_salt,
+        prompt_logprobs=prompt_logprobs,
     )
     # Choice i gets seed + i: reproducible, yet the n choices differ.
     return [SamplingParams(seed=None if body.seed is None else body.seed + i, **common) for i in range(body.n)]
@@ -263,6 +295,19 @@ def tool_request(body: ChatCompletionRequest) -> ToolRequest | None:
     return ToolRequest(tools, "named", choice.function.name, parallel)
 
 
+def generation_prompt_ids(body: ChatCompletionRequest | CompletionRequest, tokenizer: Tokenizer,
+                          tools: ToolRequest | None = None, options: ChatOptions = ChatOptions()) -> list[list[int]]:
+    """The prompt ids a generation runs on, one list per prompt: the chat template over the messages (and the
+    tools, in the form this model's template takes them), or each of the completion's prompts. A KV-aware
+    router computes them too."""
+    if isinstance(body, CompletionRequest):
+        return [prompt_ids(p, tokenizer) for p in completion_prompts(body)]
+    messages, tool_dicts = _messages(body.messages), None
+    if tools is not None or any(m.tool_calls or m.role == "tool" for m in body.messages):
+        messages, tool_dicts = template_inputs(messages, tools, model_features(tokenizer, options))
+    return [render_chat(messages, tokenizer, tools=tool_dicts, template_kwargs=body.chat_template_kwargs)]
+
+
 def parse_generation(body: ChatCompletionRequest | CompletionRequest, model_name: str, tokenizer: Tokenizer,
                      model: RequestLimits, limits: Limits, options: ChatOptions = ChatOptions()) -> GenerationRequest:
     """Turn a validated body into prompt ids and params (raising InvalidRequest for what does not fit)."""
@@ -271,37 +316,42 @@ def parse_generation(body: ChatCompletionRequest | CompletionRequest, model_name
     if size > limits.max_prompt_bytes:
         raise _bad(f"the prompt has {size} bytes; this server allows at most {limits.max_prompt_bytes}")
     answer = answer_spec(body)
-    tools: ToolRequest | None = None
-    if isinstance(body, ChatCompletionRequest):
-        tools = tool_request(body)
-        messages, tool_dicts = _messages(body.messages), None
-        if tools is not None or any(m.tool_calls or m.role == "tool" for m in body.messages):
-            messages, tool_dicts = template_inputs(messages, tools, model_features(tokenizer, options))
-        ids = render_chat(messages, tokenizer, tools=tool_dicts, template_kwargs=body.chat_template_kwargs)
-    else:
-        ids = completion_prompt_ids(body, tokenizer)
-    if not ids:
-        raise _bad("the prompt is empty")
-    if limits.max_prompt_tokens is not None and len(ids) > limits.max_prompt_tokens:
-        raise _bad(f"the prompt has {len(ids)} tokens; this server allows at most {limits.max_prompt_tokens}")
-    params = sampling_params(body, kind, len(ids), model, limits)
+    tools = tool_request(body) if isinstance(body, ChatCompletionRequest) else None
+    echo_texts: tuple[str, ...] = ()
+    if isinstance(body, CompletionRequest):
+        given = completion_prompts(body)
+        if len(given) > limits.max_prompts:
+            raise _bad(f"'prompt' has {len(given)} prompts; this server allows at most {limits.max_prompts}")
+        if body.echo:  # a text prompt echoes as given; token ids as they decode
+            echo_texts = tuple(p if isinstance(p, str) else tokenizer.decode(p, skip_special_tokens=False)
+                               for p in given)
+    prompts = generation_prompt_ids(body, tokenizer, tools, options)
+    for i, ids in enumerate(prompts):
+        which = f"prompt {i}" if len(prompts) > 1 else "the prompt"
+        if not ids:
+            raise _bad(f"{which} is empty")
+        if limits.max_prompt_tokens is not None and len(ids) > limits.max_prompt_tokens:
+            raise _bad(f"{which} has {len(ids)} tokens; this server allows at most {limits.max_prompt_tokens}")
+    # Only the chat default of max_tokens depends on the prompt, and chat has one prompt.
+    params = sampling_params(body, kind, max(len(ids) for ids in prompts), model, limits)
     grammar: GrammarSpec | None = None
     parsing = OutputParsing()
     if isinstance(body, ChatCompletionRequest):
-        plan = output_plan(ids, tokenizer, model_features(tokenizer, options), tools, answer)
+        plan = output_plan(prompts[0], tokenizer, model_features(tokenizer, options), tools, answer)
         grammar, parsing = plan.grammar, plan.parsing
         if plan.keep_special_tokens:
             params = [dataclasses.replace(p, skip_special_tokens=False) for p in params]
-    elif answer is not None:
-        plan = output_plan(ids, tokenizer, None, None, answer)
+    elif answer is not None:  # a completion's constraint does not depend on its prompt
+        plan = output_plan(prompts[0], tokenizer, None, None, answer)
         grammar = plan.grammar
     if grammar is not None:
         params = [dataclasses.replace(p, grammar=grammar) for p in params]
     return GenerationRequest(
-        kind=kind, model=model_name, prompt_token_ids=ids, params=params, stream=body.stream,
+        kind=kind, model=model_name, prompts=prompts, params=params, stream=body.stream,
         include_usage=body.stream_options is not None and body.stream_options.include_usage,
         logprobs=params[0].logprobs, priority=body.priority, tools=tools, answer=answer, grammar=grammar,
-        parsing=parsing,
+        parsing=parsing, echo_texts=echo_texts, top_logprobs=params[0].top_logprobs,
+        prompt_logprobs=body.prompt_logprobs,
     )
 
 
@@ -343,6 +393,8 @@ class _Choice:
     finish_reason: FinishReason | None = None
     finish: Finish | None = None
     usage: Usage | None = None
+    prompt_logprobs: tuple[TokenLogprob | None, ...] | None = None
+    started: bool = False  # streaming: its first delta (which carries the echo) went out
 
     def apply(self, events: list[OutputEvent]) -> None:
         """Accumulate a chat choice's events (non-streaming)."""
@@ -379,11 +431,18 @@ def _event_delta(ev: OutputEvent) -> dict[str, Any] | None:
     return None
 
 
+Logprobs = tuple[TokenLogprob, ...] | list[TokenLogprob]
+
+
 class ResponseBuilder:
-    """Accumulates one generation's deltas and renders OpenAI responses and stream chunks."""
+    """Accumulates one generation's deltas and renders OpenAI responses and stream chunks.
+
+    Choice i belongs to prompt i // n (request_ids come prompt-major, see GenerationRequest).
+    """
 
     def __init__(self, req: GenerationRequest, request_ids: tuple[str, ...], tokenizer: Tokenizer) -> None:
         self.req = req
+        self.n = len(req.params)
         self.index = {rid: i for i, rid in enumerate(request_ids)}
         self.tokenizer = tokenizer
         self.id = ("chatcmpl-" if req.kind == "chat" else "cmpl-") + uuid.uuid4().hex
@@ -398,7 +457,7 @@ class ResponseBuilder:
         raw = self.tokenizer.token_bytes(token_id) if 0 <= token_id < self.tokenizer.vocab_size else b""
         return raw.decode("utf-8", errors="replace"), list(raw)
 
-    def _chat_logprobs(self, lps: tuple[TokenLogprob, ...] | list[TokenLogprob]) -> dict[str, Any]:
+    def _chat_logprobs(self, lps: Logprobs) -> dict[str, Any]:
         content = []
         for lp in lps:
             token, raw = self._token(lp.token_id)
@@ -409,28 +468,67 @@ class ResponseBuilder:
             content.append({"token": token, "logprob": lp.logprob, "bytes": raw, "top_logprobs": top})
         return {"content": content}
 
-    def _completion_logprobs(self, i: int, lps: tuple[TokenLogprob, ...] | list[TokenLogprob]) -> dict[str, Any]:
-        tokens, values, tops, offsets = [], [], [], []
-        for lp in lps:
-            token, _ = self._token(lp.token_id)
+    def _completion_logprobs(self, i: int, lps: Logprobs, *, echo: bool = False,
+                             prompt_logprobs: tuple[TokenLogprob | None, ...] | None = None) -> dict[str, Any]:
+        """OpenAI's legacy format; with echo, the prompt's tokens come first (the first one's logprob null)."""
+        tokens: list[str] = []
+        values: list[float | None] = []
+        tops: list[dict[str, float] | None] = []
+        offsets: list[int] = []
+        k = self.req.top_logprobs
+
+        def put(token_id: int, lp: TokenLogprob | None) -> None:
+            token, _ = self._token(token_id)
             tokens.append(token)
-            values.append(lp.logprob)
-            tops.append({self._token(tid)[0]: val for tid, val in lp.top} if lp.top else None)
+            values.append(None if lp is None else lp.logprob)
+            top: dict[str, float] | None = None
+            if lp is not None and lp.top[:k]:
+                top = {}
+                for tid, val in lp.top[:k]:  # best first: tokens whose text collides keep the likeliest
+                    top.setdefault(self._token(tid)[0], val)
+            tops.append(top)
             offsets.append(self._text_offset[i])
             self._text_offset[i] += len(token)
+
+        if echo:
+            for pos, token_id in enumerate(self.req.prompts[i // self.n]):
+                put(token_id, prompt_logprobs[pos] if prompt_logprobs is not None else None)
+        for lp in lps:
+            put(lp.token_id, lp)
         return {"tokens": tokens, "token_logprobs": values, "top_logprobs": tops, "text_offset": offsets}
 
-    def logprobs_for(self, i: int, lps: tuple[TokenLogprob, ...] | list[TokenLogprob] | None) -> Any:
+    def logprobs_for(self, i: int, lps: Logprobs | None) -> Any:
         if not self.req.logprobs or lps is None:
             return None
         return self._chat_logprobs(lps) if self.req.kind == "chat" else self._completion_logprobs(i, lps)
 
+    def prompt_logprobs_for(self, lps: tuple[TokenLogprob | None, ...] | None) -> list[dict[str, Any] | None] | None:
+        """vLLM's `prompt_logprobs`: per prompt token (None for the first), {token id: {logprob, rank,
+        decoded_token}} for the token itself and its top alternatives."""
+        k = self.req.prompt_logprobs
+        if k is None or lps is None:
+            return None
+        out: list[dict[str, Any] | None] = []
+        for lp in lps:
+            if lp is None:
+                out.append(None)
+                continue
+            entry = {str(lp.token_id): {"logprob": lp.logprob, "rank": lp.rank,
+                                        "decoded_token": self._token(lp.token_id)[0]}}
+            for rank, (tid, val) in enumerate(lp.top[:k], 1):
+                entry.setdefault(str(tid), {"logprob": val, "rank": rank, "decoded_token": self._token(tid)[0]})
+            out.append(entry)
+        return out
+
     def total_usage(self) -> Usage:
-        usages = [c.usage for c in self.choices if c.usage is not None]
-        if not usages:
-            return Usage(len(self.req.prompt_token_ids), 0, 0)
-        return Usage(usages[0].prompt_tokens, sum(u.completion_tokens for u in usages),
-                     max(u.cached_tokens for u in usages))
+        """Each prompt counted once (its n choices share it), every choice's completion tokens."""
+        prompt = completion = cached = 0
+        for p, ids in enumerate(self.req.prompts):
+            usages = [c.usage for c in self.choices[p * self.n : (p + 1) * self.n] if c.usage is not None]
+            prompt += usages[0].prompt_tokens if usages else len(ids)
+            completion += sum(u.completion_tokens for u in usages)
+            cached += max((u.cached_tokens for u in usages), default=0)
+        return Usage(prompt, completion, cached)
 
     # -- non-streaming --
     def add(self, out: RequestOutput, *, keep: bool = True) -> int:
@@ -452,6 +550,8 @@ class ResponseBuilder:
                 c.text += out.new_text
             if out.logprobs:
                 c.logprobs.extend(out.logprobs)
+            if out.prompt_logprobs is not None:
+                c.prompt_logprobs = out.prompt_logprobs
         elif events and isinstance(events[-1], Finish):
             c.finish = events[-1]
         c.usage = out.usage
@@ -462,8 +562,8 @@ class ResponseBuilder:
     def response(self) -> dict[str, Any]:
         choices = []
         for i, c in enumerate(self.choices):
-            logprobs = self.logprobs_for(i, c.logprobs)
             if self.req.kind == "chat":
+                logprobs = self.logprobs_for(i, c.logprobs)
                 message: dict[str, Any] = {"role": "assistant", "content": c.text}
                 if c.reasoning:
                     message["reasoning_content"] = message["reasoning"] = c.reasoning
@@ -475,11 +575,21 @@ class ResponseBuilder:
                 if c.finish is not None and c.finish.error:
                     choice["stop_reason"] = c.finish.error
                 choices.append(choice)
-            else:
-                choices.append({"index": i, "text": c.text, "logprobs": logprobs,
-                                "finish_reason": _finish_reason(c.finish_reason)})
-        return {"id": self.id, "object": self.object, "created": self.created, "model": self.req.model,
+                continue
+            choice = {"index": i, "text": c.text, "logprobs": None, "finish_reason": _finish_reason(c.finish_reason)}
+            if self.req.echo:
+                choice["text"] = self.req.echo_texts[i // self.n] + c.text
+            if self.req.logprobs:
+                choice["logprobs"] = self._completion_logprobs(i, c.logprobs, echo=self.req.echo,
+                                                               prompt_logprobs=c.prompt_logprobs)
+            if self.req.prompt_logprobs is not None:
+                choice["prompt_logprobs"] = self.prompt_logprobs_for(c.prompt_logprobs)
+            choices.append(choice)
+        resp = {"id": self.id, "object": self.object, "created": self.created, "model": self.req.model,
                 "choices": choices, "usage": usage_dict(self.total_usage())}
+        if self.req.kind == "chat" and self.req.prompt_logprobs is not None:
+            resp["prompt_logprobs"] = self.prompt_logprobs_for(self.choices[0].prompt_logprobs)
+        return resp
 
     # -- streaming --
     def _chunk(self, choices: list[dict[str, Any]]) -> dict[str, Any]:
@@ -496,14 +606,39 @@ class ResponseBuilder:
         return [self._chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                               "finish_reason": None}]) for i in range(len(self.choices))]
 
-    def delta_chunks(self, out: RequestOutput) -> list[dict[str, Any]]:
-        i, events = self._add(out, keep=False)
+    def stream_delta(self, out: RequestOutput) -> tuple[int, str, Any, list[dict[str, Any] | None] | None]:
+        """One streamed delta as (choice index, text, logprobs, prompt_logprobs); a completion choice's first
+        delta carries the echoed prompt before its own text, and the prompt's logprobs (when asked for)."""
+        i = self.add(out, keep=False)
         if self.req.kind == "chat":
-            return self._chat_chunks(i, out, events)
+            return i, out.new_text, self.logprobs_for(i, out.logprobs), self.prompt_logprobs_for(out.prompt_logprobs)
+        c = self.choices[i]
+        first, c.started = not c.started, True
+        echo = first and self.req.echo
+        text = self.req.echo_texts[i // self.n] + out.new_text if echo else out.new_text
+        logprobs = None
+        if self.req.logprobs and (echo or out.logprobs is not None):
+            logprobs = self._completion_logprobs(i, out.logprobs or (), echo=echo, prompt_logprobs=out.prompt_logprobs)
+        return i, text, logprobs, self.prompt_logprobs_for(out.prompt_logprobs)
+
+    def delta_chunks(self, out: RequestOutput) -> list[dict[str, Any]]:
+        if self.req.kind == "chat":
+            i, events = self._add(out, keep=False)
+            chunks = self._chat_chunks(i, out, events)
+            prompt_logprobs = self.prompt_logprobs_for(out.prompt_logprobs)
+            if prompt_logprobs is not None:  # vLLM's field, on the choice's first chunk
+                if not chunks:
+                    chunks.append(self._chunk([{"index": i, "delta": {"content": ""}, "logprobs": None,
+                                                "finish_reason": None}]))
+                chunks[0]["prompt_logprobs"] = prompt_logprobs
+            return chunks
+        i, text, logprobs, prompt_logprobs = self.stream_delta(out)
         chunks = []
-        if out.new_text or out.logprobs:
-            logprobs = self.logprobs_for(i, out.logprobs)
-            chunks.append(self._chunk([{"index": i, "text": out.new_text, "logprobs": logprobs, "finish_reason": None}]))
+        if text or logprobs or prompt_logprobs is not None:
+            choice: dict[str, Any] = {"index": i, "text": text, "logprobs": logprobs, "finish_reason": None}
+            if prompt_logprobs is not None:
+                choice["prompt_logprobs"] = prompt_logprobs
+            chunks.append(self._chunk([choice]))
         if out.finish_reason is not None:
             chunks.append(self._chunk([{"index": i, "text": "", "logprobs": None,
                                         "finish_reason": _finish_reason(out.finish_reason)}]))

@@ -28,7 +28,7 @@ import logging
 import math
 import threading
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import trio
@@ -36,7 +36,7 @@ import trio
 from trillm.engine.admission import RequestLimits
 from trillm.engine.driver import Abort, EngineDriver, StepResult, Submit, Work
 from trillm.engine.errors import EngineError, Overloaded
-from trillm.engine.kv_events import StepReport
+from trillm.engine.kv_events import KVCacheSpec, StepReport
 from trillm.engine.llm_engine import LLMEngine
 from trillm.engine.outputs import EngineStatistics
 from trillm.engine.sampling_params import SamplingParams
@@ -123,6 +123,7 @@ class EngineService:
         self.metrics = ModelMetrics()
         self.tokenizer: TokenizerLike | None = None
         self.limits: RequestLimits | None = None
+        self.kv_cache_spec: KVCacheSpec | None = None  # the latest engine's block naming, for a KV-aware router
         self._stats: EngineStatistics | None = None
         self.kernel_report: KernelReport | None = None  # the running engine's kernel self-check
         self._inbox: list[Work] = []
@@ -143,6 +144,7 @@ class EngineService:
         self._stopping = False  # draining: admit nothing new
         self._stopped = trio.Event()  # run() is over: an engine thread still waiting or loading must quit
         self._drained = trio.Event()  # drain() is done: nothing live is left
+        self._declared_failure: Exception | None = None  # set by `fail`, raised in the engine's next hop
 
     @property
     def max_model_len(self) -> int:
@@ -189,6 +191,7 @@ class EngineService:
                 self._load_wanted = trio.Event()
                 self._set_state(ServiceState.UNHEALTHY if failed else ServiceState.LOADING)
                 self._engine_up = False
+                self._take_declared_failure()  # it was about the previous engine
                 try:
                     await self._run_shell()
                 except Exception as exc:
@@ -198,7 +201,11 @@ class EngineService:
                         self._on_load_failure(exc)
                         failed = False
                         continue
-                    self._on_engine_failure(exc)
+                    declared = self._take_declared_failure()
+                    if declared is None:
+                        self._on_engine_failure(exc)
+                    else:  # its requests already failed when the failure was declared
+                        log.info("model %s: the engine stopped after %s: %s", self.model_name, declared, exc)
                     failed = True
                 else:  # unloaded after idling
                     log.info("unloaded %s after %s s idle", self.model_name, self._config.unload_after_idle_s)
@@ -302,6 +309,27 @@ class EngineService:
         self._unapplied = 0
         self._fail_all("the engine failed while serving this request; it is restarting")
 
+    def fail(self, exc: Exception) -> None:
+        """Declare the running engine failed, from outside it (a watchdog: a tensor-parallel rank died or hangs).
+
+        Every open request fails now and the model turns unhealthy, without waiting for the engine thread:
+        it raises `exc` at its next hop into trio, and restarts as after any failure. (An engine blocked
+        inside a step cannot be reached from here; unblocking it is the watchdog's job.)
+        """
+        if self.state is not ServiceState.READY:
+            return
+        self._declared_failure = exc
+        self._on_engine_failure(exc)
+        self._wakeup.set()
+
+    def _take_declared_failure(self) -> Exception | None:
+        declared, self._declared_failure = self._declared_failure, None
+        return declared
+
+    def _raise_declared_failure(self) -> None:
+        if self._declared_failure is not None:
+            raise self._declared_failure
+
     def _on_load_failure(self, exc: BaseException) -> None:
         self._load_failures += 1
         wait = min(self._config.restart_backoff_s * 2 ** (self._load_failures - 1), self._config.max_restart_backoff_s)
@@ -391,21 +419,30 @@ class EngineService:
         Admission is decided here, synchronously: EngineUnavailable while the model loads or restarts,
         InvalidRequest for what could never be served, Overloaded when the waiting queue is full.
         """
+        return self.submit_prompts([prompt_token_ids], params if isinstance(params, list) else [params],
+                                   priority=priority)
+
+    def submit_prompts(self, prompts: Sequence[list[int]], params: list[SamplingParams], *,
+                       priority: int = 0) -> GenerationHandle:
+        """Queue each prompt for len(params) generations, all behind one handle (request ids prompt-major: one
+        prompt's n, then the next's); the engine batches them like any other requests. Admitted all or none."""
         if self.state is not ServiceState.READY or self.limits is None:
             raise self.unavailable()
-        all_params = params if isinstance(params, list) else [params]
-        for p in all_params:
-            self.limits.check(len(prompt_token_ids), p)
+        for prompt in prompts:
+            for p in params:
+                self.limits.check(len(prompt), p)
+        total = len(prompts) * len(params)
         waiting = (self._stats.num_waiting if self._stats is not None else 0) + self._unapplied
-        if waiting + len(all_params) > self.limits.max_waiting:
+        if waiting + total > self.limits.max_waiting:
             raise Overloaded(f"the waiting queue is full ({self.limits.max_waiting} requests)")
-        rids = tuple(f"req-{next(self._ids)}" for _ in all_params)
+        rids = tuple(f"req-{next(self._ids)}" for _ in range(total))
         handle = GenerationHandle(rids, abort=self._abort, channel_size=self._config.channel_size,
                                   max_buffered_bytes=self._config.max_buffered_bytes, metrics=self.metrics)
-        for rid, p in zip(rids, all_params):
+        work = ((prompt, p) for prompt in prompts for p in params)
+        for rid, (prompt, p) in zip(rids, work):
             self._live[rid] = handle
-            self._inbox.append(Submit(rid, list(prompt_token_ids), p, priority))
-        self._unapplied += len(all_params)
+            self._inbox.append(Submit(rid, list(prompt), p, priority))
+        self._unapplied += total
         self._wakeup.set()
         return handle
 
@@ -426,8 +463,10 @@ class EngineService:
         self.tokenizer = engine.tokenizer
         self.limits = engine.limits
         self.kernel_report = engine.kernel_report
+        self.kv_cache_spec = KVCacheSpec.of(engine.block_manager, engine.loaded.model_id)
         self.model_name = self._served_name or engine.model_name
         self._epoch += 1
+        self._reports.clear()  # the old engine's events name blocks the new one never had
         self._up_since = trio.current_time()
         self._set_state(ServiceState.READY)
         self.last_error = None
@@ -447,6 +486,7 @@ class EngineService:
             # (On the threaded shell this runs in a system task, which run()'s cancellation cannot reach:
             # run() sets _stopped and the wakeup when it ends.)
             while not self._inbox and not self._stopped.is_set():
+                self._raise_declared_failure()
                 await self._wakeup.wait()
                 self._wakeup = trio.Event()
             if self._stopped.is_set():
@@ -460,6 +500,7 @@ class EngineService:
 
     def _deliver(self, result: StepResult) -> list[Work]:
         """Hand one step's results to their handles; returns the work that arrived meanwhile."""
+        self._raise_declared_failure()
         self._stats = result.statistics
         if result.report is not None:
             self._reports.append(result.report)

@@ -1,15 +1,21 @@
-"""Server-sent events: the OpenAI stream of `data: {json}` chunks, with keepalive comments on a timer."""
+"""Server-sent events: one generation's deltas as an event stream, with keepalives on a timer.
+
+The waiting lives here; what the bytes say is a `StreamTranslator`'s (sans-IO) business: OpenAI's
+`data: {json}` chunks ending in `data: [DONE]`, or named events (`event: NAME` lines) for the Messages and
+Responses APIs.
+"""
 
 from __future__ import annotations
 
 import json
 import logging
 from collections.abc import AsyncIterator
-from typing import Any
+from typing import Any, Protocol
 
 import trio
 
 from trillm.engine.errors import EngineError
+from trillm.engine.outputs import RequestOutput
 from trillm.web.errors import to_api_error
 from trillm.web.protocol import ResponseBuilder
 from trillm.web.stream import GenerationFailed, GenerationHandle
@@ -24,15 +30,56 @@ def sse_event(obj: dict[str, Any]) -> bytes:
     return b"data: " + json.dumps(obj, separators=(",", ":"), ensure_ascii=False).encode() + b"\n\n"
 
 
-async def sse_stream(handle: GenerationHandle, builder: ResponseBuilder, *,
-                     keepalive_s: float) -> AsyncIterator[bytes]:
+def sse_named_event(name: str, obj: dict[str, Any]) -> bytes:
+    """An event with an `event:` line, as Anthropic's and OpenAI's Responses streams name each one."""
+    return b"event: " + name.encode() + b"\n" + sse_event(obj)
+
+
+class StreamTranslator(Protocol):
+    """Turns one generation's deltas into the bytes of its event stream; no IO."""
+
+    @property
+    def keepalive(self) -> bytes: ...
+
+    def opening(self) -> bytes: ...
+
+    def outputs(self, outputs: list[RequestOutput]) -> bytes: ...
+
+    def closing(self) -> bytes: ...
+
+    def failure(self, exc: Exception) -> bytes: ...
+
+
+class ChatChunks:
+    """OpenAI's chat and text completion chunks."""
+
+    keepalive = KEEPALIVE
+
+    def __init__(self, builder: ResponseBuilder) -> None:
+        self.builder = builder
+
+    def opening(self) -> bytes:
+        return b"".join(sse_event(c) for c in self.builder.first_chunks())
+
+    def outputs(self, outputs: list[RequestOutput]) -> bytes:
+        return b"".join(sse_event(c) for out in outputs for c in self.builder.delta_chunks(out))
+
+    def closing(self) -> bytes:
+        return b"".join(sse_event(c) for c in self.builder.final_chunks()) + DONE
+
+    def failure(self, exc: Exception) -> bytes:
+        return sse_event(to_api_error(exc).body()) + DONE
+
+
+async def event_stream(handle: GenerationHandle, translator: StreamTranslator, *,
+                       keepalive_s: float) -> AsyncIterator[bytes]:
     """The whole event stream of one generation. Closing it (or cancelling the reader) aborts the generation.
 
-    Keepalive comments go out on a wall-clock timer while no token arrives (queued or prefilling): they keep
+    Keepalives go out on a wall-clock timer while no token arrives (queued or prefilling): they keep
     clients from timing out, and a failed write is how hypercorn's trio worker notices a gone client.
     """
     try:
-        yield b"".join(sse_event(c) for c in builder.first_chunks()) or KEEPALIVE
+        yield translator.opening() or translator.keepalive
         while True:
             received = False
             with trio.move_on_after(keepalive_s):
@@ -42,16 +89,21 @@ async def sse_stream(handle: GenerationHandle, builder: ResponseBuilder, *,
                     break
                 received = True
             if not received:
-                yield KEEPALIVE
+                yield translator.keepalive
                 continue
-            data = b"".join(sse_event(c) for out in outputs for c in builder.delta_chunks(out))
+            data = translator.outputs(outputs)
             if data:
                 yield data
-        yield b"".join(sse_event(c) for c in builder.final_chunks()) + DONE
+        yield translator.closing()
     except (GenerationFailed, EngineError) as exc:  # the engine failed, the client lagged, the server stops
-        yield sse_event(to_api_error(exc).body()) + DONE
+        yield translator.failure(exc)
     except Exception as exc:  # a bug rendering this stream ends it with an error event, never a dropped connection
         log.exception("the event stream failed", exc_info=exc)
-        yield sse_event(to_api_error(exc).body()) + DONE
+        yield translator.failure(exc)
     finally:
         handle.close()
+
+
+def sse_stream(handle: GenerationHandle, builder: ResponseBuilder, *, keepalive_s: float) -> AsyncIterator[bytes]:
+    """The OpenAI stream of one chat or text completion."""
+    return event_stream(handle, ChatChunks(builder), keepalive_s=keepalive_s)

@@ -24,6 +24,8 @@ def buffered_size(output: RequestOutput) -> int:
     size = len(output.new_text.encode()) + 8 * len(output.new_token_ids)
     for lp in output.logprobs or ():
         size += 16 + 16 * len(lp.top)
+    for plp in output.prompt_logprobs or ():
+        size += 16 if plp is None else 16 + 16 * len(plp.top)
     return size
 
 
@@ -32,7 +34,7 @@ class GenerationFailed(Exception):
 
 
 class GenerationHandle:
-    """The client side of one submission of n >= 1 engine requests that share one prompt.
+    """The client side of one submission: n >= 1 engine requests per prompt, of one prompt or a batch.
 
     Deltas arrive through `feed` (one engine step at a time) and leave through `receive`. The channel has a
     small fixed buffer; when it is full a request's newer deltas are merged into one pending delta, so a slow

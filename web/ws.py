@@ -29,7 +29,7 @@ from trillm.web.config import ServerConfig
 from trillm.web.errors import APIError, to_api_error
 from trillm.web.generation import ModelRegistry, start_generation
 from trillm.web.openai_schema import ChatCompletionRequest, CompletionRequest, parse_object
-from trillm.web.protocol import ResponseBuilder, usage_dict
+from trillm.web.protocol import ResponseBuilder, completion_prompts, usage_dict
 from trillm.web.service import EngineService
 from trillm.web.stream import GenerationFailed
 
@@ -61,7 +61,7 @@ class _Session:
         self.registry = registry
         self.config = config
         self.active: dict[str, trio.CancelScope] = {}
-        self.num_requests = 0  # engine requests (n per generation) running on this socket
+        self.num_requests = 0  # engine requests (n per prompt of each generation) running on this socket
 
     async def send(self, msg: dict[str, Any]) -> None:
         await self.out.send(json.dumps(msg, separators=(",", ":"), ensure_ascii=False))
@@ -125,10 +125,10 @@ class _Session:
         chat = endpoint == "chat" or (endpoint is None and "messages" in fields)
         body: ChatCompletionRequest | CompletionRequest = (
             parse_object(ChatCompletionRequest, fields) if chat else parse_object(CompletionRequest, fields))
-        n = body.n
+        n = body.n * (len(completion_prompts(body)) if isinstance(body, CompletionRequest) else 1)
         if self.num_requests + n > self.config.max_ws_requests:
             raise APIError(429, f"this socket runs at most {self.config.max_ws_requests} requests at once "
-                                "(counting each of n choices)")
+                                "(counting each of n choices of each prompt)")
         service = self.registry.select(body.model)
         self.num_requests += n
         try:
@@ -147,12 +147,15 @@ class _Session:
                 except trio.EndOfChannel:
                     break
                 for out in outputs:
-                    i = builder.add(out, keep=False)
-                    await self.send({
-                        "type": "delta", "id": gid, "index": i, "text": out.new_text,
-                        "token_ids": list(out.new_token_ids), "logprobs": builder.logprobs_for(i, out.logprobs),
+                    i, text, logprobs, prompt_logprobs = builder.stream_delta(out)
+                    message = {
+                        "type": "delta", "id": gid, "index": i, "text": text,
+                        "token_ids": list(out.new_token_ids), "logprobs": logprobs,
                         "finish_reason": None if out.finish_reason is None else out.finish_reason.value,
-                    })
+                    }
+                    if prompt_logprobs is not None:
+                        message["prompt_logprobs"] = prompt_logprobs
+                    await self.send(message)
         await self.send({
             "type": "done", "id": gid, "usage": usage_dict(builder.total_usage()),
             "finish_reasons": [None if c.finish_reason is None else c.finish_reason.value for c in builder.choices],

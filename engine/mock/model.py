@@ -85,8 +85,25 @@ class MockLoadedModel:
         tok = tokenizer if tokenizer is not None else MockTokenizer(spec.vocab_size)
         if tok.vocab_size != spec.vocab_size:
             raise ValueError(f"the tokenizer has {tok.vocab_size} tokens, the spec {spec.vocab_size}")
-        return cls(tok, f"mock:{spec.name}:{spec.vocab_size}", spec.name, tok.eos_token_ids, spec.max_model_len,
+        return cls(tok, mock_model_id(spec), spec.name, tok.eos_token_ids, spec.max_model_len,
                    spec.num_layers, spec.num_kv_heads, spec.head_dim, _DType(spec.dtype_bytes), spec)
+
+
+def mock_model_id(spec: MockModelSpec) -> str:
+    return f"mock:{spec.name}:{spec.vocab_size}"
+
+
+def mock_tokenizer_for(model_id: str) -> MockTokenizer | None:
+    """The default MockTokenizer of a mock engine with this model_id (None for any other model). A mock built
+    with another tokenizer has the same id: whoever relies on this checks it against the engine."""
+    kind, _, rest = model_id.partition(":")
+    vocab = rest.rpartition(":")[2]
+    if kind != "mock" or not vocab.isdigit():
+        return None
+    try:
+        return MockTokenizer(int(vocab))
+    except ValueError:
+        return None
 
 
 def make_mock_engine(

@@ -27,6 +27,7 @@ from trillm.engine.grammar import allowed_tokens
 from trillm.engine.mock.timing import PerfModel, StepShape
 from trillm.engine.mock.tokenizer import NUM_SPECIAL
 from trillm.engine.outputs import TokenLogprob
+from trillm.engine.prompt_logprobs import ScoredSpan, scored_span
 from trillm.engine.runner import Launch, RowsFn
 from trillm.engine.scheduler import SampledToken, ScheduledBatch
 
@@ -155,7 +156,21 @@ class MockRunner:
             if row.token_bitmask is not None:
                 token = self._allowed_token(s, row.output_index, token, row.token_bitmask)
             tokens.append(token)
-        return Launch(batch, sampled, _Pending(tokens, t0 + duration), duration)
+        scored = [self._scores(c.seq, *span) for c in batch.prefills if (span := scored_span(c)) is not None]
+        return Launch(batch, sampled, _Pending(tokens, t0 + duration), duration, prompt_logprobs=scored or None)
+
+    def _scores(self, seq: Sequence, a: int, b: int) -> ScoredSpan:
+        # Made-up but well-formed, like the sampled tokens' logprobs below.
+        width = self.vocab_size - NUM_SPECIAL
+        k = seq.params.prompt_logprobs or 0
+        lps = []
+        for t in seq.token_ids[a + 1 : b + 1]:
+            top = tuple((NUM_SPECIAL + (t - NUM_SPECIAL + j) % width, -1.0 - j) for j in range(k))
+            lps.append(TokenLogprob(t, -1.0, top, 1))
+        return ScoredSpan(seq, a, tuple(lps))
+
+    def collect_prompt_logprobs(self, launch: Launch) -> list[ScoredSpan]:
+        return launch.prompt_logprobs if isinstance(launch.prompt_logprobs, list) else []
 
     def collect(self, launch: Launch) -> list[SampledToken]:
         pending = launch.pending

@@ -13,6 +13,8 @@ import zlib
 from collections.abc import Sequence
 from typing import Any
 
+from trillm.engine.tokenizer import SpecialTokens
+
 SPECIALS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
 NUM_SPECIAL = len(SPECIALS)
 _SPLIT = re.compile(r"<\|endoftext\|>|<\|im_start\|>|<\|im_end\|>|\S+")
@@ -47,6 +49,8 @@ class MockTokenizer:
         self.bos_token_id: int | None = None
         self.all_special_ids: frozenset[int] = frozenset(range(NUM_SPECIAL))
         self.has_chat_template = True
+        self.special_tokens = SpecialTokens(eos_token=SPECIALS[2], bos_token=None, pad_token=SPECIALS[0],
+                                            chat_template=None)
         self._pieces = [s for s in SPECIALS] + [" " + _word(i) for i in range(vocab_size - NUM_SPECIAL)]
         self._bytes = [p.encode() for p in self._pieces]
         self._max_word = len(_word(vocab_size - NUM_SPECIAL - 1))

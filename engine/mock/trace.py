@@ -127,6 +127,40 @@ def synthetic_trace(
     return out
 
 
+def multi_turn_trace(
+    *,
+    num_conversations: int,
+    num_turns: int,
+    turn_tokens: int,
+    output_len: int,
+    system_tokens: int = 0,
+    turn_gap_s: float = 2.0,
+    stagger_s: float = 0.25,
+    block_tokens: int = DEFAULT_BLOCK_TOKENS,
+    seed: int = 0,
+) -> list[TraceRequest]:
+    """Chat sessions whose turn t resends the whole conversation so far: each prompt is the previous one plus
+    `turn_tokens` (the previous answer and the next question), in whole blocks, so it extends the previous
+    prompt's prefix exactly. Conversation c starts at c * stagger_s; the gaps between its turns (the user's
+    think time) are uniform in turn_gap_s * [0.5, 1.5]."""
+    rng = random.Random(seed)
+    if min(num_conversations, num_turns, turn_tokens, output_len, block_tokens) < 1 or system_tokens < 0:
+        raise ValueError("counts and lengths must be >= 1 (system_tokens >= 0)")
+    per_turn = math.ceil(turn_tokens / block_tokens)
+    system = math.ceil(system_tokens / block_tokens)
+    out = []
+    for c in range(num_conversations):
+        base = 2_000_000 + c * 100_000  # this conversation's own blocks
+        at = c * stagger_s
+        for t in range(num_turns):
+            blocks = system + (t + 1) * per_turn
+            out.append(TraceRequest(round(at * 1000, 3), blocks * block_tokens, output_len,
+                                    tuple(base + j for j in range(blocks))))
+            at += turn_gap_s * rng.uniform(0.5, 1.5)
+    out.sort(key=lambda r: r.timestamp)
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m trillm.engine.mock", description="write a synthetic trace")
     p.add_argument("out", help="JSONL file to write")

@@ -157,9 +157,9 @@ def test_bad_input_clear_errors_and_no_leak(tiny_model: LoadedModel) -> None:
     with pytest.raises(InvalidRequest, match="context length"):
         eng.add_request("long", list(range(100)), GREEDY)
     with pytest.raises(InvalidRequest, match="max_tokens"):
-        SamplingParams(max_tokens=0)
-    with pytest.raises(InvalidRequest, match="max_tokens"):
         SamplingParams(max_tokens=-5)
+    with pytest.raises(InvalidRequest, match="prompt_logprobs"):
+        SamplingParams(prompt_logprobs=21)
     with pytest.raises(UnknownRequest):
         eng.abort("nope")
     with pytest.raises(InvalidRequest, match="token ids"):

@@ -18,7 +18,7 @@ from trillm.engine.llm_engine import LLMEngine
 from trillm.engine.mock import LinearCostModel, MockModelSpec, Recording, make_mock_engine
 from trillm.engine.mock.tokenizer import MockTokenizer
 from trillm.engine.sampling_params import SamplingParams
-from trillm.engine.tokenizer import TokenizerLike
+from trillm.engine.tokenizer import SpecialTokens, TokenizerLike
 from trillm.web.service import EngineService, ServiceConfig
 
 SPEC = MockModelSpec(name="mock-model", vocab_size=2000, max_model_len=2048)
@@ -70,6 +70,7 @@ class ByteTokenizer:
     vocab_size = 259
     eos_token_ids = frozenset({0, 2})
     bos_token_id = None
+    special_tokens = SpecialTokens(eos_token="<|im_end|>", bos_token=None, pad_token=None, chat_template=None)
 
     def encode(self, text: str, *, add_special_tokens: bool = False) -> list[int]:
         return [b + 3 for b in text.encode()]

@@ -67,7 +67,7 @@ def test_bad_chat_bodies_are_invalid_requests(body: dict[str, Any]) -> None:
         parse(body)
 
 
-@pytest.mark.parametrize("prompt", [None, 5, [], [1, "a"], ["a", "b"], [10**6], [True]])
+@pytest.mark.parametrize("prompt", [None, 5, [], [1, "a"], ["a", [1]], [[1], []], [[10**6]], [10**6], [True]])
 def test_bad_completion_prompts(prompt: Any) -> None:
     with pytest.raises(InvalidRequest):
         parse({"prompt": prompt}, "completion")

@@ -11,7 +11,7 @@ from trillm.engine.errors import InvalidRequest, Overloaded
 from trillm.engine.config import EngineConfig
 from trillm.engine.sampling_params import SamplingParams
 from trillm.engine.outputs import EngineStatistics
-from trillm.web.service import EngineService, ServiceState
+from trillm.web.service import EngineService, EngineUnavailable, ServiceState
 from trillm.web.stream import GenerationFailed, GenerationHandle
 
 from conftest import SPEC, MockFactory, reference_text, running_service
@@ -185,3 +185,34 @@ async def test_lazy_load_then_unload_after_idle_then_reload() -> None:
             with trio.fail_after(2):
                 while service.state is not ServiceState.UNLOADED:
                     await trio.sleep(0.02)
+
+
+async def test_a_declared_failure_fails_every_stream_at_once_then_restarts() -> None:
+    """`fail` (a watchdog's call) ends the streams and turns the model unhealthy without waiting for the
+    engine's next step; the engine raises at its next hop, busy or idle, and restarts as after any failure."""
+    factory = MockFactory(step_delay=0.002)
+    async with running_service(factory, restart_backoff_s=0.05) as service:
+        handles = [service.submit([i + 3], SamplingParams(max_tokens=500)) for i in range(3)]
+        for h in handles:
+            await h.receive()
+        service.fail(RuntimeError("rank 1 is gone"))
+        assert service.state is ServiceState.UNHEALTHY and "rank 1 is gone" in (service.last_error or "")
+        with pytest.raises(EngineUnavailable):
+            service.submit([5], GREEDY)
+        for h in handles:
+            with trio.fail_after(0.5), pytest.raises(GenerationFailed, match="the engine failed"):
+                while True:
+                    await h.receive()
+        for engines in (2, 3):
+            with trio.fail_after(2):
+                while service.state is not ServiceState.READY:
+                    await trio.sleep(0.01)
+            assert len(factory.engines) == engines
+            await trio.sleep(0.05)  # idle now: parked waiting for work
+            service.fail(RuntimeError("again"))
+            assert service.state is ServiceState.UNHEALTHY
+        with trio.fail_after(2):
+            while service.state is not ServiceState.READY:
+                await trio.sleep(0.01)
+        with service.submit([7], GREEDY) as h:
+            assert (await collect(h)).popitem()[1] == reference_text([7], 12)
