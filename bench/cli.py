@@ -18,6 +18,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "profile": ("trillm.bench.profile", "time the engine's steps and fit the mock engine's timing model"),
     "profile-ops": ("trillm.bench.profile_ops", "where one engine step spends its time, per op kind"),
     "mock-parity": ("trillm.bench.bench_mock_parity", "the simulator's TTFT/ITL against the real engine on one trace"),
+    "soak": ("trillm.bench.bench_soak", "a long mixed load with disconnects: 5xx, leaked blocks, RSS growth, p99"),
     "score": ("trillm.bench.bench_score", "prompt-logprob scoring throughput against plain prefill"),
     "tp": ("trillm.bench.bench_tp", "tensor parallelism: 1 vs N ranks on this host, collectives, N-machine estimate"),
     "router": ("trillm.bench.bench_router", "KV-aware routing vs round-robin over mock replicas; the router's overhead"),

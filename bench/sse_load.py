@@ -10,6 +10,9 @@ Modes:
                  together, errors, and (with --server-pid) the server's RSS before, at the peak, and after.
 --hold-first N waits until N streams have their response headers (then samples memory) before any reads:
 idle streams cost what a queued request costs.
+--httpx-connections N sends the --streams requests at once through one httpx client with a pool of N
+keep-alive connections (as SDKs do), so connections are reused: errors count what the client saw, e.g.
+"closed-without-response" for a reused connection the server closed as the next request arrived.
 
     .venv/bin/python -m trillm.bench.sse_load --url http://127.0.0.1:8000 --streams 2000 --max-tokens 32
 """
@@ -115,6 +118,45 @@ async def one_stream(host: str, port: int, path: str, body: bytes, tally: Tally,
             tally.connected_now -= 1
 
 
+async def httpx_streams(url: str, path: str, body: bytes, streams: int, connections: int, tally: Tally) -> None:
+    """Every stream at once through one pooled httpx client; each counted like one_stream's."""
+    import httpx
+
+    limits = httpx.Limits(max_connections=connections, max_keepalive_connections=connections)
+    async with httpx.AsyncClient(base_url=url, timeout=600, limits=limits) as client:
+        async def one() -> None:
+            tally.started += 1
+            t0 = time.perf_counter()
+            try:
+                async with client.stream("POST", path, content=body,
+                                         headers={"Content-Type": "application/json"}) as r:
+                    if r.status_code != 200:
+                        tally.error(str(r.status_code))
+                        await r.aread()
+                        return
+                    tally.headers += 1
+                    first = True
+                    async for line in r.aiter_lines():
+                        if not line.startswith("data: "):
+                            continue
+                        if first:
+                            tally.ttft.append(time.perf_counter() - t0)
+                            first = False
+                        if line == "data: [DONE]":
+                            tally.completed += 1
+                            return
+                        tally.events += 1
+                    tally.error("no-done")
+            except httpx.RemoteProtocolError:
+                tally.error("closed-without-response")
+            except httpx.TransportError as exc:
+                tally.error(type(exc).__name__)
+
+        async with trio.open_nursery() as nursery:
+            for _ in range(streams):
+                nursery.start_soon(one)
+
+
 def check_loopback(url: str) -> tuple[str, int, str]:
     u = urlsplit(url)
     host = u.hostname or "127.0.0.1"
@@ -132,7 +174,9 @@ async def run(args: argparse.Namespace) -> dict[str, object]:
     samples: list[float] = []
     t0 = time.perf_counter()
     result: dict[str, object] = {}
-    if args.duration:
+    if args.httpx_connections:
+        await httpx_streams(f"http://{host}:{port}", path, body, args.streams, args.httpx_connections, tally)
+    elif args.duration:
         deadline = t0 + args.duration
 
         async def worker() -> None:
@@ -201,6 +245,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--prompt-words", type=int, default=16)
     p.add_argument("--duration", type=float, default=None, help="closed loop for this many seconds")
     p.add_argument("--hold-first", type=int, default=None, help="hold N streams idle after their headers")
+    p.add_argument("--httpx-connections", type=int, default=None,
+                   help="all streams at once through one httpx client with this many pooled connections")
     p.add_argument("--server-pid", type=int, default=None, help="sample this server's RSS")
     p.add_argument("--settle-s", type=float, default=0.0)
     p.add_argument("--timeout", type=float, default=300.0, help="disconnect every stream after this long")

@@ -17,7 +17,7 @@ class IncrementalDetokenizer:
     def __init__(self, tokenizer: TokenizerLike, prompt_token_ids: list[int], *, skip_special_tokens: bool = True) -> None:
         self._tok = tokenizer
         self._skip = skip_special_tokens
-        self._ids = list(prompt_token_ids[-_CONTEXT_TOKENS:])
+        self._ids = [t for t in prompt_token_ids[-_CONTEXT_TOKENS:] if 0 <= t < tokenizer.vocab_size]
         self._prefix = 0
         self._read = len(self._ids)
 
@@ -25,6 +25,8 @@ class IncrementalDetokenizer:
         return self._tok.decode(ids, skip_special_tokens=self._skip)
 
     def add(self, token_id: int) -> str:
+        if not 0 <= token_id < self._tok.vocab_size:
+            return ""  # an id past the tokenizer's vocabulary (a padded embedding row) has no text
         self._ids.append(token_id)
         prefix_text = self._decode(self._ids[self._prefix : self._read])
         new_text = self._decode(self._ids[self._prefix :])

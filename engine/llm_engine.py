@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import time
 from collections import deque
 from collections.abc import Callable, Iterable
@@ -32,6 +33,9 @@ if TYPE_CHECKING:
     from trillm.kernels.selfcheck import KernelReport
 
 _RATE_WINDOW_S = 10.0
+REQUEST_FAILED = "this request failed while its output was produced; other requests are unaffected"
+
+log = logging.getLogger("trillm.engine")
 
 
 @dataclass(slots=True)
@@ -133,7 +137,8 @@ class LLMEngine:
         assert isinstance(self.loaded, LoadedModel), "the MLX runner needs a loaded model"
         pool = make_kv_pool(self.loaded, self.config, num_blocks, self.max_model_len)
         self.kernel_report = pool.kernels.report
-        return ModelRunner(self.loaded.model, pool, Sampler(self.config.seed))
+        # Padded embeddings (more logits than tokens) must never yield an id the tokenizer cannot decode.
+        return ModelRunner(self.loaded.model, pool, Sampler(self.config.seed, vocab_size=self.tokenizer.vocab_size))
 
     # ---- requests ----------------------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, *, priority: int = 0) -> None:
@@ -211,7 +216,24 @@ class LLMEngine:
         kept = self.scheduler.postprocess(batch, sampled)
         done = self.scheduler.finish_scored(batch)
         self._count(sum(c.num_tokens for c in batch.prefills), len(kept))
-        return [self._output(s, finish) for s, finish in kept] + [self._scored_output(seq) for seq in done]
+        outputs = []
+        for s, finish in kept:
+            try:
+                outputs.append(self._output(s, finish))
+            except Exception:  # one request's detokenizing or stop handling: it fails alone, the step goes on
+                log.exception("request %s failed while its output was produced", s.seq.request_id)
+                outputs.append(self._fail_request(s.seq))
+        return outputs + [self._scored_output(seq) for seq in done]
+
+    def _fail_request(self, seq: Sequence) -> RequestOutput:
+        """End one request with FinishReason.ERROR and free its blocks; the others are untouched."""
+        self._requests.pop(seq.request_id, None)
+        if not seq.is_finished:
+            self.scheduler.finish(seq)
+        return RequestOutput(request_id=seq.request_id, new_token_ids=(), new_text="",
+                             finish_reason=FinishReason.ERROR,
+                             usage=Usage(seq.num_prompt_tokens, seq.num_output_tokens, seq.num_cached_tokens),
+                             error=REQUEST_FAILED)
 
     def _scored_output(self, seq: Sequence) -> RequestOutput:
         """The one delta of a request that generates nothing (max_tokens 0): its prompt logprobs, if asked."""

@@ -349,7 +349,8 @@ class TensorParallelEngine:
             except RuntimeError as exc:
                 raise self.tp.error(exc) from exc
             self._pool = make_kv_pool(lm, self.config, num_blocks, max_model_len)
-        return TensorParallelRunner(lm.model, self._pool, Sampler(self.config.seed), self.channel)
+        sampler = Sampler(self.config.seed, vocab_size=lm.tokenizer.vocab_size)  # never an id past the vocabulary
+        return TensorParallelRunner(lm.model, self._pool, sampler, self.channel)
 
     def close(self) -> None:
         """Tell the other ranks to exit (once the engine has stopped): through their doorbell, or, for ranks

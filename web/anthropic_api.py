@@ -336,6 +336,6 @@ class MessagesStream:
     def closing(self) -> bytes:
         return b""
 
-    def failure(self, exc: GenerationFailed) -> bytes:
+    def failure(self, exc: Exception) -> bytes:
         _, body = anthropic_error(to_api_error(exc))
         return _sse([body])

@@ -27,7 +27,7 @@ from trillm.web.openai_schema import (
     ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest, openapi_document,
 )
 from trillm.web.protocol import Kind, ResponseBuilder, chat_prompt_ids
-from trillm.web.service import EngineService, EngineUnavailable, retry_after_seconds
+from trillm.web.service import EngineService
 from trillm.web.sse import sse_stream
 from trillm.web.ws import register_websocket, subprotocol_api_key
 
@@ -122,8 +122,6 @@ def create_app(services: Sequence[EngineService], config: ServerConfig = ServerC
         err = to_api_error(exc, retry_after=1)
         if err.status == 500 and err.code == "internal_error":
             log.exception("unhandled error on %s", request.path, exc_info=exc)
-        if err.status == 503 and isinstance(exc, EngineUnavailable):
-            err = to_api_error(exc, retry_after=max(retry_after_seconds(s) for s in registry.services))
         return error_response(err, request.path)
 
     async def generate(kind: Kind) -> Response:
@@ -163,7 +161,7 @@ def create_app(services: Sequence[EngineService], config: ServerConfig = ServerC
     async def health() -> Response:
         # The failure's own text is for the log, not for whoever can reach /health.
         states = {s.model_name: {"state": s.state.value, "restarts": s.num_restarts, "kernels": kernels_json(s),
-                                 "error": None if s.last_error is None else "the engine failed; see the server log"}
+                                 "next_load_in_s": s.next_load_in_s, "error": s.problem}
                   for s in registry.services}
         ok = all(s.healthy for s in registry.services)
         return json_response({"status": "ok" if ok else "unavailable", "models": states}, 200 if ok else 503)

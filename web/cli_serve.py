@@ -9,15 +9,20 @@ import signal
 import sys
 from dataclasses import fields
 from functools import partial
+from typing import TYPE_CHECKING
 
 from trillm.engine.config import add_engine_arguments, engine_config_from_args
 from trillm.engine.distributed import BACKENDS, launched_by_mlx
 from trillm.engine.errors import EngineError
 from trillm.engine.mock import add_mock_arguments
-from trillm.web.config import ServerConfig
+from trillm.web.config import ServeError, ServerConfig
 from trillm.web.protocol import Limits
 from trillm.web.reasoning import REASONING_PARSERS
 from trillm.web.tool_parsers import TOOL_PARSERS
+
+if TYPE_CHECKING:
+    from trillm.web.server import ModelSpec
+    from trillm.web.service import ServiceConfig
 
 HELP = "serve an OpenAI-compatible HTTP/SSE and websocket API"
 _LIMIT_FLAGS = tuple(f.name for f in fields(Limits))  # what one request may ask: web/protocol.py Limits
@@ -26,6 +31,8 @@ DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 
 
 def configure(p: argparse.ArgumentParser) -> None:
+    from trillm.web.service import ServiceConfig
+
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--model", action="append", default=None,
@@ -42,6 +49,9 @@ def configure(p: argparse.ArgumentParser) -> None:
     for name in _SERVER_FLAGS:
         default = getattr(ServerConfig(), name)
         limits.add_argument("--" + name.replace("_", "-"), type=int, default=default, help=f"default: {default}")
+    limits.add_argument("--max-buffered-bytes", type=int, default=ServiceConfig().max_buffered_bytes,
+                        help="unread output (text, token ids, logprobs) held for a slow client before its request "
+                             "is aborted (default: %(default)s)")
     p.add_argument("--allowed-origin", action="append", default=[], dest="allowed_origins",
                    help="a web page origin (scheme://host:port) allowed to open the websockets; repeatable")
     p.add_argument("--tool-parser", default=None, choices=TOOL_PARSERS,
@@ -49,6 +59,11 @@ def configure(p: argparse.ArgumentParser) -> None:
                         "into the system prompt)")
     p.add_argument("--reasoning-parser", default=None, choices=(*REASONING_PARSERS, "none"),
                    help="the reasoning markers to split off as reasoning_content (default: detected; none: off)")
+    p.add_argument("--drain-timeout", type=float, default=ServerConfig().drain_timeout_s, metavar="SECONDS",
+                   help="on SIGTERM/SIGINT, open requests may finish for this long; then they end with an error "
+                        "event (SSE) or message (websocket) (default: %(default)s)")
+    p.add_argument("--keep-alive-timeout", type=float, default=ServerConfig().keep_alive_timeout_s,
+                   metavar="SECONDS", help="close an idle HTTP connection after this long (default: %(default)s)")
     p.add_argument("--model-alias", action="append", default=[], dest="model_aliases", metavar="NAME=SERVED",
                    help="answer requests for NAME (a name or a glob such as 'claude-*') with the served model "
                         "SERVED, for agents that send their own model names; repeatable, first match wins")
@@ -72,11 +87,9 @@ def configure(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    import trio
-
     from trillm.engine.llm_engine import LLMEngine
     from trillm.engine.mock import mock_engine_factory
-    from trillm.web.server import ModelSpec, serve
+    from trillm.web.server import ModelSpec
     from trillm.web.service import ServiceConfig
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -103,7 +116,8 @@ def run(args: argparse.Namespace) -> int:
                 return _usage(f"--model-alias {pattern}={target}: no served model is named {target!r} "
                               f"(served: {', '.join(fixed_names)})")
     try:
-        service_config = ServiceConfig(lazy_load=args.lazy_load, unload_after_idle_s=args.unload_after_idle)
+        service_config = ServiceConfig(lazy_load=args.lazy_load, unload_after_idle_s=args.unload_after_idle,
+                                       max_buffered_bytes=args.max_buffered_bytes)
         config = _server_config(args, aliases)
         if args.mock:
             specs = [ModelSpec(names[0], mock_engine_factory(args, engine_config_from_args(args), speedup=args.speedup),
@@ -113,9 +127,18 @@ def run(args: argparse.Namespace) -> int:
                      for name, model in zip(names, models)]
     except (ValueError, OSError, EngineError) as exc:
         return _usage(str(exc))
+    return serve_until_stopped(specs, config, service_config)
+
+
+def serve_until_stopped(specs: list[ModelSpec], config: ServerConfig, service_config: ServiceConfig) -> int:
+    """Serve until SIGTERM or SIGINT (then drain, see serve()); the exit code, with one line for typed errors."""
+    import trio
+
+    from trillm.web.server import serve
+
     try:
         trio.run(partial(serve, specs, config, service_config=service_config, shutdown_trigger=wait_for_stop_signal))
-    except (KeyboardInterrupt, EngineError, BaseExceptionGroup) as exc:
+    except (KeyboardInterrupt, EngineError, ServeError, BaseExceptionGroup) as exc:
         return exit_code(exc)
     return 0
 
@@ -135,6 +158,7 @@ def _server_config(args: argparse.Namespace, aliases: tuple[tuple[str, str], ...
     return ServerConfig(host=args.host, port=args.port, api_key=args.api_key,
                         allowed_origins=tuple(args.allowed_origins), model_aliases=aliases,
                         tool_parser=args.tool_parser, reasoning_parser=args.reasoning_parser,
+                        drain_timeout_s=args.drain_timeout, keep_alive_timeout_s=args.keep_alive_timeout,
                         limits=Limits(**{name: getattr(args, name) for name in _LIMIT_FLAGS}),
                         **{name: getattr(args, name) for name in _SERVER_FLAGS})
 
@@ -175,8 +199,9 @@ def _run_tensor_parallel(args: argparse.Namespace, name: str | None) -> int:
         return _usage("the launcher started a single rank: run `trillm serve` without it")
     try:
         failure = trio.run(partial(serve_tensor_parallel, name, engine_config, config, options, tp=tp,
-                                   service_config=ServiceConfig(), shutdown_trigger=wait_for_stop_signal))
-    except (KeyboardInterrupt, EngineError, BaseExceptionGroup) as exc:
+                                   service_config=ServiceConfig(max_buffered_bytes=args.max_buffered_bytes),
+                                   shutdown_trigger=wait_for_stop_signal))
+    except (KeyboardInterrupt, EngineError, ServeError, BaseExceptionGroup) as exc:
         return exit_code(exc)
     return 1 if failure is not None else 0
 
@@ -204,9 +229,9 @@ async def wait_for_stop_signal() -> None:
 
 
 def exit_code(exc: BaseException, command: str = "serve") -> int:
-    """Typed errors (e.g. the model could not be loaded) become one clear line, not a traceback."""
+    """Typed errors (the model could not be loaded, the port is busy) become one clear line, not a traceback."""
     if isinstance(exc, BaseExceptionGroup):
-        engine_errors, rest = exc.split(EngineError)
+        engine_errors, rest = exc.split((EngineError, ServeError))
         if rest is not None and rest.split(KeyboardInterrupt)[1] is not None:
             raise exc
         if engine_errors is None:

@@ -8,6 +8,10 @@ from trillm.web.protocol import Limits
 from trillm.web.structured import ChatOptions
 
 
+class ServeError(Exception):
+    """The server cannot start as configured (a busy port, two models under one name): one clear line."""
+
+
 @dataclass(frozen=True, slots=True)
 class ServerConfig:
     """The web layer's knobs; each cap has a `trillm serve` flag (README lists them with their defaults)."""
@@ -22,8 +26,11 @@ class ServerConfig:
     max_ws_requests: int = 64  # concurrent engine requests on one websocket, counting each of n choices
     sse_keepalive_s: float = 5.0  # comment lines while a stream waits or prefills
     backlog: int = 4096  # listen queue: a burst of clients connecting at once is not refused
-    keep_alive_timeout_s: float = 5.0
-    graceful_timeout_s: float = 3.0
+    # hypercorn counts a fresh connection as idle until its first request, and HTTP clients keep idle
+    # connections for reuse (httpx: 5 s): a timeout that short closed connections whose request was on its
+    # way (a loaded client, or a reused connection), without any response. Longer than any client's expiry.
+    keep_alive_timeout_s: float = 75.0
+    drain_timeout_s: float = 10.0  # on SIGTERM: open requests may finish for this long, then end with an error
     allowed_origins: tuple[str, ...] = ()  # web pages (besides the server's own) that may open its websockets
     tool_parser: str | None = None  # the tool-call format (web/tool_parsers.py); None: detected per model
     reasoning_parser: str | None = None  # the reasoning markers (web/reasoning.py); None: detected; "none": off
@@ -36,6 +43,8 @@ class ServerConfig:
             raise ValueError("max_request_bytes and max_ws_message_bytes must be >= 1024")
         if self.sse_keepalive_s <= 0:
             raise ValueError("sse_keepalive_s must be > 0")
+        if self.drain_timeout_s < 0 or self.keep_alive_timeout_s <= 0:
+            raise ValueError("drain_timeout_s must be >= 0 and keep_alive_timeout_s > 0")
         if self.api_key == "":
             raise ValueError("api_key must not be empty")
         self.chat_options  # validates the parser names

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -31,9 +32,11 @@ def to_api_error(exc: BaseException, *, retry_after: int = 1) -> APIError:
         return exc
     if isinstance(exc, InvalidRequest):
         return APIError(400, str(exc), "invalid_request_error", "invalid_request")
-    if isinstance(exc, (Overloaded, EngineUnavailable)):
-        code = "overloaded" if isinstance(exc, Overloaded) else "model_unavailable"
-        return APIError(503, str(exc), "server_error", code, headers={"Retry-After": str(retry_after)})
+    if isinstance(exc, Overloaded):
+        return APIError(503, str(exc), "server_error", "overloaded", headers={"Retry-After": str(retry_after)})
+    if isinstance(exc, EngineUnavailable):
+        wait = max(1, math.ceil(exc.retry_after_s))
+        return APIError(503, str(exc), "server_error", exc.code, headers={"Retry-After": str(wait)})
     if isinstance(exc, GenerationFailed):
         return APIError(500, str(exc), "server_error", "generation_failed")
     if isinstance(exc, ModelLoadError):

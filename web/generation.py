@@ -36,6 +36,11 @@ class ModelRegistry:
                 raise ValueError(f"--model-alias {pattern}={target}: no served model is named {target!r} "
                                  f"(served: {', '.join(sorted(served))})")
 
+    async def wait_drained(self) -> None:
+        """Until a graceful shutdown has ended every live request (see EngineService.drain)."""
+        for service in self.services:
+            await service.wait_drained()
+
     def select(self, model: object) -> EngineService:
         if model is None:
             return self.services[0]
@@ -55,7 +60,7 @@ class ModelRegistry:
 
 def ready_tokenizer(service: EngineService) -> TokenizerLike:
     if service.tokenizer is None or service.state is not ServiceState.READY:
-        raise EngineUnavailable(f"model {service.model_name} is {service.state.value}; retry shortly")
+        raise service.unavailable()
     return service.tokenizer
 
 

@@ -86,9 +86,19 @@ def register_kv_events(app: QuartTrio, hubs: dict[str, KVEventHub], path: str = 
             return
         recv = hub.subscribe()
         try:
-            await websocket.send(json.dumps({**hub.hello(), "model": name}))
-            async for msg in recv:
-                await websocket.send(msg)
-            await websocket.send(json.dumps({"type": "dropped", "message": "fell behind; reconnect and resync"}))
+            async with trio.open_nursery() as nursery:
+                # Whatever a client sends is read and dropped: unread frames would fill the socket's bounded
+                # queue and hide its close, leaving the handler (and its subscription) behind.
+                nursery.start_soon(_discard_incoming)
+                await websocket.send(json.dumps({**hub.hello(), "model": name}))
+                async for msg in recv:
+                    await websocket.send(msg)
+                await websocket.send(json.dumps({"type": "dropped", "message": "fell behind; reconnect and resync"}))
+                nursery.cancel_scope.cancel()
         finally:
             hub.unsubscribe(recv)
+
+
+async def _discard_incoming() -> None:
+    while True:
+        await websocket.receive()

@@ -453,7 +453,8 @@ class ResponseBuilder:
 
     # -- logprobs in both formats --
     def _token(self, token_id: int) -> tuple[str, list[int]]:
-        raw = self.tokenizer.token_bytes(token_id)
+        # An id past the tokenizer's vocabulary (a padded embedding row) renders as no bytes, never an error.
+        raw = self.tokenizer.token_bytes(token_id) if 0 <= token_id < self.tokenizer.vocab_size else b""
         return raw.decode("utf-8", errors="replace"), list(raw)
 
     def _chat_logprobs(self, lps: Logprobs) -> dict[str, Any]:

@@ -386,6 +386,6 @@ class ResponsesStream:
     def closing(self) -> bytes:
         return b""
 
-    def failure(self, exc: GenerationFailed) -> bytes:
+    def failure(self, exc: Exception) -> bytes:
         err = to_api_error(exc)
         return _sse(self.translator.fail(err.code or "server_error", err.message))

@@ -10,12 +10,13 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 
 import trio
-from hypercorn.config import Config as HypercornConfig
-from hypercorn.trio import serve as hypercorn_serve
+from hypercorn.config import Config as HypercornConfig, Sockets
+from hypercorn.trio.run import worker_serve
+from hypercorn.utils import wrap_app
 
 from trillm.web.app import create_app
 from trillm.web.asgi import ShieldedFinalSend
-from trillm.web.config import ServerConfig
+from trillm.web.config import ServeError, ServerConfig
 from trillm.web.kv_events import KVEventHub, register_kv_events
 from trillm.web.service import EngineFactory, EngineService, ServiceConfig
 
@@ -30,17 +31,39 @@ class Serving:
     services: tuple[EngineService, ...]
 
 
+# After the drain, hypercorn gives open connections this much longer to flush their last bytes.
+FLUSH_MARGIN_S = 2.0
+
+
 def hypercorn_config(config: ServerConfig) -> HypercornConfig:
     hc = HypercornConfig()
     host = f"[{config.host}]" if ":" in config.host else config.host
     hc.bind = [f"{host}:{config.port}"]
     hc.backlog = config.backlog
     hc.keep_alive_timeout = config.keep_alive_timeout_s
-    hc.graceful_timeout = config.graceful_timeout_s
+    hc.graceful_timeout = config.drain_timeout_s + FLUSH_MARGIN_S
     hc.websocket_max_message_size = config.max_ws_message_bytes
     hc.accesslog = None
     hc.errorlog = logging.getLogger("hypercorn.error")
     return hc
+
+
+def bind_sockets(hc: HypercornConfig, config: ServerConfig) -> Sockets:
+    """Bind now (before any model loads), so a busy port is one clear error at once; listen comes later."""
+    try:
+        return hc.create_sockets()
+    except OSError as exc:
+        raise ServeError(f"cannot listen on {config.host}:{config.port}: {exc.strerror or exc}") from None
+
+
+def check_unique_names(names: Sequence[str]) -> None:
+    """Two models served under one name would hide each other."""
+    seen: set[str] = set()
+    for name in names:
+        if name in seen:
+            raise ServeError(f"two models are served under the name {name!r}; give each its own "
+                             "--served-model-name")
+        seen.add(name)
 
 
 def startup_message(url: str, model: str, api_key_set: bool) -> str:
@@ -74,31 +97,65 @@ async def serve(models: Sequence[ModelSpec], config: ServerConfig = ServerConfig
     """Load every model (each with its own EngineService), then serve until cancelled.
 
     Reports a `Serving` through `task_status` once requests are accepted. When `shutdown_trigger` returns,
-    hypercorn stops accepting, lets open requests finish (within graceful_timeout_s), and then the engines
-    stop. `trillm serve --mock` goes through here too: only its ModelSpec differs.
+    hypercorn stops accepting, each service drains (open requests may finish within drain_timeout_s; the
+    rest end with an error event or message), websockets close, and then the engines stop. A shutdown
+    while the models still load stops at once. `trillm serve --mock` goes through here too: only its
+    ModelSpec differs.
     """
-    async with trio.open_nursery() as nursery:
-        services: list[EngineService] = []
-        for spec in models:
-            service: EngineService = await nursery.start(
-                EngineService(spec.factory, name=spec.name, config=service_config, inline=spec.inline).run)
-            log.info("model %s: %s", service.model_name, service.state.value)
-            services.append(service)
-        hubs = {s.model_name: KVEventHub(s) for s in services}
-        for hub in hubs.values():
-            nursery.start_soon(hub.run)
-        quart_app = create_app(services, config)
-        register_kv_events(quart_app, hubs)
-        app = ShieldedFinalSend(quart_app)
+    check_unique_names([m.name for m in models if m.name is not None])
+    hc = hypercorn_config(config)
+    sockets = bind_sockets(hc, config)
+    try:
+        async with trio.open_nursery() as nursery:
+            stop = trio.Event()
+            services: list[EngineService] = []
+            up = False
 
-        async def http(task_status: trio.TaskStatus[list[str]]) -> None:
-            await hypercorn_serve(app, hypercorn_config(config), shutdown_trigger=shutdown_trigger,
-                                  task_status=task_status, mode="asgi")
-            nursery.cancel_scope.cancel()  # HTTP has shut down gracefully: stop the engines
+            async def watch_for_shutdown(trigger: Callable[[], Awaitable[None]]) -> None:
+                await trigger()
+                stop.set()
+                if not up:  # still loading: nothing to drain
+                    log.info("shutting down while loading")
+                    nursery.cancel_scope.cancel()
 
-        binds = await nursery.start(http)
-        url = binds[0]
-        if not _is_loopback(config.host) and config.api_key is None:
-            log.warning("listening on %s without --api-key: anyone who can reach it can use it", config.host)
-        log.info("%s", startup_message(url, services[0].model_name, config.api_key is not None))
-        task_status.started(Serving(url, tuple(services)))
+            if shutdown_trigger is not None:
+                nursery.start_soon(watch_for_shutdown, shutdown_trigger)
+            for spec in models:
+                service: EngineService = await nursery.start(
+                    EngineService(spec.factory, name=spec.name, config=service_config, inline=spec.inline).run)
+                log.info("model %s: %s", service.model_name, service.state.value)
+                services.append(service)
+            check_unique_names([s.model_name for s in services])
+            hubs = {s.model_name: KVEventHub(s) for s in services}
+            for hub in hubs.values():
+                nursery.start_soon(hub.run)
+            quart_app = create_app(services, config)
+            register_kv_events(quart_app, hubs)
+            app = ShieldedFinalSend(quart_app)
+
+            async def drain() -> None:
+                await stop.wait()
+                live = sum(s.statistics().num_live_requests for s in services)
+                log.info("shutting down: %d requests may finish within %s s", live, config.drain_timeout_s)
+                async with trio.open_nursery() as drains:
+                    for s in services:
+                        drains.start_soon(s.drain, config.drain_timeout_s)
+
+            async def http(task_status: trio.TaskStatus[list[str]]) -> None:
+                for sock in sockets.insecure_sockets:
+                    sock.listen(config.backlog)
+                await worker_serve(wrap_app(app, hc.wsgi_max_body_size, "asgi"), hc, sockets=sockets,
+                                   shutdown_trigger=stop.wait, task_status=task_status)
+                nursery.cancel_scope.cancel()  # HTTP has shut down gracefully: stop the engines
+
+            nursery.start_soon(drain)
+            binds = await nursery.start(http)
+            up = True
+            url = binds[0]
+            if not _is_loopback(config.host) and config.api_key is None:
+                log.warning("listening on %s without --api-key: anyone who can reach it can use it", config.host)
+            log.info("%s", startup_message(url, services[0].model_name, config.api_key is not None))
+            task_status.started(Serving(url, tuple(services)))
+    finally:
+        for sock in sockets.insecure_sockets:
+            sock.close()

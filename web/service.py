@@ -12,6 +12,12 @@ Concurrency invariants (trio style): the engine and its driver are touched only 
 them (the engine thread, or the inline task). Everything else here (the inbox, the live-request map,
 handles, metrics, reports) is touched only on the trio thread. `run` owns the shell: it restarts the engine
 after a failure, and cancelling it stops the shell at its next hop or prefill chunk (`check_cancelled`).
+
+Lifecycle: a model that cannot be loaded is LOAD_FAILED (requests get a clear 503 with Retry-After, /health
+says so) and is tried again after a backoff, never in a tight loop. `drain` (a graceful shutdown) stops
+admitting, lets live requests finish for a while, then ends the rest with an error. The engine thread is
+abandoned on cancellation (`abandon_on_cancel`; trio's worker threads are daemons) once it had a moment to
+stop, so shutting down never waits for a model load to finish.
 """
 
 from __future__ import annotations
@@ -20,6 +26,7 @@ import enum
 import itertools
 import logging
 import math
+import threading
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -44,7 +51,15 @@ EngineFactory = Callable[[], LLMEngine]
 
 
 class EngineUnavailable(EngineError):
-    """The model is loading or restarting after a failure; retry shortly. HTTP 503."""
+    """The model is loading, restarting after a failure, could not be loaded, or the server is shutting down.
+
+    HTTP 503 with `retry_after_s` as Retry-After; `code` says which (OpenAI's error shape).
+    """
+
+    def __init__(self, message: str, *, retry_after_s: float = 1.0, code: str = "model_unavailable") -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+        self.code = code
 
 
 class ServiceState(enum.Enum):
@@ -52,6 +67,8 @@ class ServiceState(enum.Enum):
     LOADING = "loading"
     READY = "ready"
     UNHEALTHY = "unhealthy"  # failed; restarting
+    LOAD_FAILED = "load_failed"  # the model could not be loaded; tried again after a backoff
+    STOPPING = "stopping"  # draining for a shutdown: no new requests
 
 
 @dataclass(frozen=True, slots=True)
@@ -67,6 +84,7 @@ class ServiceConfig:
     unload_after_idle_s: float | None = None  # free the model after this long without requests
     idle_step_s: float = 1e-3  # inline shell: a step that scheduled nothing still lets this much time pass
     max_reports: int = 4096  # step reports kept for the KV-event hub; older ones are dropped (a gap)
+    stop_grace_s: float = 2.0  # on cancellation, how long the engine thread may take to stop before it is abandoned
 
     def __post_init__(self) -> None:
         if self.channel_size < 1 or self.max_buffered_bytes < 1:
@@ -120,6 +138,12 @@ class EngineService:
         self._epoch = 0
         self._up_since: float | None = None
         self._started: trio.TaskStatus[EngineService] | None = None
+        self._engine_up = False  # the current attempt's engine was built (a failure before that is a load failure)
+        self._load_failures = 0  # consecutive failed loads
+        self._retry_load_at = 0.0  # trio time of the next load attempt after a failed one
+        self._stopping = False  # draining: admit nothing new
+        self._stopped = trio.Event()  # run() is over: an engine thread still waiting or loading must quit
+        self._drained = trio.Event()  # drain() is done: nothing live is left
         self._declared_failure: Exception | None = None  # set by `fail`, raised in the engine's next hop
 
     @property
@@ -130,10 +154,13 @@ class EngineService:
 
     @property
     def state(self) -> ServiceState:
-        return self._state
+        return ServiceState.STOPPING if self._stopping else self._state
 
     def _set_state(self, value: ServiceState) -> None:
         self._state = value
+        self._notify()
+
+    def _notify(self) -> None:
         self._state_changed.set()
         self._state_changed = trio.Event()
 
@@ -142,9 +169,11 @@ class EngineService:
 
         Reports readiness (the loaded service) through `task_status`. A failure to load the model the first
         time propagates; later failures restart the engine with exponential backoff (reset once an engine
-        has run for `stable_after_s`). With `lazy_load` it reports at once and loads on the first request;
-        with `unload_after_idle_s` the engine is dropped (freeing the model) after that long idle, and the
-        next request loads it again.
+        has run for `stable_after_s`). A load that fails later (lazily, or when restarting) leaves the
+        service LOAD_FAILED until the backoff has passed; then the next request (lazy) or the backoff itself
+        tries again. With `lazy_load` it reports at once and loads on the first request; with
+        `unload_after_idle_s` the engine is dropped (freeing the model) after that long idle, and the next
+        request loads it again.
         """
         self._started = task_status
         if self._config.lazy_load:
@@ -152,48 +181,115 @@ class EngineService:
             self._report_started()
         backoff = self._config.restart_backoff_s
         failed = False
-        while True:
-            if self.state is ServiceState.UNLOADED:
-                await self._load_wanted.wait()
+        try:
+            while True:
+                if self._state is ServiceState.LOAD_FAILED:
+                    await trio.sleep_until(self._retry_load_at)
+                if self._state is ServiceState.UNLOADED or (
+                        self._state is ServiceState.LOAD_FAILED and self._config.lazy_load):
+                    await self._load_wanted.wait()
                 self._load_wanted = trio.Event()
-            self._set_state(ServiceState.UNHEALTHY if failed else ServiceState.LOADING)
-            self._take_declared_failure()  # it was about the previous engine
+                self._set_state(ServiceState.UNHEALTHY if failed else ServiceState.LOADING)
+                self._engine_up = False
+                self._take_declared_failure()  # it was about the previous engine
+                try:
+                    await self._run_shell()
+                except Exception as exc:
+                    if not self._has_reported_started():  # never came up: the caller gets the load error
+                        raise
+                    if not self._engine_up:
+                        self._on_load_failure(exc)
+                        failed = False
+                        continue
+                    declared = self._take_declared_failure()
+                    if declared is None:
+                        self._on_engine_failure(exc)
+                    else:  # its requests already failed when the failure was declared
+                        log.info("model %s: the engine stopped after %s: %s", self.model_name, declared, exc)
+                    failed = True
+                else:  # unloaded after idling
+                    log.info("unloaded %s after %s s idle", self.model_name, self._config.unload_after_idle_s)
+                    failed, backoff = False, self._config.restart_backoff_s
+                    continue
+                if self._up_since is not None and trio.current_time() - self._up_since >= self._config.stable_after_s:
+                    backoff = self._config.restart_backoff_s
+                self._up_since = None
+                await trio.sleep(backoff)
+                backoff = min(backoff * 2, self._config.max_restart_backoff_s)
+                self._num_restarts += 1
+                log.warning("restarting the engine of %s (restart %d)", self.model_name, self._num_restarts)
+        finally:
+            self._stop()
+
+    def _stop(self) -> None:
+        self._stopped.set()
+        self._wakeup.set()  # an engine thread waiting for work quits
+        self._notify()
+
+    async def _run_shell(self) -> None:
+        if self._inline:
+            await self._run_inline()
+            return
+        done = threading.Event()
+
+        def thread() -> None:
             try:
-                if self._inline:
-                    await self._run_inline()
-                else:
-                    # Its own limiter: the long-lived engine thread never holds one of trio's shared 40 tokens.
-                    await trio.to_thread.run_sync(self._run_threaded, thread_name=f"trillm-engine-{self.model_name}",
-                                                  limiter=trio.CapacityLimiter(1))
-            except Exception as exc:
-                if not self._has_reported_started():  # never came up: the caller gets the load error
-                    raise
-                declared = self._take_declared_failure()
-                if declared is None:
-                    self._on_engine_failure(exc)
-                else:  # its requests already failed when the failure was declared
-                    log.info("model %s: the engine stopped after %s: %s", self.model_name, declared, exc)
-                failed = True
-            else:  # unloaded after idling
-                log.info("unloaded %s after %s s idle", self.model_name, self._config.unload_after_idle_s)
-                failed, backoff = False, self._config.restart_backoff_s
-                continue
-            if self._up_since is not None and trio.current_time() - self._up_since >= self._config.stable_after_s:
-                backoff = self._config.restart_backoff_s
-            self._up_since = None
-            await trio.sleep(backoff)
-            backoff = min(backoff * 2, self._config.max_restart_backoff_s)
-            self._num_restarts += 1
-            log.warning("restarting the engine of %s (restart %d)", self.model_name, self._num_restarts)
+                self._run_threaded()
+            finally:
+                done.set()
+
+        try:
+            # Its own limiter: the long-lived engine thread never holds one of trio's shared 40 tokens.
+            # abandon_on_cancel: a cancelled service returns even while the thread is inside a model load.
+            await trio.to_thread.run_sync(thread, thread_name=f"trillm-engine-{self.model_name}",
+                                          limiter=trio.CapacityLimiter(1), abandon_on_cancel=True)
+        except trio.Cancelled:
+            # The thread stops at its next check (each step and prefill chunk); give it that moment, so an
+            # engine is not torn down mid-step, but never wait for a load to finish.
+            self._stop()
+            with trio.CancelScope(shield=True), trio.move_on_after(self._config.stop_grace_s):
+                while not done.is_set():
+                    await trio.sleep(0.005)
+            raise
 
     async def ensure_loaded(self) -> None:
-        """Wait until the model is ready, loading it first if it is unloaded (lazy or idle)."""
+        """Wait until the model is ready, loading it first if it is unloaded (lazy, idle, or failed a while ago)."""
         while self.state is not ServiceState.READY:
-            if self.state is ServiceState.UNHEALTHY:
-                raise EngineUnavailable(f"model {self.model_name} is {self.state.value}; retry shortly")
-            if self.state is ServiceState.UNLOADED:
+            state = self.state
+            if state is ServiceState.STOPPING:
+                raise EngineUnavailable("the server is shutting down", code="shutting_down")
+            if state is ServiceState.UNHEALTHY:
+                raise EngineUnavailable(f"model {self.model_name} is restarting after a failure; retry shortly",
+                                        retry_after_s=self._config.restart_backoff_s)
+            if state is ServiceState.LOAD_FAILED:
+                if trio.current_time() < self._retry_load_at:
+                    raise self._load_failed_error()
+                self._load_wanted.set()
+            if state is ServiceState.UNLOADED:
                 self._load_wanted.set()
             await self._state_changed.wait()
+
+    def _load_failed_error(self) -> EngineUnavailable:
+        wait = max(1, math.ceil(self._retry_load_at - trio.current_time()))
+        return EngineUnavailable(f"model {self.model_name} could not be loaded (see the server log); the next "
+                                 f"attempt is in {wait} s", retry_after_s=wait, code="model_load_failed")
+
+    def unavailable(self) -> EngineUnavailable:
+        """Why a request cannot be served right now (the service is not READY)."""
+        state = self.state
+        if state is ServiceState.LOAD_FAILED:
+            return self._load_failed_error()
+        if state is ServiceState.STOPPING:
+            return EngineUnavailable("the server is shutting down", code="shutting_down")
+        return EngineUnavailable(f"model {self.model_name} is {state.value}; retry shortly",
+                                 retry_after_s=self._config.restart_backoff_s)
+
+    @property
+    def next_load_in_s(self) -> float | None:
+        """LOAD_FAILED: seconds until the next load attempt may start."""
+        if self.state is not ServiceState.LOAD_FAILED:
+            return None
+        return max(0.0, self._retry_load_at - trio.current_time())
 
     def _has_reported_started(self) -> bool:
         return self._started is None
@@ -208,6 +304,9 @@ class EngineService:
         log.error("model %s: %s", self.model_name, message, exc_info=exc)
         self._set_state(ServiceState.UNHEALTHY)
         self.last_error = message
+        self._forget_engine()
+        self._inbox.clear()  # the new engine starts empty: queued submissions and aborts are void
+        self._unapplied = 0
         self._fail_all("the engine failed while serving this request; it is restarting")
 
     def fail(self, exc: Exception) -> None:
@@ -231,17 +330,67 @@ class EngineService:
         if self._declared_failure is not None:
             raise self._declared_failure
 
-    def _fail_all(self, message: str) -> None:
-        live, self._live = self._live, {}
-        self._inbox.clear()  # the new engine starts empty: queued submissions and aborts are void
+    def _on_load_failure(self, exc: BaseException) -> None:
+        self._load_failures += 1
+        wait = min(self._config.restart_backoff_s * 2 ** (self._load_failures - 1), self._config.max_restart_backoff_s)
+        self._retry_load_at = trio.current_time() + wait
+        message = f"the model could not be loaded: {type(exc).__name__}: {exc}"
+        log.error("model %s: %s (attempt %d; the next in %.1f s)", self.model_name, message, self._load_failures,
+                  wait, exc_info=exc)
+        self.last_error = message
+        self._forget_engine()
+        self._set_state(ServiceState.LOAD_FAILED)
+        self._inbox.clear()
         self._unapplied = 0
+        self._fail_all("the model could not be loaded")
+
+    def _forget_engine(self) -> None:
+        # A dead or unloaded engine's numbers must not live on in /metrics, /stats or /health.
+        self._stats = None
+        self.kernel_report = None
+
+    async def drain(self, timeout_s: float) -> None:
+        """A graceful shutdown: admit nothing new, let live requests finish for up to `timeout_s`, then end
+        the rest with an error (their streams get an error event and their end, not a cut connection)."""
+        self._stopping = True
+        self._notify()  # requests waiting for a load give up now
+        with trio.move_on_after(timeout_s):
+            while self._live:
+                await trio.sleep(0.02)
+        if self._live:
+            log.warning("model %s: %d requests still running after %s s; ending them", self.model_name,
+                        len(self._live), timeout_s)
+            for rid in self._live:  # free their blocks: the engine is still up
+                self._inbox.append(Abort(rid))
+            self._wakeup.set()
+            self._fail_all(lambda: EngineUnavailable("the server is shutting down", code="shutting_down"))
+        self._drained.set()
+
+    async def wait_drained(self) -> None:
+        await self._drained.wait()
+
+    def _fail_all(self, error: str | Callable[[], Exception]) -> None:
+        """End every live generation with an error (GenerationFailed(error), or error()) and abort it."""
+        live, self._live = self._live, {}
         for handle in {id(h): h for h in live.values()}.values():
-            handle.fail(GenerationFailed(message))
+            handle.fail(GenerationFailed(error) if isinstance(error, str) else error())
 
     @property
     def healthy(self) -> bool:
         """Ready, or unloaded on purpose (the next request loads it)."""
         return self.state in (ServiceState.READY, ServiceState.UNLOADED)
+
+    @property
+    def problem(self) -> str | None:
+        """What is wrong, for /health: generic on purpose (the details are in the server log)."""
+        state = self.state
+        if state is ServiceState.LOAD_FAILED:
+            return "the model could not be loaded; see the server log"
+        if state is ServiceState.STOPPING:
+            return "the server is shutting down"
+        if self.last_error is not None:
+            return "the engine failed; see the server log"
+        return None
 
     @property
     def num_restarts(self) -> int:
@@ -278,7 +427,7 @@ class EngineService:
         """Queue each prompt for len(params) generations, all behind one handle (request ids prompt-major: one
         prompt's n, then the next's); the engine batches them like any other requests. Admitted all or none."""
         if self.state is not ServiceState.READY or self.limits is None:
-            raise EngineUnavailable(f"model {self.model_name} is {self.state.value}; retry shortly")
+            raise self.unavailable()
         for prompt in prompts:
             for p in params:
                 self.limits.check(len(prompt), p)
@@ -304,7 +453,12 @@ class EngineService:
 
     # ---- the shells' side of the hop (trio thread) ----
 
-    def _on_engine_started(self, engine: LLMEngine, stats: EngineStatistics) -> list[Work]:
+    def _on_engine_started(self, engine: LLMEngine, stats: EngineStatistics) -> list[Work] | None:
+        """The new engine is up: READY. None if the service was cancelled meanwhile (the thread then quits)."""
+        if self._stopped.is_set():
+            return None
+        self._engine_up = True
+        self._load_failures = 0
         self._stats = stats
         self.tokenizer = engine.tokenizer
         self.limits = engine.limits
@@ -326,17 +480,22 @@ class EngineService:
         return work
 
     async def _wait_for_work_or_idle(self) -> list[Work] | None:
-        """The next work; None (and UNLOADED) after `unload_after_idle_s` without any."""
+        """The next work; None (and UNLOADED) after `unload_after_idle_s` without any, or once run() is over."""
         timeout = self._config.unload_after_idle_s
         with trio.move_on_after(math.inf if timeout is None else timeout):
-            while not self._inbox:
+            # (On the threaded shell this runs in a system task, which run()'s cancellation cannot reach:
+            # run() sets _stopped and the wakeup when it ends.)
+            while not self._inbox and not self._stopped.is_set():
                 self._raise_declared_failure()
                 await self._wakeup.wait()
                 self._wakeup = trio.Event()
+            if self._stopped.is_set():
+                return None
             return self._take_work()
         if self._inbox:  # arrived in the very tick the deadline fired: serve it
             return self._take_work()
         self._set_state(ServiceState.UNLOADED)  # from now on a request waits for a reload (ensure_loaded)
+        self._forget_engine()
         return None
 
     def _deliver(self, result: StepResult) -> list[Work]:
@@ -366,7 +525,10 @@ class EngineService:
         """The engine thread: build the engine here (its MLX streams belong to this thread), then step."""
         engine = self._factory()
         driver = EngineDriver(engine)
-        work = trio.from_thread.run_sync(self._on_engine_started, engine, engine.statistics())
+        started = trio.from_thread.run_sync(self._on_engine_started, engine, engine.statistics())
+        if started is None:
+            return  # the service stopped while the model loaded
+        work = started
         while True:
             trio.from_thread.check_cancelled()
             if not work and driver.idle:
@@ -381,7 +543,10 @@ class EngineService:
         """The engine in this task: each step's (simulated) duration passes before its tokens are delivered."""
         engine = self._factory()
         driver = EngineDriver(engine)
-        work = self._on_engine_started(engine, engine.statistics())
+        started = self._on_engine_started(engine, engine.statistics())
+        if started is None:
+            return
+        work = started
         while True:
             if not work and driver.idle:
                 idle_work = await self._wait_for_work_or_idle()
@@ -398,10 +563,3 @@ class EngineService:
             else:
                 await trio.sleep(0)
             work = self._deliver(result)
-
-
-def retry_after_seconds(service: EngineService) -> int:
-    """A Retry-After hint for a 503: longer while the model (re)loads than when merely overloaded."""
-    if service.state is ServiceState.READY:
-        return 1
-    return max(1, math.ceil(service.restart_backoff_s))

@@ -8,15 +8,19 @@ Responses APIs.
 from __future__ import annotations
 
 import json
+import logging
 from collections.abc import AsyncIterator
 from typing import Any, Protocol
 
 import trio
 
+from trillm.engine.errors import EngineError
 from trillm.engine.outputs import RequestOutput
 from trillm.web.errors import to_api_error
 from trillm.web.protocol import ResponseBuilder
 from trillm.web.stream import GenerationFailed, GenerationHandle
+
+log = logging.getLogger("trillm.web.sse")
 
 DONE = b"data: [DONE]\n\n"
 KEEPALIVE = b": keepalive\n\n"
@@ -43,7 +47,7 @@ class StreamTranslator(Protocol):
 
     def closing(self) -> bytes: ...
 
-    def failure(self, exc: GenerationFailed) -> bytes: ...
+    def failure(self, exc: Exception) -> bytes: ...
 
 
 class ChatChunks:
@@ -63,7 +67,7 @@ class ChatChunks:
     def closing(self) -> bytes:
         return b"".join(sse_event(c) for c in self.builder.final_chunks()) + DONE
 
-    def failure(self, exc: GenerationFailed) -> bytes:
+    def failure(self, exc: Exception) -> bytes:
         return sse_event(to_api_error(exc).body()) + DONE
 
 
@@ -91,7 +95,10 @@ async def event_stream(handle: GenerationHandle, translator: StreamTranslator, *
             if data:
                 yield data
         yield translator.closing()
-    except GenerationFailed as exc:
+    except (GenerationFailed, EngineError) as exc:  # the engine failed, the client lagged, the server stops
+        yield translator.failure(exc)
+    except Exception as exc:  # a bug rendering this stream ends it with an error event, never a dropped connection
+        log.exception("the event stream failed", exc_info=exc)
         yield translator.failure(exc)
     finally:
         handle.close()

@@ -54,7 +54,7 @@ def subprotocol_api_key(protocols: Iterable[str]) -> bytes | None:
 class _Session:
     """One socket: its generations run in the handler's nursery; one writer task owns the socket's sends."""
 
-    def __init__(self, nursery: trio.Nursery, out: trio.MemorySendChannel[str], registry: ModelRegistry,
+    def __init__(self, nursery: trio.Nursery, out: trio.MemorySendChannel[str | None], registry: ModelRegistry,
                  config: ServerConfig) -> None:
         self.nursery = nursery
         self.out = out
@@ -88,7 +88,8 @@ class _Session:
         if kind == "cancel":
             scope = self.active.get(key)
             if scope is None:
-                await self.error(gid, APIError(404, f"no running generation has id {gid!r}"))
+                await self.error(gid, APIError(404, f"no running generation has id {gid!r}",
+                                               code="generation_not_found"))
             else:
                 scope.cancel()
         elif kind == "generate":
@@ -161,10 +162,28 @@ class _Session:
         })
 
 
-async def _writer(out: trio.MemoryReceiveChannel[str]) -> None:
+GOING_AWAY = 1001  # the websocket close code of a server shutting down
+CLOSE_FLUSH_S = 1.0  # at shutdown, how long the generations may take to send their error messages
+
+
+async def _writer(out: trio.MemoryReceiveChannel[str | None], done: trio.CancelScope) -> None:
+    """The socket's only sender; None (sent at shutdown, after every other message) closes the socket."""
     async with out:
         async for text in out:
+            if text is None:
+                await websocket.close(GOING_AWAY, "the server is shutting down")
+                done.cancel()
+                return
             await websocket.send(text)
+
+
+async def _close_when_drained(session: _Session) -> None:
+    # A graceful shutdown has ended every generation: each sends its error message, then the socket closes.
+    await session.registry.wait_drained()
+    with trio.move_on_after(CLOSE_FLUSH_S):
+        while session.active:
+            await trio.sleep(0.01)
+    await session.out.send(None)
 
 
 def register_websocket(app: QuartTrio, registry: ModelRegistry, config: ServerConfig) -> None:
@@ -172,9 +191,10 @@ def register_websocket(app: QuartTrio, registry: ModelRegistry, config: ServerCo
     async def ws() -> None:
         # A browser fails the handshake unless the server selects one of the subprotocols it offered.
         await websocket.accept(subprotocol=SUBPROTOCOL if SUBPROTOCOL in websocket.requested_subprotocols else None)
-        send, recv = trio.open_memory_channel[str](256)
+        send, recv = trio.open_memory_channel[str | None](256)
         async with trio.open_nursery() as nursery, send:
-            nursery.start_soon(_writer, recv)
+            nursery.start_soon(_writer, recv, nursery.cancel_scope)
             session = _Session(nursery, send, registry, config)
-            while True:  # ends when quart-trio cancels us on disconnect
+            nursery.start_soon(_close_when_drained, session)
+            while True:  # ends when quart-trio cancels us on disconnect (or the writer closes the socket)
                 await session.on_message(await websocket.receive())

@@ -1,0 +1,384 @@
+"""`trillm bench soak`: a long mixed load with random client disconnects against a live server.
+
+Clients loop for --duration seconds, each request one of: an SSE stream, a plain (non-streaming) request, or a
+websocket with one to three generations; n in {1, 2, 3}, half with stop strings, chat or completion. A
+--disconnect fraction of them goes away mid-request (closes the stream, cancels the request, closes or
+cancels on the socket). At the end, once the server has settled: nothing may be live, running or waiting and
+no KV block held (GET /stats); the server's RSS growth after --warmup is reported, as are the 5xx, resets and
+the p50/p99 latency of the well-behaved clients (those that did not disconnect).
+
+With no --url it starts `trillm serve` itself (the default model, --model PATH, or --mock) and samples that
+process's RSS; with --url give --server-pid so its RSS can be sampled. Exit 1 when a target is missed
+(any 5xx, reset, error event, leaked block or live request; RSS growth over --max-rss-growth-mb), 2 when it
+measured nothing.
+
+    flock /tmp/trillm-bench.lock trillm bench soak --mock --duration 1800 --clients 96 --disconnect 0.3
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import sys
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+import trio
+import trio_websocket
+
+from trillm.bench.results import new_results_dir, write_json, write_meta
+from trillm.bench.servers import ServerProcess, blas_env, free_port
+
+STOP_STRINGS = (".", "\n", " the", " a", " ab", " zz", " q")
+WORDS = ("the quick brown fox jumps over the lazy dog while a small model learns to count and write "
+         "stories about cities rivers numbers and colours").split()
+
+
+@dataclass
+class Tally:
+    requests: int = 0
+    completed: int = 0
+    disconnects: int = 0
+    by_kind: Counter[str] = field(default_factory=Counter)
+    statuses: Counter[int] = field(default_factory=Counter)
+    transport_errors: Counter[str] = field(default_factory=Counter)  # resets, closed without a response
+    error_events: Counter[str] = field(default_factory=Counter)  # error events/messages (by code), no [DONE]
+    ttft_s: list[float] = field(default_factory=list)  # well-behaved streams
+    e2e_s: list[float] = field(default_factory=list)  # well-behaved requests of every kind
+
+    def transport(self, exc: BaseException) -> None:
+        self.transport_errors[type(exc).__name__] += 1
+
+
+def percentile(values: list[float], q: float) -> float | None:
+    if not values:
+        return None
+    s = sorted(values)
+    return s[min(len(s) - 1, int(q * len(s)))]
+
+
+def rss_mb(pid: int) -> float | None:
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    except OSError:
+        return None
+    return None
+
+
+class Workload:
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.rng = random.Random(args.seed)
+        self.max_tokens = args.max_tokens
+        self.disconnect = args.disconnect
+        self.ids = 0
+
+    def body(self) -> dict[str, Any]:
+        rng = self.rng
+        self.ids += 1
+        text = " ".join(rng.choice(WORDS) for _ in range(rng.randint(4, 60)))
+        body: dict[str, Any] = {"max_tokens": rng.choice(self.max_tokens), "n": rng.choice((1, 1, 2, 3)),
+                                "temperature": rng.choice((0.0, 0.7)), "seed": self.ids}
+        if rng.random() < 0.5:
+            body["stop"] = rng.sample(STOP_STRINGS, 2)
+        if rng.random() < 0.5:
+            body["messages"] = [{"role": "user", "content": text}]
+        else:
+            body["prompt"] = text
+        return body
+
+
+def path_of(body: dict[str, Any]) -> str:
+    return "/v1/chat/completions" if "messages" in body else "/v1/completions"
+
+
+async def sse(client: httpx.AsyncClient, body: dict[str, Any], cut: int | None, tally: Tally) -> None:
+    t0 = time.perf_counter()
+    first: float | None = None
+    async with client.stream("POST", path_of(body), json={**body, "stream": True}) as r:
+        tally.statuses[r.status_code] += 1
+        if r.status_code != 200:
+            await r.aread()
+            return
+        events = 0
+        async for line in r.aiter_lines():
+            if not line.startswith("data: "):
+                continue
+            if line == "data: [DONE]":
+                tally.completed += 1
+                if cut is None and first is not None:
+                    tally.ttft_s.append(first - t0)
+                    tally.e2e_s.append(time.perf_counter() - t0)
+                return
+            if first is None:
+                first = time.perf_counter()
+            if line.startswith('data: {"error"'):
+                tally.error_events[json.loads(line[6:])["error"].get("code") or "?"] += 1
+            events += 1
+            if cut is not None and events >= cut:
+                tally.disconnects += 1
+                return  # leaving the block closes the connection mid-stream
+    tally.error_events["no-done"] += 1
+
+
+async def plain(client: httpx.AsyncClient, body: dict[str, Any], cut_s: float | None, tally: Tally) -> None:
+    t0 = time.perf_counter()
+    with trio.move_on_after(cut_s if cut_s is not None else 3600) as scope:
+        r = await client.post(path_of(body), json=body)
+        tally.statuses[r.status_code] += 1
+        if r.status_code == 200:
+            tally.completed += 1
+            tally.e2e_s.append(time.perf_counter() - t0)
+    if scope.cancelled_caught:
+        tally.disconnects += 1
+
+
+async def websocket(url: str, work: Workload, tally: Tally) -> None:
+    rng = work.rng
+    t0 = time.perf_counter()
+    async with trio_websocket.open_websocket_url(url.replace("http", "ws", 1) + "/v1/ws",
+                                                 disconnect_timeout=10) as ws:
+        gids = [str(work.ids * 10 + k) for k in range(rng.randint(1, 3))]
+        for gid in gids:
+            await ws.send_message(json.dumps({"type": "generate", "id": gid, **work.body()}))
+        cut = rng.random() < work.disconnect
+        pending, first = set(gids), None
+        cancelled: set[str] = set()
+        while pending:
+            msg = json.loads(await ws.get_message())
+            if msg["type"] == "delta":
+                first = first or time.perf_counter()
+                if cut:
+                    if rng.random() < 0.5:
+                        # It may finish before the cancel arrives: the cancel then gets a "no running generation".
+                        cancelled.add(msg["id"])
+                        await ws.send_message(json.dumps({"type": "cancel", "id": msg["id"]}))
+                        cut = False
+                    else:
+                        tally.disconnects += 1
+                        return  # closes the socket with its generations running
+            elif msg["type"] == "done":
+                pending.discard(msg["id"])
+                tally.completed += 1
+            elif msg["type"] == "cancelled":
+                pending.discard(msg["id"])
+                tally.disconnects += 1
+            elif msg["type"] == "error":
+                if msg["id"] in cancelled and msg["error"].get("code") == "generation_not_found":
+                    continue
+                pending.discard(msg["id"])
+                tally.error_events[msg["error"].get("code") or "?"] += 1
+        if first is not None and not cut:
+            tally.ttft_s.append(first - t0)
+            tally.e2e_s.append(time.perf_counter() - t0)
+
+
+async def load(url: str, args: argparse.Namespace, tally: Tally, deadline: float) -> None:
+    work = Workload(args)
+    limits = httpx.Limits(max_connections=args.clients, max_keepalive_connections=args.clients)
+    async with httpx.AsyncClient(base_url=url, timeout=args.timeout, limits=limits) as client:
+        async def worker() -> None:
+            rng = work.rng
+            while trio.current_time() < deadline:
+                kind = rng.random()
+                cut = rng.random() < args.disconnect
+                tally.requests += 1
+                try:
+                    if kind < 0.45:
+                        tally.by_kind["sse"] += 1
+                        await sse(client, work.body(), rng.randint(1, 8) if cut else None, tally)
+                    elif kind < 0.8:
+                        tally.by_kind["plain"] += 1
+                        await plain(client, work.body(), rng.uniform(0.005, 0.5) if cut else None, tally)
+                    else:
+                        tally.by_kind["websocket"] += 1
+                        await websocket(url, work, tally)
+                except (httpx.TransportError, trio_websocket.HandshakeError, trio_websocket.ConnectionClosed,
+                        OSError) as exc:
+                    tally.transport(exc)
+
+        async with trio.open_nursery() as nursery:
+            for _ in range(args.clients):
+                nursery.start_soon(worker)
+
+
+async def settle(client: httpx.AsyncClient, timeout_s: float) -> dict[str, Any]:
+    """GET /stats until nothing is live, running or waiting and no block is held (or timeout_s passed)."""
+    deadline = trio.current_time() + timeout_s
+    while True:
+        model: dict[str, Any] = (await client.get("/stats")).json()["models"][0]
+        engine = model["engine"] or {}
+        idle = model["live_requests"] == 0 and not engine.get("running") and not engine.get("waiting") \
+            and not engine.get("kv_blocks_used")
+        if idle or trio.current_time() > deadline:
+            return model
+        await trio.sleep(0.2)
+
+
+async def run(url: str, pid: int, args: argparse.Namespace) -> dict[str, Any]:
+    tally = Tally()
+    samples: list[tuple[float, float]] = []  # (seconds since start, RSS MB)
+    occupancy: list[tuple[int, int]] = []  # (running, waiting) once a second: how full the batch was
+    t0 = trio.current_time()
+
+    async def sampler() -> None:
+        while True:
+            if (mb := rss_mb(pid)) is not None:
+                samples.append((trio.current_time() - t0, mb))
+            engine = (await control.get("/stats")).json()["models"][0]["engine"] or {}
+            occupancy.append((engine.get("running", 0), engine.get("waiting", 0)))
+            await trio.sleep(1.0)
+
+    async with httpx.AsyncClient(base_url=url, timeout=30) as control:
+        before = (await control.get("/stats")).json()["models"][0]
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(sampler)
+            nursery.start_soon(progress, tally, t0, args.duration)
+            await load(url, args, tally, t0 + args.duration)
+            elapsed = trio.current_time() - t0
+            model = await settle(control, args.settle_s)
+            await trio.sleep(1.1)  # one more RSS sample, settled
+            nursery.cancel_scope.cancel()
+    engine = model["engine"] or {}
+    warm = [mb for t, mb in samples if t >= args.warmup]
+    after_warmup = warm[0] if warm else None
+    final = samples[-1][1] if samples else None
+    fivexx = sum(n for code, n in tally.statuses.items() if code >= 500)
+    return {
+        "url": url, "duration_s": elapsed, "clients": args.clients, "disconnect_fraction": args.disconnect,
+        "requests": tally.requests, "completed": tally.completed, "disconnects": tally.disconnects,
+        "by_kind": dict(tally.by_kind), "statuses": dict(tally.statuses), "5xx": fivexx,
+        "transport_errors": dict(tally.transport_errors), "error_events": dict(tally.error_events),
+        "requests_per_s": tally.requests / elapsed if elapsed else 0.0,
+        "engine_load": {"running_mean": sum(r for r, _ in occupancy) / len(occupancy) if occupancy else None,
+                        "running_max": max((r for r, _ in occupancy), default=None),
+                        "waiting_max": max((w for _, w in occupancy), default=None)},
+        "well_behaved": {"n": len(tally.e2e_s), "ttft_p50_s": percentile(tally.ttft_s, 0.5),
+                         "ttft_p99_s": percentile(tally.ttft_s, 0.99), "e2e_p50_s": percentile(tally.e2e_s, 0.5),
+                         "e2e_p99_s": percentile(tally.e2e_s, 0.99)},
+        "after": {"live_requests": model["live_requests"], "running": engine.get("running"),
+                  "waiting": engine.get("waiting"), "kv_blocks_used": engine.get("kv_blocks_used"),
+                  "restarts": model["restarts"] - before["restarts"], "outcomes": model["requests"]},
+        "rss_mb": {"start": samples[0][1] if samples else None, "after_warmup": after_warmup,
+                   "max": max((mb for _, mb in samples), default=None), "final": final,
+                   "growth_after_warmup": None if final is None or after_warmup is None else final - after_warmup,
+                   "samples": len(samples), "trend": trend(samples, 10)},
+    }
+
+
+def trend(samples: list[tuple[float, float]], points: int) -> list[tuple[int, float]]:
+    """RSS at `points` evenly spaced moments, (seconds, MB): is it still growing at the end, or flat?"""
+    if not samples:
+        return []
+    step = max(1, len(samples) // points)
+    picked = samples[::step] + ([samples[-1]] if (len(samples) - 1) % step else [])
+    return [(round(t), round(mb, 1)) for t, mb in picked]
+
+
+async def progress(tally: Tally, t0: float, duration: float) -> None:
+    while True:
+        await trio.sleep(60)
+        print(f"  {trio.current_time() - t0:5.0f}/{duration:.0f} s: {tally.requests} requests, {tally.completed} "
+              f"completed, {tally.disconnects} disconnects, statuses {dict(tally.statuses)}", flush=True)
+
+
+def measured_nothing(res: dict[str, Any]) -> str | None:
+    """Why this run cannot stand for anything (None: it measured something)."""
+    if not res["completed"]:
+        return "no request completed"
+    if not res["well_behaved"]["n"]:
+        return "no well-behaved request completed"
+    if res["rss_mb"]["growth_after_warmup"] is None:
+        return "no RSS sample after the warm-up"
+    return None
+
+
+def verdict(res: dict[str, Any], args: argparse.Namespace) -> list[str]:
+    """The targets this run missed (empty: all met)."""
+    missed = []
+    after, rss = res["after"], res["rss_mb"]
+    if res["5xx"]:
+        missed.append(f"{res['5xx']} responses were 5xx")
+    if res["transport_errors"]:
+        missed.append(f"connection errors: {res['transport_errors']}")
+    if res["error_events"]:
+        missed.append(f"streams ended with an error or without [DONE]: {res['error_events']}")
+    if after["live_requests"] or after["running"] or after["waiting"]:
+        missed.append(f"still live after settling: {after}")
+    if after["kv_blocks_used"]:
+        missed.append(f"{after['kv_blocks_used']} KV blocks still held")
+    if after["restarts"]:
+        missed.append(f"the engine restarted {after['restarts']} times")
+    if rss["growth_after_warmup"] is not None and rss["growth_after_warmup"] > args.max_rss_growth_mb:
+        missed.append(f"RSS grew {rss['growth_after_warmup']:.1f} MB after warm-up (> {args.max_rss_growth_mb})")
+    return missed
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="trillm bench soak", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    target = p.add_mutually_exclusive_group()
+    target.add_argument("--url", default=None, help="a running server (give --server-pid to sample its RSS)")
+    target.add_argument("--mock", action="store_true", help="start `trillm serve --mock`")
+    target.add_argument("--model", default=None, help="start `trillm serve --model MODEL` (default: the default model)")
+    p.add_argument("--server-pid", type=int, default=None)
+    p.add_argument("--serve-arg", action="append", default=[], help="one more flag for the started server")
+    p.add_argument("--duration", type=float, default=300.0, help="seconds of load")
+    p.add_argument("--warmup", type=float, default=120.0, help="RSS growth is measured from this many seconds in")
+    p.add_argument("--clients", type=int, default=64, help="concurrent clients (each loops request after request)")
+    p.add_argument("--disconnect", type=float, default=0.3, help="fraction of requests that disconnect mid-way")
+    p.add_argument("--max-tokens", default="8,32,128", help="max_tokens choices (comma-separated)")
+    p.add_argument("--timeout", type=float, default=600.0, help="seconds per request")
+    p.add_argument("--settle-s", type=float, default=30.0, help="wait this long at most for the server to idle")
+    p.add_argument("--max-rss-growth-mb", type=float, default=50.0)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--results-dir", default="results")
+    args = p.parse_args(argv)
+    args.max_tokens = [int(x) for x in args.max_tokens.split(",")]
+    if not 0 <= args.disconnect <= 1 or args.clients < 1 or args.duration <= 0:
+        p.error("--disconnect must be in [0, 1], --clients >= 1 and --duration > 0")
+    if args.url is not None and args.server_pid is None:
+        p.error("--url needs --server-pid (the soak measures the server's RSS)")
+
+    out = new_results_dir(args.results_dir)
+    write_meta(out, "bench soak", sys.argv, vars(args))
+    server: ServerProcess | None = None
+    if args.url is None:
+        port = free_port()
+        command = [sys.executable, "-m", "trillm.web.cli", "serve", "--host", "127.0.0.1", "--port", str(port),
+                   "--log-level", "warning", *(["--mock"] if args.mock else []),
+                   *(["--model", args.model] if args.model else []), *args.serve_arg]
+        server = ServerProcess("trillm", command, port, out / "server.log", env=blas_env())
+        server.start()
+        server.wait_ready()
+        assert server.proc is not None
+        url, pid = server.url, server.proc.pid
+    else:
+        url, pid = args.url.rstrip("/"), args.server_pid
+    try:
+        print(f"soak: {args.clients} clients for {args.duration:.0f} s against {url}, {args.disconnect:.0%} "
+              f"disconnect; results in {out}", flush=True)
+        res = trio.run(run, url, pid, args)
+    finally:
+        if server is not None:
+            server.stop()
+    write_json(out / "soak.json", res)
+    print(json.dumps({k: v for k, v in res.items()}, indent=1))
+    if (why := measured_nothing(res)) is not None:
+        print(f"soak: measured nothing ({why}); failing", file=sys.stderr)
+        return 2
+    missed = verdict(res, args)
+    for line in missed:
+        print(f"soak: target missed: {line}", file=sys.stderr)
+    print("soak: all targets met" if not missed else f"soak: {len(missed)} targets missed")
+    return 1 if missed else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,47 @@
+"""schemathesis against the published /openapi.json of a live `trillm serve --mock`: bodies that follow the
+schema and bodies that break it, for every POST endpoint; none may get a 5xx."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+import schemathesis
+from hypothesis import HealthCheck, given, settings
+from schemathesis import GenerationMode
+from schemathesis.checks import not_a_server_error
+from schemathesis.generation.case import Case
+
+from live_process import Server, trillm
+
+PATHS = ["/v1/chat/completions", "/v1/completions", "/tokenize", "/detokenize"]
+
+
+@pytest.fixture(scope="module")
+def server_url() -> Iterator[str]:
+    # Fast steps and a small max_tokens cap keep the schema's valid bodies quick to serve.
+    server = Server(trillm("--mock", "--speedup", "1000", "--max-tokens-limit", "32", "--served-model-name", "m"))
+    try:
+        yield server.started_sync()
+    finally:
+        server.kill()
+
+
+@pytest.mark.parametrize("mode", [GenerationMode.POSITIVE, GenerationMode.NEGATIVE], ids=lambda m: m.value)
+@pytest.mark.parametrize("path", PATHS)
+def test_schema_driven_bodies_never_get_a_5xx(server_url: str, path: str, mode: GenerationMode) -> None:
+    schema = schemathesis.openapi.from_url(server_url + "/openapi.json")
+    operation = schema[path]["POST"]
+    statuses: dict[int, int] = {}
+
+    @settings(max_examples=30, deadline=None, database=None, suppress_health_check=list(HealthCheck))
+    @given(case=operation.as_strategy(generation_mode=mode))
+    def check(case: Case) -> None:
+        response = case.call(timeout=30)
+        statuses[response.status_code] = statuses.get(response.status_code, 0) + 1
+        case.validate_response(response, checks=[not_a_server_error])
+
+    check()
+    assert sum(statuses.values()) >= 10, statuses  # it really sent requests
+    if mode is GenerationMode.NEGATIVE:
+        assert set(statuses) <= {400, 404, 413, 415}, statuses
