@@ -21,7 +21,7 @@ from trillm.bench.results import int_list, new_results_dir, write_meta
 from trillm.engine.llm_engine import LLMEngine
 from trillm.engine.scheduler import ScheduledBatch
 from trillm.engine.mock.timing import (
-    DecodeSample, LinearCostModel, PrefillSample, StepShape, load_perf_model, relative_error, save_profile,
+    DecodeSample, PrefillSample, StepShape, load_perf_model, relative_error, save_profile,
 )
 
 

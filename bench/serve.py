@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import math
 import sys
-from pathlib import Path
 
 import httpx
 import trio

@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import ipaddress
 import json
-import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path

@@ -36,7 +36,6 @@ from trillm.web.output_events import (
     arguments_object,
 )
 from trillm.web.sse import sse_named_event
-from trillm.web.stream import GenerationFailed
 from trillm.web.translation import choice_events
 
 # Anthropic's defaults for what current SDKs no longer send.

@@ -81,31 +81,23 @@ def same_or_allowed_origin(headers: Any, allowed_origins: Sequence[str]) -> bool
     return urlsplit(origin).netloc.lower() == host.lower()
 
 
-def create_app(services: Sequence[EngineService], config: ServerConfig = ServerConfig()) -> QuartTrio:
-    """The app for already-running services (their nursery belongs to the caller, see server.py)."""
-    here = os.path.dirname(os.path.abspath(__file__))
-    app = QuartTrio(__name__, root_path=here, instance_path=here)  # namespace package: give paths
-    app.config["MAX_CONTENT_LENGTH"] = config.max_request_bytes
-    app.config["RESPONSE_TIMEOUT"] = None  # quart's 60 s default silently cuts long generations
-    registry = ModelRegistry(services, config.model_aliases)
-    app.extensions["trillm.registry"] = registry
-
-    def authorized(headers: Any, offered_key: bytes | None = None) -> bool:
-        return is_authorized(config.api_key, headers, offered_key)
+def install_guards(app: QuartTrio, api_key: str | None, allowed_origins: Sequence[str]) -> None:
+    """The checks every trillm front makes (a server and the router alike): the API key on protected paths,
+    a websocket's Origin and key, and HTTP errors in the shape of the API at that path."""
 
     @app.before_request
     async def check_auth() -> Response | None:
-        if is_protected(request.path) and not authorized(request.headers):
+        if is_protected(request.path) and not is_authorized(api_key, request.headers):
             return error_response(APIError(401, "missing or wrong API key (Authorization: Bearer ... or x-api-key)",
                                            "authentication_error", "invalid_api_key"), request.path)
         return None
 
     @app.before_websocket
     async def check_ws_auth() -> Response | None:
-        if not same_or_allowed_origin(websocket.headers, config.allowed_origins):
+        if not same_or_allowed_origin(websocket.headers, allowed_origins):
             return error_response(APIError(403, "cross-origin websocket refused (see --allowed-origin)",
                                            "permission_error", "origin_not_allowed"))
-        if not authorized(websocket.headers, subprotocol_api_key(websocket.requested_subprotocols)):
+        if not is_authorized(api_key, websocket.headers, subprotocol_api_key(websocket.requested_subprotocols)):
             return error_response(APIError(401, "missing or wrong API key", "authentication_error",
                                            "invalid_api_key"))
         return None
@@ -116,6 +108,18 @@ def create_app(services: Sequence[EngineService], config: ServerConfig = ServerC
         return error_response(APIError(code, exc.description or exc.name,
                                        "invalid_request_error" if code < 500 else "server_error", exc.name),
                               request.path)
+
+
+def create_app(services: Sequence[EngineService], config: ServerConfig = ServerConfig()) -> QuartTrio:
+    """The app for already-running services (their nursery belongs to the caller, see server.py)."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    app = QuartTrio(__name__, root_path=here, instance_path=here)  # namespace package: give paths
+    app.config["MAX_CONTENT_LENGTH"] = config.max_request_bytes
+    app.config["RESPONSE_TIMEOUT"] = None  # quart's 60 s default silently cuts long generations
+    registry = ModelRegistry(services, config.model_aliases)
+    app.extensions["trillm.registry"] = registry
+
+    install_guards(app, config.api_key, config.allowed_origins)
 
     @app.errorhandler(Exception)
     async def any_error(exc: Exception) -> Response:

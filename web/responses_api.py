@@ -37,7 +37,6 @@ from trillm.web.responses_schema import (
     ResponsesRequest, TextPart,
 )
 from trillm.web.sse import KEEPALIVE, sse_named_event
-from trillm.web.stream import GenerationFailed
 from trillm.web.translation import choice_events
 
 DEFAULT_TEMPERATURE = 1.0  # OpenAI's defaults

@@ -8,7 +8,6 @@ from typing import Any
 
 import httpx
 import openai
-import pytest
 import trio
 import trio_websocket
 

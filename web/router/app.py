@@ -20,11 +20,10 @@ import trio
 from hypercorn.trio import serve as hypercorn_serve
 from quart import Response, request, websocket
 from quart_trio import QuartTrio
-from werkzeug.exceptions import HTTPException
 
-from trillm.web.app import error_response, is_authorized, is_protected, same_or_allowed_origin
+from trillm.web.app import error_response, install_guards
 from trillm.web.asgi import ShieldedFinalSend
-from trillm.web.errors import APIError, to_api_error
+from trillm.web.errors import to_api_error
 from trillm.web.http import json_response
 from trillm.web.router.config import RouterConfig
 from trillm.web.router.core import Router
@@ -58,29 +57,7 @@ def create_router_app(config: RouterConfig, router: Router, forwarder: Forwarder
     app.config["RESPONSE_TIMEOUT"] = None  # streams last as long as their generation
     api_key = config.server.api_key
 
-    @app.before_request
-    async def check_auth() -> Response | None:
-        if is_protected(request.path) and not is_authorized(api_key, request.headers):
-            return error_response(APIError(401, "missing or wrong API key (Authorization: Bearer ... or x-api-key)",
-                                           "authentication_error", "invalid_api_key"), request.path)
-        return None
-
-    @app.before_websocket
-    async def check_ws_auth() -> Response | None:
-        if not same_or_allowed_origin(websocket.headers, config.server.allowed_origins):
-            return error_response(APIError(403, "cross-origin websocket refused (see --allowed-origin)",
-                                           "permission_error", "origin_not_allowed"))
-        if not is_authorized(api_key, websocket.headers, subprotocol_api_key(websocket.requested_subprotocols)):
-            return error_response(APIError(401, "missing or wrong API key", "authentication_error",
-                                           "invalid_api_key"))
-        return None
-
-    @app.errorhandler(HTTPException)
-    async def http_error(exc: HTTPException) -> Response:
-        code = exc.code or 500
-        return error_response(APIError(code, exc.description or exc.name,
-                                       "invalid_request_error" if code < 500 else "server_error", exc.name),
-                              request.path)
+    install_guards(app, api_key, config.server.allowed_origins)
 
     @app.errorhandler(Exception)
     async def any_error(exc: Exception) -> Response:
