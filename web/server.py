@@ -129,7 +129,10 @@ async def serve(models: Sequence[ModelSpec], config: ServerConfig = ServerConfig
             hubs = {s.model_name: KVEventHub(s) for s in services}
             for hub in hubs.values():
                 nursery.start_soon(hub.run)
-            quart_app = create_app(services, config)
+            try:
+                quart_app = create_app(services, config)
+            except ValueError as exc:  # an alias to a name that is known only now the models loaded
+                raise ServeError(str(exc)) from None
             register_kv_events(quart_app, hubs)
             app = ShieldedFinalSend(quart_app)
 

@@ -69,3 +69,13 @@ async def test_aliases_apply_to_every_endpoint() -> None:
                 "model": "gpt-4o", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2})
     assert chat.status_code == 200 and chat.json()["model"] == "mock-model"
     assert unknown.status_code == 404 and unknown.json()["error"]["type"] == "not_found_error"
+
+def test_an_alias_checked_once_the_models_load_is_one_line(capsys: pytest.CaptureFixture[str]) -> None:
+    from trillm.bench.servers import free_port
+
+    # No --served-model-name: the mock's name is known only once it loaded, so the alias is checked then.
+    args = build_parser().parse_args(["serve", "--mock", "--port", str(free_port()), "--model-alias", "claude-*=other"])
+    assert run(args) == 1
+    err = capsys.readouterr().err
+    assert "trillm serve: --model-alias claude-*=other: no served model is named 'other'" in err
+    assert "Traceback" not in err
