@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import trio
 from quart import Response
+from pydantic import BaseModel
 from quart_trio import QuartTrio
 
 from trillm.web import anthropic_api, responses_api
@@ -21,6 +22,11 @@ from trillm.web.sse import event_stream
 from trillm.web.stream import GenerationHandle
 from trillm.web.output_events import ChoiceParser
 from trillm.web.translation import FitMaxTokens, choice_events
+
+# The request bodies of these routes, for /openapi.json.
+AGENT_ROUTES: tuple[tuple[str, type[BaseModel]], ...] = (
+    ("/v1/messages", MessagesRequest), ("/v1/messages/count_tokens", CountTokensRequest),
+    ("/v1/responses", ResponsesRequest))
 
 MESSAGES_PATH = "/v1/messages"
 

@@ -50,7 +50,7 @@ class OtherBlock(_Model):
 
 def _block_tag(value: Any) -> str:
     kind = value.get("type") if isinstance(value, dict) else getattr(value, "type", None)
-    return kind if kind in _BLOCK_TAGS else "other"
+    return kind if isinstance(kind, str) and kind in _BLOCK_TAGS else "other"  # a dict is unhashable
 
 
 ToolResultContent = Annotated[

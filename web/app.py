@@ -15,7 +15,7 @@ from quart import Response, request, websocket
 from quart_trio import QuartTrio
 from werkzeug.exceptions import HTTPException
 
-from trillm.web.agent_routes import anthropic_path, register_agent_apis
+from trillm.web.agent_routes import AGENT_ROUTES, anthropic_path, register_agent_apis
 from trillm.web.anthropic_api import anthropic_error
 from trillm.web.config import ServerConfig
 from trillm.web.errors import APIError, to_api_error
@@ -24,7 +24,7 @@ from trillm.web.generation import ModelRegistry, any_tokenizer, off_thread, star
 from trillm.web.metrics import render_kernel_metrics, render_metrics
 from trillm.web.playground import register_playground
 from trillm.web.openai_schema import (
-    ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest, openapi_document,
+    ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest, OPENAI_ROUTES, openapi_document,
 )
 from trillm.web.protocol import Kind, ResponseBuilder, chat_prompt_ids
 from trillm.web.service import EngineService
@@ -172,7 +172,7 @@ def create_app(services: Sequence[EngineService], config: ServerConfig = ServerC
 
     @app.get("/openapi.json")
     async def openapi() -> Response:
-        return json_response(openapi_document())
+        return json_response(openapi_document(OPENAI_ROUTES + AGENT_ROUTES))
 
     @app.get("/metrics")
     async def metrics() -> Response:

@@ -11,6 +11,7 @@ The models' JSON schemas are what /openapi.json publishes, for users and for fuz
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Annotated, Any, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
@@ -255,15 +256,16 @@ _TYPE_NAMES = frozenset({"str", "int", "float", "bool", "list", "dict", "none", 
                          "constrained-int", "constrained-float"})
 
 
-_ROUTES = (("/v1/chat/completions", ChatCompletionRequest), ("/v1/completions", CompletionRequest),
-           ("/tokenize", TokenizeRequest), ("/detokenize", DetokenizeRequest))
+OPENAI_ROUTES: tuple[tuple[str, type[BaseModel]], ...] = (
+    ("/v1/chat/completions", ChatCompletionRequest), ("/v1/completions", CompletionRequest),
+    ("/tokenize", TokenizeRequest), ("/detokenize", DetokenizeRequest))
 
 
-def openapi_document() -> dict[str, Any]:
-    """A minimal OpenAPI 3.1 document of the request bodies (responses are OpenAI's), for /openapi.json."""
+def openapi_document(routes: Sequence[tuple[str, type[BaseModel]]] = OPENAI_ROUTES) -> dict[str, Any]:
+    """A minimal OpenAPI 3.1 document of the request bodies (responses are the APIs' own), for /openapi.json."""
     schemas: dict[str, Any] = {}
     paths: dict[str, Any] = {}
-    for path, model in _ROUTES:
+    for path, model in routes:
         schema = model.model_json_schema(ref_template="#/components/schemas/{model}")
         schemas.update(schema.pop("$defs", {}))
         schemas[model.__name__] = schema

@@ -117,6 +117,10 @@ def _tools(body: ResponsesRequest) -> dict[str, Any]:
     fields: dict[str, Any] = {}
     if body.parallel_tool_calls is not None:
         fields["parallel_tool_calls"] = body.parallel_tool_calls
+    choice = body.tool_choice
+    if choice is not None and not isinstance(choice, str) and (choice.type != "function" or choice.name is None):
+        raise _bad(f"'tool_choice': {choice.type!r} is not supported (give 'none', 'auto', 'required' or "
+                   "{'type': 'function', 'name': ...})")
     if not body.tools:
         return fields
     tools = []
@@ -129,13 +133,9 @@ def _tools(body: ResponsesRequest) -> dict[str, Any]:
         tools.append(Tool(type="function", function=FunctionDef(name=tool.name, description=tool.description,
                                                                 parameters=tool.parameters, strict=tool.strict)))
     fields["tools"] = tools
-    choice = body.tool_choice
     if isinstance(choice, str):
         fields["tool_choice"] = choice
-    elif choice is not None:
-        if choice.type != "function" or choice.name is None:
-            raise _bad(f"'tool_choice': {choice.type!r} is not supported (give 'none', 'auto', 'required' or "
-                       "{'type': 'function', 'name': ...})")
+    elif choice is not None and choice.name is not None:
         fields["tool_choice"] = NamedToolChoice(type="function", function=NamedFunction(name=choice.name))
     return fields
 

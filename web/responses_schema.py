@@ -44,7 +44,7 @@ class OtherPart(_Model):
 def _tag(kinds: frozenset[str], default: str | None = None) -> Any:
     def tag(value: Any) -> str:
         kind = value.get("type", default) if isinstance(value, dict) else getattr(value, "type", default)
-        return kind if kind in kinds else "other"
+        return kind if isinstance(kind, str) and kind in kinds else "other"  # a dict is unhashable
     return Discriminator(tag)
 
 

@@ -35,6 +35,10 @@ BODIES: list[tuple[str, dict[str, Any]]] = [
     ("/v1/messages", {**MESSAGE, "stop_sequences": ["x" * 10_000]}),
     ("/v1/messages", {**MESSAGE, "messages": [{"role": "user", "content": [{"type": "image", "source": {}}]}]}),
     ("/v1/messages", {**MESSAGE, "messages": [{"role": "user", "content": [{"type": 5}]}]}),
+    ("/v1/messages", {**MESSAGE, "messages": [{"role": "user", "content": [{"type": {"a": 1}}]}]}),  # unhashable
+    ("/v1/responses", {**RESPONSE, "input": [{"type": {"a": 1}, "role": "user", "content": "x"}]}),
+    ("/v1/responses", {**RESPONSE, "input": [{"type": "message", "role": "user", "content": [{"type": ["x"]}]}]}),
+    ("/v1/responses", {**RESPONSE, "tool_choice": {"type": "zzz"}}),
     ("/v1/messages", {**MESSAGE, "messages": [{"role": "user", "content": "x" * (2 << 20)}]}),
     ("/v1/messages", {**MESSAGE, "tools": [{"name": "f", "input_schema": {"type": "object"}}],
                       "tool_choice": {"type": "tool", "name": "g"}}),

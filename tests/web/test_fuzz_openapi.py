@@ -14,7 +14,8 @@ from schemathesis.generation.case import Case
 
 from live_process import Server, trillm
 
-PATHS = ["/v1/chat/completions", "/v1/completions", "/tokenize", "/detokenize"]
+PATHS = ["/v1/chat/completions", "/v1/completions", "/tokenize", "/detokenize", "/v1/messages",
+         "/v1/messages/count_tokens", "/v1/responses"]
 
 
 @pytest.fixture(scope="module")
