@@ -253,7 +253,9 @@ def calls_grammar(fmt: ToolFormat, tools: list[dict[str, Any]], *, parallel: boo
                                                                    lenient), "minItems": 1}
         if not parallel:
             items["maxItems"] = 1
-        return f"start: {_special(tokenizer, fmt.start)} %json {json.dumps(items)}\n", fmt
+        # The compile options must sit on the outermost schema: there they bound the whitespace in the array too.
+        array = json.dumps(json_options(items, lenient=lenient))
+        return f"start: {_special(tokenizer, fmt.start)} %json {array}\n", fmt
     if fmt.json_body == "llama3":
         schema = _one_of([_call_schema(t, "parameters") for t in tools], lenient)
         sep = ' (";" ws call)*' if parallel else ''
