@@ -19,10 +19,10 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Protocol, TypeVar
 
 import numpy as np
 
@@ -110,8 +110,8 @@ class LinearCostModel:
     @classmethod
     def fit(cls, decode: Iterable[DecodeSample], prefill: Iterable[PrefillSample]) -> LinearCostModel:
         """Least-squares fit (coefficients clipped at 0) to measured step times."""
-        d = list(decode)
-        p = list(prefill)
+        d = _medians(list(decode), lambda s: (s.batch, s.context), lambda k, t: DecodeSample(*k, t))
+        p = _medians(list(prefill), lambda s: (s.tokens, s.start), lambda k, t: PrefillSample(*k, t))
         base = cls()
         dc: tuple[float, ...] = (base.decode_base_s, base.decode_per_seq_s, base.decode_per_ctx_token_s)
         pc: tuple[float, ...] = (base.prefill_base_s, base.prefill_per_token_s, base.prefill_per_attn_s)
@@ -122,6 +122,24 @@ class LinearCostModel:
             a = np.array([[1.0, s.tokens, s.tokens * (s.start + (s.tokens + 1) / 2)] for s in p])
             pc = tuple(_nnls(a, np.array([s.seconds for s in p])))
         return cls(*dc, *pc)
+
+
+class _Timed(Protocol):
+    @property
+    def seconds(self) -> float: ...
+
+
+_S = TypeVar("_S", bound=_Timed)
+
+
+def _medians(samples: list[_S], key: Callable[[_S], tuple[int, int]],
+             make: Callable[[tuple[int, int], float], _S]) -> list[_S]:
+    """One sample per shape, its median time: a stray step (one whose work overlapped the previous step's
+    read-back) would otherwise pull a fit weighted by 1/y far off."""
+    by_shape: dict[tuple[int, int], list[float]] = {}
+    for s in samples:
+        by_shape.setdefault(key(s), []).append(s.seconds)
+    return [make(k, float(np.median(ts))) for k, ts in by_shape.items()]
 
 
 def _nnls(a: np.ndarray, y: np.ndarray) -> list[float]:
