@@ -12,7 +12,8 @@ behaviour.
 Projections of one input become one matmul: a module's q/k/v and gate/up projections share a
 `ProjectionGroup` whose weight is their rows stacked, and each projection's own weight becomes a row slice of
 it (no second copy). Inside `fused_ops()` the first projection called with an input runs the group's matmul
-and the others slice its output.
+and the others slice its output. On CPU every linear weight and the embedding are then packed into one
+buffer backed by huge pages (`trillm.kernels.hugepages`): decode streams them all once per step.
 """
 
 from __future__ import annotations
@@ -25,10 +26,12 @@ from contextvars import ContextVar
 import mlx.core as mx
 import mlx.nn as nn
 
+from trillm.kernels import hugepages
 from trillm.kernels.selfcheck import KernelSelection, unchecked
 
 _ACTIVE: ContextVar[KernelSelection | None] = ContextVar("trillm_fused_ops", default=None)
 _SWIGLU = "swiglu"
+_PACKED = "_trillm_weights_packed"
 
 
 @contextmanager
@@ -178,6 +181,35 @@ def _group_projections(model: nn.Module, counts: dict[str, int]) -> None:
             counts[key] = counts.get(key, 0) + 1
 
 
+def _pack_weights(model: nn.Module) -> hugepages.Advice | None:
+    """Every linear weight (a group's stacked one for its members) and embedding in one huge-page buffer."""
+    targets: list[tuple[object, mx.array]] = []
+    seen: set[int] = set()
+    for _, m in model.named_modules():
+        owner: object = m
+        if isinstance(m, FusedLinear) and m.group is not None:
+            owner = m.group
+            weight = m.group.weight
+        elif isinstance(m, (FusedLinear, FusedEmbedding)):
+            weight = m.weight
+        else:
+            continue
+        if id(owner) not in seen:
+            seen.add(id(owner))
+            targets.append((owner, weight))
+    dtypes = {w.dtype for _, w in targets}
+    if len(dtypes) != 1 or not targets:
+        return None
+    views, advice = hugepages.pack([w for _, w in targets])
+    for (owner, _), view in zip(targets, views):
+        if isinstance(owner, ProjectionGroup):
+            owner.set_weight(view)
+        else:
+            assert isinstance(owner, nn.Module)
+            owner.weight = view
+    return advice
+
+
 def install_fused_ops(model: nn.Module) -> list[str]:
     """Install the fused ops in `model` (idempotent). Returns what was replaced, e.g. ["RMSNorm x61", ...]."""
     counts: dict[str, int] = {}
@@ -187,7 +219,15 @@ def install_fused_ops(model: nn.Module) -> list[str]:
             if new is not None:
                 setattr(module, key, new)
                 counts[type(child).__name__] = counts.get(type(child).__name__, 0) + 1
+    grouped_before = any(isinstance(m, FusedLinear) and m.group is not None for _, m in model.named_modules())
     _group_projections(model, counts)
+    notes = []
+    if hugepages.available() and not grouped_before and not getattr(model, _PACKED, False):
+        advice = _pack_weights(model)
+        if advice is not None:
+            setattr(model, _PACKED, True)
+            notes.append(f"weights packed: {advice.collapsed >> 20} of {advice.nbytes >> 20} MiB on huge pages"
+                         + (f" ({advice.error})" if advice.error else ""))
     for name in sorted({type(m).__module__ for _, m in model.named_modules()}):
         mod = sys.modules.get(name)
         fn = getattr(mod, _SWIGLU, None)
@@ -196,4 +236,4 @@ def install_fused_ops(model: nn.Module) -> list[str]:
         if not hasattr(fn, "__trillm_original__"):
             setattr(mod, _SWIGLU, _fused_swiglu(fn))
         counts["swiglu"] = counts.get("swiglu", 0) + 1
-    return [f"{name} x{n}" for name, n in sorted(counts.items())]
+    return [f"{name} x{n}" for name, n in sorted(counts.items())] + notes
