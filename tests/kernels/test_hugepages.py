@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import sys
 
-import mlx.core as mx
 import numpy as np
 import pytest
 
+import trillm.kernels  # noqa: F401  (BLAS before mlx)
+import mlx.core as mx
 from trillm.kernels import hugepages
 
 
