@@ -2,46 +2,108 @@
 activation, through trillm.kernels.
 
 `install_fused_ops(model)` swaps the model's `nn.Linear`, `nn.Embedding`, `nn.RMSNorm` and `nn.RoPE` modules
-for subclasses (same
-parameters, same attributes) and rebinds `swiglu` in the model's own mlx-lm modules, the way
-`install_paged_attention` rebinds attention. They run trillm's ops (the CPU primitives on CPU, the
-references elsewhere) only inside `fused_ops()`, which ModelRunner.forward enters: anything else that runs
-the same model object or module (mlx-lm's own generate, a benchmark's peer) keeps mlx-lm's behaviour.
+for subclasses (same parameters, same attributes) and rebinds `swiglu` in the model's own mlx-lm modules,
+the way `install_paged_attention` rebinds attention. They run trillm's ops only inside
+`fused_ops(kernels)`, which ModelRunner.forward enters with the implementations the engine's start-up
+self-check chose (`trillm.kernels.selfcheck`; without a selection, the per-call dispatchers): anything else
+that runs the same model object or module (mlx-lm's own generate, a benchmark's peer) keeps mlx-lm's
+behaviour.
+
+Projections of one input become one matmul: a module's q/k/v and gate/up projections share a
+`ProjectionGroup` whose weight is their rows stacked, and each projection's own weight becomes a row slice of
+it (no second copy). Inside `fused_ops()` the first projection called with an input runs the group's matmul
+and the others slice its output. On CPU every linear weight and the embedding are then packed into one
+buffer backed by huge pages (`trillm.kernels.hugepages`): decode streams them all once per step.
 """
 
 from __future__ import annotations
 
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from contextvars import ContextVar
 
 import mlx.core as mx
 import mlx.nn as nn
 
-from trillm.kernels.linear import linear
-from trillm.kernels.rms_norm import rms_norm
-from trillm.kernels.rope import rope
-from trillm.kernels.silu_mul import silu_mul
+from trillm.kernels import hugepages
+from trillm.kernels.selfcheck import KernelSelection, unchecked
 
-_ACTIVE: ContextVar[bool] = ContextVar("trillm_fused_ops", default=False)
+_ACTIVE: ContextVar[KernelSelection | None] = ContextVar("trillm_fused_ops", default=None)
 _SWIGLU = "swiglu"
+_PACKED = "_trillm_weights_packed"
 
 
 @contextmanager
-def fused_ops() -> Iterator[None]:
-    """Within this block the installed modules run trillm's ops."""
-    token = _ACTIVE.set(True)
+def fused_ops(kernels: KernelSelection | None = None) -> Iterator[None]:
+    """Within this block the installed modules run trillm's ops, as `kernels` chose them."""
+    token = _ACTIVE.set(kernels if kernels is not None else unchecked())
     try:
         yield
     finally:
         _ACTIVE.reset(token)
 
 
+# Sibling projections fused into one matmul, by child name (mlx-lm's llama-family names).
+PROJECTION_GROUPS: tuple[tuple[str, ...], ...] = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
+
+
+class ProjectionGroup:
+    """Linear layers applied to one input, run as one matmul over their stacked weights.
+
+    Each member's weight is a row slice of `weight`. Inside `fused_ops()`, a member called with an input
+    the group has not seen runs `linear(x, weight)`; members called with the same input object (mlx-lm calls
+    q, k, v, or gate, up, on one x) slice that output. The output is dropped once every member took its
+    slice, so nothing outlives the graph being built. A member whose weight was replaced since (a weight
+    update) makes the group restack before its next matmul.
+    """
+
+    def __init__(self, members: Sequence[FusedLinear]) -> None:
+        self.members = list(members)
+        self.bounds: list[tuple[int, int]] = []
+        at = 0
+        for m in self.members:
+            n = m.weight.shape[0]
+            self.bounds.append((at, at + n))
+            at += n
+        self.weight = mx.concatenate([m.weight for m in self.members], axis=0)
+        self._views: list[mx.array] = []
+        self.set_weight(self.weight)
+        self._x: mx.array | None = None
+        self._y: mx.array | None = None
+        self._pending: set[int] = set()
+
+    def set_weight(self, weight: mx.array) -> None:
+        """Use `weight` (the stacked rows) and make each member's weight a row slice of it."""
+        self.weight = weight
+        self._views = [weight[lo:hi] for lo, hi in self.bounds]
+        for m, view in zip(self.members, self._views):
+            m.weight = view
+            m.group = self
+
+    def output(self, member: FusedLinear, x: mx.array, kernels: KernelSelection) -> mx.array:
+        i = next(i for i, m in enumerate(self.members) if m is member)
+        if any(m.weight is not v for m, v in zip(self.members, self._views)):
+            self.set_weight(mx.concatenate([m.weight for m in self.members], axis=0))
+            self._x = None
+        if self._x is not x or i not in self._pending:
+            self._x, self._y = x, kernels.linear(x, self.weight)
+            self._pending = set(range(len(self.members)))
+        assert self._y is not None
+        lo, hi = self.bounds[i]
+        out = self._y[..., lo:hi]
+        self._pending.discard(i)
+        if not self._pending:
+            self._x = self._y = None
+        return out
+
+
 class FusedLinear(nn.Linear):
+    group: ProjectionGroup | None = None  # set when this layer's matmul is shared with its siblings'
+
     def __call__(self, x: mx.array) -> mx.array:
-        if _ACTIVE.get():
-            y = linear(x, self.weight)
+        if (k := _ACTIVE.get()) is not None:
+            y = self.group.output(self, x, k) if self.group is not None else k.linear(x, self.weight)
             return y + self.bias if "bias" in self else y
         out: mx.array = super().__call__(x)
         return out
@@ -49,24 +111,24 @@ class FusedLinear(nn.Linear):
 
 class FusedEmbedding(nn.Embedding):
     def as_linear(self, x: mx.array) -> mx.array:  # a tied LM head
-        if _ACTIVE.get():
-            return linear(x, self.weight)
+        if (k := _ACTIVE.get()) is not None:
+            return k.linear(x, self.weight)
         out: mx.array = super().as_linear(x)
         return out
 
 
 class FusedRMSNorm(nn.RMSNorm):
     def __call__(self, x: mx.array) -> mx.array:
-        if _ACTIVE.get():
-            return rms_norm(x, self.weight, self.eps)
+        if (k := _ACTIVE.get()) is not None:
+            return k.rms_norm(x, self.weight, self.eps)
         out: mx.array = super().__call__(x)
         return out
 
 
 class FusedRoPE(nn.RoPE):
     def __call__(self, x: mx.array, offset: int | mx.array = 0) -> mx.array:
-        if _ACTIVE.get():
-            return rope(x, self.dims, traditional=self.traditional, base=self.base, scale=self.scale, offset=offset)
+        if (k := _ACTIVE.get()) is not None:
+            return k.rope(x, self.dims, traditional=self.traditional, base=self.base, scale=self.scale, offset=offset)
         # mx.fast.rope takes an array offset too (per-row positions); nn.RoPE only annotates int.
         out: mx.array = super().__call__(x, offset)
         return out
@@ -74,7 +136,8 @@ class FusedRoPE(nn.RoPE):
 
 def _fused_swiglu(original: Callable[[mx.array, mx.array], mx.array]) -> Callable[[mx.array, mx.array], mx.array]:
     def swiglu(gate: mx.array, x: mx.array) -> mx.array:
-        return silu_mul(gate, x) if _ACTIVE.get() else original(gate, x)
+        k = _ACTIVE.get()
+        return k.silu_mul(gate, x) if k is not None else original(gate, x)
 
     swiglu.__trillm_original__ = original  # type: ignore[attr-defined]
     return swiglu
@@ -101,6 +164,52 @@ def _replacement(child: object) -> nn.Module | None:
     return None
 
 
+def _group_projections(model: nn.Module, counts: dict[str, int]) -> None:
+    for _, module in model.named_modules():
+        for names in PROJECTION_GROUPS:
+            members = [module.get(name) for name in names]
+            if not all(type(m) is FusedLinear for m in members):
+                continue
+            lins = [m for m in members if isinstance(m, FusedLinear)]
+            if any(m.group is not None for m in lins):
+                continue  # already grouped (install_fused_ops is idempotent)
+            w0 = lins[0].weight
+            if any(m.weight.ndim != 2 or m.weight.shape[1] != w0.shape[1] or m.weight.dtype != w0.dtype for m in lins):
+                continue
+            ProjectionGroup(lins)
+            key = "+".join(names)
+            counts[key] = counts.get(key, 0) + 1
+
+
+def _pack_weights(model: nn.Module) -> hugepages.Advice | None:
+    """Every linear weight (a group's stacked one for its members) and embedding in one huge-page buffer."""
+    targets: list[tuple[object, mx.array]] = []
+    seen: set[int] = set()
+    for _, m in model.named_modules():
+        owner: object = m
+        if isinstance(m, FusedLinear) and m.group is not None:
+            owner = m.group
+            weight = m.group.weight
+        elif isinstance(m, (FusedLinear, FusedEmbedding)):
+            weight = m.weight
+        else:
+            continue
+        if id(owner) not in seen:
+            seen.add(id(owner))
+            targets.append((owner, weight))
+    dtypes = {w.dtype for _, w in targets}
+    if len(dtypes) != 1 or not targets:
+        return None
+    views, advice = hugepages.pack([w for _, w in targets])
+    for (owner, _), view in zip(targets, views):
+        if isinstance(owner, ProjectionGroup):
+            owner.set_weight(view)
+        else:
+            assert isinstance(owner, nn.Module)
+            owner.weight = view
+    return advice
+
+
 def install_fused_ops(model: nn.Module) -> list[str]:
     """Install the fused ops in `model` (idempotent). Returns what was replaced, e.g. ["RMSNorm x61", ...]."""
     counts: dict[str, int] = {}
@@ -110,6 +219,15 @@ def install_fused_ops(model: nn.Module) -> list[str]:
             if new is not None:
                 setattr(module, key, new)
                 counts[type(child).__name__] = counts.get(type(child).__name__, 0) + 1
+    grouped_before = any(isinstance(m, FusedLinear) and m.group is not None for _, m in model.named_modules())
+    _group_projections(model, counts)
+    notes = []
+    if hugepages.available() and not grouped_before and not getattr(model, _PACKED, False):
+        advice = _pack_weights(model)
+        if advice is not None:
+            setattr(model, _PACKED, True)
+            notes.append(f"weights packed: {advice.collapsed >> 20} of {advice.nbytes >> 20} MiB on huge pages"
+                         + (f" ({advice.error})" if advice.error else ""))
     for name in sorted({type(m).__module__ for _, m in model.named_modules()}):
         mod = sys.modules.get(name)
         fn = getattr(mod, _SWIGLU, None)
@@ -118,4 +236,4 @@ def install_fused_ops(model: nn.Module) -> list[str]:
         if not hasattr(fn, "__trillm_original__"):
             setattr(mod, _SWIGLU, _fused_swiglu(fn))
         counts["swiglu"] = counts.get("swiglu", 0) + 1
-    return [f"{name} x{n}" for name, n in sorted(counts.items())]
+    return [f"{name} x{n}" for name, n in sorted(counts.items())] + notes

@@ -74,9 +74,12 @@ def make_kv_pool(lm: LoadedModel, config: EngineConfig, num_blocks: int, max_mod
     from trillm.kernels.selfcheck import KernelCheckError, select_kernels
 
     sinks = any(isinstance(getattr(m, "sinks", None), mx.array) for _, m in lm.model.named_modules())
+    args = getattr(lm.model, "args", None)  # mlx-lm's ModelArgs; 0: the kernels derive a size
     shapes = ModelShapes(lm.num_attention_heads, lm.num_kv_heads, lm.head_dim, config.block_size, lm.dtype,
                          sinks=sinks, max_batch=config.max_num_seqs, chunk=config.max_num_batched_tokens,
-                         max_context=max_model_len)  # fmt: skip
+                         max_context=max_model_len, hidden_size=int(getattr(args, "hidden_size", 0) or 0),
+                         intermediate_size=int(getattr(args, "intermediate_size", 0) or 0),
+                         vocab_size=int(getattr(args, "vocab_size", 0) or 0))  # fmt: skip
     try:
         kernels = select_kernels(shapes, config.kernels)
     except KernelCheckError as exc:

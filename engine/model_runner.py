@@ -104,7 +104,7 @@ class ModelRunner:
         """Logits [B, V] at each row's last real position (and, if asked, `inputs.hidden`)."""
         self.pool.layout = inputs.layout
         rows = mx.arange(inputs.tokens.shape[0])
-        with fused_ops():
+        with fused_ops(self.pool.kernels):
             try:
                 if self._inner is not None and self._can_split_head():
                     h = self._inner(inputs.tokens, cache=self.caches)

@@ -218,6 +218,37 @@ def always(_: ModelShapes) -> str | None:
     return None
 
 
+def cpu_extension_supports(shapes: ModelShapes, dtypes: tuple[mx.Dtype, ...]) -> str | None:
+    """Why a primitive of trillm's CPU extension cannot run `shapes` (or None). Asking loads, or first
+    builds, the extension."""
+    from trillm.kernels import cpu_ext  # (cpu_ext imports this module for kernel_backend)
+
+    if shapes.dtype not in dtypes:
+        return f"dtype {shapes.dtype} is not one of {', '.join(str(d) for d in dtypes)}"
+    if cpu_ext.load() is None:
+        return f"trillm's CPU extension is unavailable: {cpu_ext.status().reason}"
+    return None
+
+
+def random_array(shape: tuple[int, ...], dtype: mx.Dtype, seed: int, scale: float = 1.0) -> mx.array:
+    """Normal values for check and timing cases, reproducible per seed."""
+    return (mx.random.normal(shape, key=mx.random.key(seed)) * scale).astype(dtype)
+
+
+def row_shapes(shapes: ModelShapes) -> list[tuple[str, int, int]]:
+    """(label, batch, tokens per row) of the activations a step feeds the ops outside attention: decode at
+    batch 1 and 9 (past MLX's 8-element threshold), a short and a longer prefill chunk."""
+    return [("decode B=1", 1, 1), ("decode B=9", 9, 1), ("prefill L=3", 1, 3),
+            (f"prefill L={min(shapes.chunk, 67)}", 2, min(shapes.chunk, 67))]
+
+
+def timing_rows(shapes: ModelShapes) -> list[tuple[str, int, int]]:
+    """(label, batch, tokens per row) timed against the reference: decode at batch 1 and at the largest batch,
+    one prefill chunk."""
+    return [("decode B=1", 1, 1), (f"decode B={shapes.max_batch}", shapes.max_batch, 1),
+            (f"prefill L={shapes.chunk}", 1, shapes.chunk)]
+
+
 @dataclass(frozen=True, slots=True)
 class Kernel:
     """One back-end's implementation of an op, with the same signature as the op's reference."""

@@ -55,6 +55,23 @@ class ModelShapes:
     max_batch: int = 9  # most sequences in one decode step
     chunk: int = 64  # prefill chunk (query tokens per row)
     max_context: int = 4096  # longest context a row can reach
+    # The rest of the model, for the ops outside attention (norms, RoPE, SwiGLU, linear); 0: derived, as
+    # hidden = num_q_heads * head_dim, intermediate = 8/3 x hidden (llama's), vocab = 32000.
+    hidden_size: int = 0
+    intermediate_size: int = 0
+    vocab_size: int = 0
+
+    @property
+    def hidden(self) -> int:
+        return self.hidden_size or self.num_q_heads * self.head_dim
+
+    @property
+    def intermediate(self) -> int:
+        return self.intermediate_size or -(-8 * self.hidden // 3 // 16) * 16
+
+    @property
+    def vocab(self) -> int:
+        return self.vocab_size or 32000
 
     def __post_init__(self) -> None:
         if self.num_q_heads % self.num_kv_heads:

@@ -12,6 +12,8 @@ from __future__ import annotations
 import mlx.core as mx
 
 from trillm.kernels import cpu_ext
+from trillm.kernels.backend import Case, Kernel, KernelOp, cpu_extension_supports, random_array
+from trillm.kernels.layout import ModelShapes
 
 MAX_ROWS = 8  # measured: ~2-4x BLAS at 1-4 rows, about even at 8-13, slower at 32
 
@@ -38,8 +40,62 @@ def cpu_supports(x: mx.array, weight: mx.array) -> bool:
     )  # fmt: skip
 
 
+def linear_cpu_kernel(x: mx.array, weight: mx.array) -> mx.array:
+    """The "cpu" kernel the self-check runs: the primitive up to MAX_ROWS rows, BLAS (the reference) past it."""
+    return linear_cpu(x, weight) if cpu_supports(x, weight) else linear_ref(x, weight)
+
+
 def linear(x: mx.array, weight: mx.array) -> mx.array:
-    """x @ weight.T: the CPU primitive on CPU for up to MAX_ROWS rows, else the reference."""
+    """x @ weight.T: the CPU primitive on CPU for up to MAX_ROWS rows, else the reference. Unchecked: the
+    engine runs what its start-up self-check chose (`trillm.kernels.selfcheck`)."""
     if cpu_ext.enabled() and cpu_supports(x, weight) and cpu_ext.load() is not None:
         return linear_cpu(x, weight)
     return linear_ref(x, weight)
+
+
+# K summed in another order (16 lanes, then a tree) than BLAS's.
+TOLERANCES: dict[mx.Dtype, tuple[float, float]] = {mx.float32: (1e-4, 1e-4)}
+
+
+def _shapes_supported(shapes: ModelShapes) -> str | None:
+    if shapes.hidden % 16:
+        return f"hidden size {shapes.hidden} is not a multiple of 16"
+    return cpu_extension_supports(shapes, (mx.float32,))
+
+
+def _weights(shapes: ModelShapes, seed: int) -> list[tuple[str, mx.array]]:
+    """The model's weight shapes, one layer's worth: stacked q/k/v (read as row slices of one buffer, as the
+    engine lays them out), o, stacked gate/up and down."""
+    h, f, kv = shapes.hidden, shapes.intermediate, shapes.num_kv_heads * shapes.head_dim
+    dt = shapes.dtype
+    packed = random_array((h + 2 * kv + 2 * f, h), dt, seed, scale=h**-0.5)  # one buffer, like the engine's
+    return [("q/k/v", packed[: h + 2 * kv]), ("o", random_array((h, h), dt, seed + 1, scale=h**-0.5)),
+            ("gate/up", packed[h + 2 * kv :]), ("down", random_array((h, f), dt, seed + 2, scale=f**-0.5))]
+
+
+def _check_cases(shapes: ModelShapes) -> list[Case]:
+    out = []
+    for name, w in _weights(shapes, 70):
+        for rows in sorted({1, 2, 3, 5, 8, 9, min(shapes.max_batch, MAX_ROWS), MAX_ROWS + 1}):
+            x = random_array((rows, 1, w.shape[1]), shapes.dtype, 80 + rows)
+            out.append(Case(f"{name} {tuple(w.shape)} rows={rows}", (x, w)))
+    return out
+
+
+def _timing_cases(shapes: ModelShapes) -> list[Case]:
+    """Decode at batch 1 and at the most rows the primitive takes; past MAX_ROWS both run BLAS, and timing
+    those would only add noise to the choice."""
+    weights = _weights(shapes, 90)
+    out = []
+    for rows in sorted({1, min(shapes.max_batch, MAX_ROWS)}):
+        for name, w in weights:
+            out.append(Case(f"decode B={rows} {name}", (random_array((rows, 1, w.shape[1]), shapes.dtype, 95), w)))
+    return out
+
+
+KERNELS: dict[str, Kernel] = {"cpu": Kernel(linear_cpu_kernel, _shapes_supported)}
+
+OP = KernelOp(
+    name="linear", reference=linear_ref, kernels=KERNELS, check_cases=_check_cases, timing_cases=_timing_cases,
+    tolerances=TOLERANCES,
+)  # fmt: skip

@@ -9,8 +9,16 @@ from __future__ import annotations
 import mlx.core as mx
 
 from trillm.kernels import cpu_ext
+from trillm.kernels.backend import (
+    Case, Kernel, KernelOp, cpu_extension_supports, random_array, row_shapes, timing_rows,
+)  # fmt: skip
+from trillm.kernels.layout import ModelShapes
 
 _DTYPES = (mx.float32, mx.float16, mx.bfloat16)
+# The primitive sums the squares in another order (and in fp32 for every dtype).
+TOLERANCES: dict[mx.Dtype, tuple[float, float]] = {
+    mx.float32: (2e-5, 2e-5), mx.float16: (4e-3, 4e-3), mx.bfloat16: (3e-2, 3e-2),
+}  # fmt: skip
 
 
 def rms_norm_ref(x: mx.array, weight: mx.array, eps: float) -> mx.array:
@@ -27,8 +35,39 @@ def rms_norm_cpu(x: mx.array, weight: mx.array, eps: float) -> mx.array:
     return out
 
 
-def rms_norm(x: mx.array, weight: mx.array, eps: float) -> mx.array:
-    """RMSNorm of x [..., D] with weight [D]: the CPU primitive on CPU, else the reference."""
-    if cpu_ext.enabled() and x.dtype in _DTYPES and weight.ndim == 1 and cpu_ext.load() is not None:
+def _cpu_supports_call(x: mx.array, weight: mx.array) -> bool:
+    return x.dtype in _DTYPES and weight.ndim == 1 and x.ndim >= 1 and weight.shape[0] == x.shape[-1]
+
+
+def rms_norm_cpu_kernel(x: mx.array, weight: mx.array, eps: float) -> mx.array:
+    """The "cpu" kernel the self-check runs: the primitive, or the reference for a call it does not take."""
+    if _cpu_supports_call(x, weight):
         return rms_norm_cpu(x, weight, eps)
     return rms_norm_ref(x, weight, eps)
+
+
+def rms_norm(x: mx.array, weight: mx.array, eps: float) -> mx.array:
+    """RMSNorm of x [..., D] with weight [D]: the CPU primitive on CPU, else the reference. Unchecked: the
+    engine runs what its start-up self-check chose (`trillm.kernels.selfcheck`)."""
+    if cpu_ext.enabled() and _cpu_supports_call(x, weight) and cpu_ext.load() is not None:
+        return rms_norm_cpu(x, weight, eps)
+    return rms_norm_ref(x, weight, eps)
+
+
+def _cases(shapes: ModelShapes, rows: list[tuple[str, int, int]], seed: int) -> list[Case]:
+    d = shapes.hidden
+    out = []
+    for i, (label, b, n) in enumerate(rows):
+        x = random_array((b, n, d), shapes.dtype, seed + 2 * i, scale=3.0)
+        w = random_array((d,), shapes.dtype, seed + 2 * i + 1)
+        out.append(Case(f"{label} D={d}", (x, w, 1e-5)))
+    return out
+
+
+KERNELS: dict[str, Kernel] = {"cpu": Kernel(rms_norm_cpu_kernel, lambda s: cpu_extension_supports(s, _DTYPES))}
+
+OP = KernelOp(
+    name="rms_norm", reference=rms_norm_ref, kernels=KERNELS,
+    check_cases=lambda s: _cases(s, row_shapes(s), 10), timing_cases=lambda s: _cases(s, timing_rows(s), 20),
+    tolerances=TOLERANCES,
+)  # fmt: skip

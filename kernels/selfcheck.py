@@ -42,12 +42,16 @@ from trillm.kernels.backend import Kernel, KernelOp, forced_reference, kernel_ba
 from trillm.kernels.kv_gather import OP as KV_GATHER
 from trillm.kernels.kv_gather import KvGatherFn, kv_gather, kv_gather_ref
 from trillm.kernels.layout import ModelShapes
+from trillm.kernels import linear as linear_op
+from trillm.kernels import rms_norm as rms_norm_op
+from trillm.kernels import rope as rope_op
+from trillm.kernels import silu_mul as silu_mul_op
 from trillm.kernels.paged_attention import OP as PAGED_ATTENTION
 from trillm.kernels.paged_attention import PagedAttentionFn, paged_attention, paged_attention_ref
 
 MODES = ("auto", "strict", "ref")
 CACHE_ENV = "TRILLM_KERNEL_CACHE"
-ENGINE_OPS: tuple[KernelOp, ...] = (PAGED_ATTENTION, KV_GATHER)
+ENGINE_OPS: tuple[KernelOp, ...] = (PAGED_ATTENTION, KV_GATHER, rms_norm_op.OP, rope_op.OP, silu_mul_op.OP, linear_op.OP)
 REFERENCE = "reference"
 MLX_VERSION = str(getattr(mx, "__version__", "unknown"))  # (mlx's stubs omit __version__)
 _PACKAGE_DIR = Path(__file__).resolve().parent
@@ -97,11 +101,16 @@ class KernelReport:
 
 @dataclass(frozen=True, slots=True)
 class KernelSelection:
-    """The implementation of each engine op, as chosen, and the report."""
+    """The implementation of each engine op, as chosen, and the report. The ops outside attention default to
+    their per-call dispatchers (what `unchecked()` runs)."""
 
     report: KernelReport
     paged_attention: PagedAttentionFn
     kv_gather: KvGatherFn
+    rms_norm: Callable[[mx.array, mx.array, float], mx.array] = rms_norm_op.rms_norm
+    rope: Callable[..., mx.array] = rope_op.rope
+    silu_mul: Callable[[mx.array, mx.array], mx.array] = silu_mul_op.silu_mul
+    linear: Callable[[mx.array, mx.array], mx.array] = linear_op.linear
 
 
 def unchecked() -> KernelSelection:
@@ -124,8 +133,7 @@ def select_kernels(
 ) -> KernelSelection:
     """Check, time and choose each op's implementation for `shapes` (see the module docstring).
 
-    `ops` defaults to ENGINE_OPS; the selection's attention and gather fall back to their references when
-    `ops` leaves them out.
+    `ops` defaults to ENGINE_OPS; the selection runs the reference of any op `ops` leaves out.
     """
     ops = ENGINE_OPS if ops is None else ops
     if mode not in MODES:
@@ -141,7 +149,12 @@ def select_kernels(
     report = KernelReport(mode, backend, device_description(), tuple(reports), round(time.perf_counter() - t0, 3))
     pa = chosen.get(PAGED_ATTENTION.name, paged_attention_ref)
     kg = chosen.get(KV_GATHER.name, kv_gather_ref)
-    return KernelSelection(report, pa, kg)
+    return KernelSelection(
+        report, pa, kg, rms_norm=chosen.get(rms_norm_op.OP.name, rms_norm_op.rms_norm_ref),
+        rope=chosen.get(rope_op.OP.name, rope_op.rope_ref),
+        silu_mul=chosen.get(silu_mul_op.OP.name, silu_mul_op.silu_mul_ref),
+        linear=chosen.get(linear_op.OP.name, linear_op.linear_ref),
+    )  # fmt: skip
 
 
 def _select_op(

@@ -10,8 +10,16 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from trillm.kernels import cpu_ext
+from trillm.kernels.backend import (
+    Case, Kernel, KernelOp, cpu_extension_supports, random_array, row_shapes, timing_rows,
+)  # fmt: skip
+from trillm.kernels.layout import ModelShapes
 
 _DTYPES = (mx.float32, mx.float16, mx.bfloat16)
+# A polynomial exp (simd.h) against MLX's.
+TOLERANCES: dict[mx.Dtype, tuple[float, float]] = {
+    mx.float32: (2e-5, 2e-5), mx.float16: (4e-3, 4e-3), mx.bfloat16: (3e-2, 3e-2),
+}  # fmt: skip
 
 
 def silu_mul_ref(gate: mx.array, up: mx.array) -> mx.array:
@@ -29,9 +37,37 @@ def silu_mul_cpu(gate: mx.array, up: mx.array) -> mx.array:
     return out
 
 
+def _cpu_supports_call(gate: mx.array, up: mx.array) -> bool:
+    return gate.shape == up.shape and gate.dtype == up.dtype and gate.dtype in _DTYPES
+
+
+def silu_mul_cpu_kernel(gate: mx.array, up: mx.array) -> mx.array:
+    """The "cpu" kernel the self-check runs: the primitive, or the reference for a call it does not take."""
+    return silu_mul_cpu(gate, up) if _cpu_supports_call(gate, up) else silu_mul_ref(gate, up)
+
+
 def silu_mul(gate: mx.array, up: mx.array) -> mx.array:
-    """silu(gate) * up: the CPU primitive on CPU, else the reference."""
-    if (cpu_ext.enabled() and gate.shape == up.shape and gate.dtype == up.dtype and gate.dtype in _DTYPES
-            and cpu_ext.load() is not None):  # fmt: skip
+    """silu(gate) * up: the CPU primitive on CPU, else the reference. Unchecked: the engine runs what its
+    start-up self-check chose (`trillm.kernels.selfcheck`)."""
+    if cpu_ext.enabled() and _cpu_supports_call(gate, up) and cpu_ext.load() is not None:
         return silu_mul_cpu(gate, up)
     return silu_mul_ref(gate, up)
+
+
+def _cases(shapes: ModelShapes, rows: list[tuple[str, int, int]], seed: int) -> list[Case]:
+    f = shapes.intermediate
+    out = []
+    for i, (label, b, n) in enumerate(rows):
+        # gate wide enough to reach both tails of the sigmoid
+        gate = random_array((b, n, f), shapes.dtype, seed + 2 * i, scale=6.0)
+        out.append(Case(f"{label} F={f}", (gate, random_array((b, n, f), shapes.dtype, seed + 2 * i + 1))))
+    return out
+
+
+KERNELS: dict[str, Kernel] = {"cpu": Kernel(silu_mul_cpu_kernel, lambda s: cpu_extension_supports(s, _DTYPES))}
+
+OP = KernelOp(
+    name="silu_mul", reference=silu_mul_ref, kernels=KERNELS,
+    check_cases=lambda s: _cases(s, row_shapes(s), 30), timing_cases=lambda s: _cases(s, timing_rows(s), 40),
+    tolerances=TOLERANCES,
+)  # fmt: skip

@@ -1,6 +1,7 @@
 // Python bindings: the module shares MLX's nanobind domain, so mx.array passes through unchanged.
 #include <nanobind/nanobind.h>
 #include <nanobind/stl/optional.h>
+#include <nanobind/stl/string.h>
 #include <nanobind/stl/variant.h>
 
 #include "ops.h"
@@ -22,6 +23,10 @@ NB_MODULE(_trillm_cpu, m) {
         "silu(gate) * up.");
   m.def("linear", &trillm_cpu::linear, "x"_a, "weight"_a, nb::kw_only(), "stream"_a = nb::none(),
         "x @ weight.T for few rows (float32; K a multiple of 16).");
+  m.def("advise_hugepages", [](const mx::array& a) {
+          auto r = trillm_cpu::advise_hugepages(a);
+          return nb::make_tuple(r.advised, r.collapsed, r.error);
+        }, "a"_a, "Back a's memory with transparent huge pages: (bytes advised, bytes collapsed, error or '').");
   m.def("num_threads", [] { return trillm_cpu::ThreadPool::get().size(); },
         "Threads the kernels split their work across (TRILLM_CPU_THREADS, default: usable cores).");
   m.def("heads_per_group", &trillm_cpu::heads_per_group, "rep"_a, "head_dim"_a);

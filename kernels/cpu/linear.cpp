@@ -1,30 +1,37 @@
-// Small-M matmul y = x @ w.T as an MLX CPU primitive, for decode (M = batch rows, 1 to ~32).
+// Small-M matmul y = x @ w.T as an MLX CPU primitive, for decode (M = batch rows, 1 to ~64).
 //
-// MLX sends every matmul to cblas_sgemm; for a few rows OpenBLAS 0.3.21 reads the weights at ~7-12 GB/s,
-// well under the memory bandwidth. Here each task streams a band of weight rows exactly once, and every x row
-// reuses each weight vector from L1: tiles of MT x rows by NT weight rows hold MT * NT = 16 accumulators,
-// reduced at the end by one transpose-add tree (simd.h). Bands of weight rows are split across the cores.
+// MLX sends every matmul to cblas_sgemm; for a few rows OpenBLAS 0.3.21 reads the weights at ~7-12 GB/s and
+// at 8-32 rows it stays far from both the bandwidth and the FMA bound. Here the weight rows are cut into
+// bands, taken dynamically by the cores; a band is streamed from memory once, and every x row reuses it
+// from cache: tiles of MT x rows by NT weight rows keep MT * NT dot products in registers (loads: MT + NT
+// vectors per MT * NT FMAs), reduced at the end by one transpose-add tree (simd.h). With one x row each
+// weight row is read front to back (one sequential stream for the prefetchers).
+//
+// The weight is read through its row stride, so a row slice of a larger array (the fused q/k/v or
+// gate/up weights, all weights packed into one huge-page arena) runs without a copy.
+#include <algorithm>
+#include <cstring>
 #include <stdexcept>
+#include <vector>
 
 #include "mlx/allocator.h"
 #include "mlx/backend/cpu/encoder.h"
 #include "ops.h"
 #include "simd.h"
+#include "thread_pool.h"
 
 namespace trillm_cpu {
 
 namespace {
 
-// y[MT, NT] (row stride ldy) = x[MT, K] . w[NT, K] over K (a multiple of 16).
+// y[MT, NT] (row stride ldy) = x[MT, K] (row stride ldx) . w[NT, K] (row stride ldw), K a multiple of 16.
 template <int MT, int NT>
-inline void tile(const float* x, const float* w, float* y, int K, int ldy) {
+inline void tile(const float* x, size_t ldx, const float* w, size_t ldw, float* y, size_t ldy, int K) {
   vf acc[MT * NT];
   for (int i = 0; i < MT * NT; ++i) acc[i] = vf{};
   if constexpr (MT == 1) {
-    // One x row: walk the NT weight rows one after another, so the band is read front to back (one
-    // sequential stream for the prefetchers instead of NT interleaved ones).
     for (int j = 0; j < NT; ++j) {
-      const float* wj = w + static_cast<size_t>(j) * K;
+      const float* wj = w + j * ldw;
       vf a0 = vf{}, a1 = vf{};
       int k = 0;
       for (; k + 2 * W <= K; k += 2 * W) {
@@ -35,61 +42,72 @@ inline void tile(const float* x, const float* w, float* y, int K, int ldy) {
       acc[j] = a0 + a1;
     }
   } else {
-  for (int k = 0; k < K; k += W) {
-    vf wv[NT];
-    for (int j = 0; j < NT; ++j) wv[j] = vload(w + static_cast<size_t>(j) * K + k);
-    for (int i = 0; i < MT; ++i) {
-      const vf xv = vload(x + static_cast<size_t>(i) * K + k);
-      for (int j = 0; j < NT; ++j) acc[i * NT + j] += xv * wv[j];
+    for (int k = 0; k < K; k += W) {
+      vf wv[NT];
+      for (int j = 0; j < NT; ++j) wv[j] = vload(w + j * ldw + k);
+      for (int i = 0; i < MT; ++i) {
+        const vf xv = vload(x + i * ldx + k);
+        for (int j = 0; j < NT; ++j) acc[i * NT + j] += xv * wv[j];
+      }
     }
-  }
   }
   if constexpr (MT * NT == W) {
     const vf sums = vsum16(acc);
     for (int i = 0; i < MT; ++i) {
-      for (int j = 0; j < NT; ++j) y[static_cast<size_t>(i) * ldy + j] = sums[i * NT + j];
+      for (int j = 0; j < NT; ++j) y[i * ldy + j] = sums[i * NT + j];
     }
   } else {
     for (int i = 0; i < MT; ++i) {
-      for (int j = 0; j < NT; ++j) y[static_cast<size_t>(i) * ldy + j] = vsum(acc[i * NT + j]);
+      for (int j = 0; j < NT; ++j) y[i * ldy + j] = vsum(acc[i * NT + j]);
     }
   }
 }
 
-// Weight rows [n0, n1) for every x row.
-void band(const float* x, const float* w, float* y, int M, int N, int K, int n0, int n1) {
+struct Args {
+  const float* x;
+  size_t ldx;
+  const float* w;
+  size_t ldw;
+  float* y;
+  int M, N, K;
+};
+
+// x rows [m0, m0 + MT) against weight rows [n0, n1), NT at a time (then one at a time).
+template <int MT, int NT>
+inline void rows_block(const Args& a, int m0, int n0, int n1) {
+  const float* x = a.x + m0 * a.ldx;
+  float* y = a.y + static_cast<size_t>(m0) * a.N;
+  int n = n0;
+  for (; n + NT <= n1; n += NT) tile<MT, NT>(x, a.ldx, a.w + n * a.ldw, a.ldw, y + n, a.N, a.K);
+  for (; n < n1; ++n) tile<MT, 1>(x, a.ldx, a.w + n * a.ldw, a.ldw, y + n, a.N, a.K);
+}
+
+// Weight rows [n0, n1) (one band, L2-sized) for every x row: blocks of 8 x rows (24 accumulators,
+// 11 loads per 24 FMAs), then 4, 2 and 1 for the remainder.
+void band(const Args& a, int n0, int n1) {
   int m = 0;
-  // Blocks of 4 x rows: the 4 weight rows of a tile stay in L1 while every block passes over them.
-  if (M >= 4) {
-    for (int n = n0; n < n1; n += 4) {
-      const float* wn = w + static_cast<size_t>(n) * K;
-      if (n + 4 <= n1) {
-        for (m = 0; m + 4 <= M; m += 4) tile<4, 4>(x + static_cast<size_t>(m) * K, wn, y + static_cast<size_t>(m) * N + n, K, N);
-      } else {
-        for (int j = n; j < n1; ++j) {
-          for (m = 0; m + 4 <= M; m += 4) tile<4, 1>(x + static_cast<size_t>(m) * K, w + static_cast<size_t>(j) * K, y + static_cast<size_t>(m) * N + j, K, N);
-        }
-      }
-    }
-    m = M - M % 4;
-  }
-  for (; m < M; ++m) {  // single rows (M < 4, or the remainder): 16 weight rows per tile
-    const float* xm = x + static_cast<size_t>(m) * K;
-    float* ym = y + static_cast<size_t>(m) * N;
-    int n = n0;
-    for (; n + 16 <= n1; n += 16) tile<1, 16>(xm, w + static_cast<size_t>(n) * K, ym + n, K, N);
-    for (; n < n1; ++n) tile<1, 1>(xm, w + static_cast<size_t>(n) * K, ym + n, K, N);
-  }
+  for (; m + 8 <= a.M; m += 8) rows_block<8, 3>(a, m, n0, n1);
+  for (; m + 4 <= a.M; m += 4) rows_block<4, 4>(a, m, n0, n1);
+  for (; m + 2 <= a.M; m += 2) rows_block<2, 8>(a, m, n0, n1);
+  for (; m < a.M; ++m) rows_block<1, 16>(a, m, n0, n1);
 }
 
-void linear_impl(const float* x, const float* w, float* y, int M, int N, int K) {
-  constexpr int ALIGN = 16;  // band edges on whole tiles
-  const size_t bands = std::max<size_t>(1, (static_cast<size_t>(N) + 255) / 256);
-  parallel_chunks(bands, 1, [=](size_t b0, size_t b1) {
-    const int per = ((N + static_cast<int>(bands) - 1) / static_cast<int>(bands) + ALIGN - 1) / ALIGN * ALIGN;
-    const int n0 = std::min(N, static_cast<int>(b0) * per), n1 = std::min(N, static_cast<int>(b1) * per);
-    if (n0 < n1) band(x, w, y, M, N, K, n0, n1);
+void linear_impl(const Args& a) {
+  auto& pool = ThreadPool::get();
+  // Bands of whole 48-row tiles (divisible by the 3-, 8- and 16-row tiles), at least ~8 per thread so the
+  // dynamic split stays even when another process holds a core, and at most ~96 KB of weights each.
+  const int max_rows = std::max(48, (96 * 1024 / (a.K * 4)) / 48 * 48);
+  int rows = std::max(48, (a.N / (8 * pool.size())) / 48 * 48);
+  rows = std::min(rows, max_rows);
+  const int bands = (a.N + rows - 1) / rows;
+  pool.parallel_for(bands, [&](int b) {
+    const int n0 = b * rows;
+    band(a, n0, std::min(a.N, n0 + rows));
   });
+}
+
+bool row_strided(const mx::array& w) {
+  return w.ndim() == 2 && (w.strides()[1] == 1 || w.shape(1) == 1) && w.strides()[0] >= w.shape(1);
 }
 
 }  // namespace
@@ -104,8 +122,8 @@ mx::array linear(const mx::array& x, const mx::array& weight, mx::StreamOrDevice
   auto stream = mx::to_stream(s);
   auto shape = x.shape();
   shape.back() = weight.shape(0);
-  return mx::array(shape, mx::float32, std::make_shared<Linear>(stream),
-                   {mx::contiguous(x, false, stream), mx::contiguous(weight, false, stream)});
+  // No contiguous() on the weight: eval_cpu reads it through its row stride (see the top of the file).
+  return mx::array(shape, mx::float32, std::make_shared<Linear>(stream), {mx::contiguous(x, false, stream), weight});
 }
 
 void Linear::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) {
@@ -119,8 +137,21 @@ void Linear::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::arra
   enc.set_input_array(x);
   enc.set_input_array(w);
   enc.set_output_array(out);
-  enc.dispatch([xp = x.data<float>(), wp = w.data<float>(), yp = out.data<float>(), M, N, K] {
-    linear_impl(xp, wp, yp, M, N, K);
+  if (row_strided(w)) {
+    Args a{x.data<float>(), static_cast<size_t>(K), w.data<float>(), static_cast<size_t>(w.strides()[0]),
+           out.data<float>(), M, N, K};
+    enc.dispatch([a] { linear_impl(a); });
+    return;
+  }
+  // Any other layout (a transposed view): copy it row-major once, inside the task.
+  enc.dispatch([w, xp = x.data<float>(), yp = out.data<float>(), M, N, K] {
+    std::vector<float> dense(static_cast<size_t>(N) * K);
+    const float* src = w.data<float>();
+    const auto s0 = w.strides()[0], s1 = w.strides()[1];
+    for (int n = 0; n < N; ++n) {
+      for (int k = 0; k < K; ++k) dense[static_cast<size_t>(n) * K + k] = src[n * s0 + k * s1];
+    }
+    linear_impl(Args{xp, static_cast<size_t>(K), dense.data(), static_cast<size_t>(K), yp, M, N, K});
   });
 }
 

@@ -3,6 +3,7 @@
 
 #include <functional>
 #include <optional>
+#include <string>
 
 #include "mlx/ops.h"
 #include "mlx/primitives.h"
@@ -119,6 +120,15 @@ class SiluMul : public mx::Primitive {
 constexpr int PARTITION_SIZE = 512;
 int heads_per_group(int rep, int head_dim);
 int queries_per_tile(int num_queries, int hpg);
+
+// Ask the kernel to back `a`'s memory (evaluated first) with transparent huge pages: MADV_HUGEPAGE, then
+// MADV_COLLAPSE for what is already populated. Only whole 2 MiB pages inside the buffer are covered.
+struct HugePageResult {
+  size_t advised = 0;  // bytes marked MADV_HUGEPAGE
+  size_t collapsed = 0;  // bytes collapsed into huge pages now
+  std::string error;  // why less than the whole buffer was covered ("" when all went well)
+};
+HugePageResult advise_hugepages(const mx::array& a);
 
 // Run fn(begin, end) over [0, n) in chunks of at least `grain`, across the pool's threads.
 void parallel_chunks(size_t n, size_t grain, const std::function<void(size_t, size_t)>& fn);

@@ -7,6 +7,11 @@
 // output) per partition and a reduction merges the partitions and the sinks. Where a GPU threadgroup
 // strides simdgroups over tokens, a CPU item walks them in tiles of 16: 16 dot products reduced into one
 // vector, one vectorised exp, then 16 FMAs of V rows into each row's accumulator.
+//
+// Decode differs in one way: an item takes the query heads of several KV heads (all of them, unless the
+// batch is too small to keep the cores busy). A token's K (and V) for every KV head is one contiguous row
+// of HKV * D values, so reading all heads of a token reads whole cache lines once, where one head's slice
+// (D of every HKV * D values) leaves the prefetchers fetching lines another item reads again later.
 #include <algorithm>
 #include <climits>
 #include <cmath>
@@ -29,7 +34,7 @@ constexpr int MAX_ROWS_X_D = 1024;  // the GPU kernels' HPG * D bound, kept so b
 
 struct AttnArgs {
   int B, HQ, L, D, BS, HKV, MB;  // MB: block table width
-  int hpg, qt, num_qtiles, num_parts;
+  int hpi, qt, num_qtiles, num_parts;  // hpi: query heads per item (HPG, or whole KV heads' worth in decode)
   float scale;
   int window;  // 0: none
   const int32_t* tables;
@@ -38,11 +43,11 @@ struct AttnArgs {
 };
 
 template <typename T>
-inline const float* token_row(const T* pool, size_t off, float* scratch, int D) {
+inline const float* token_row(const T* pool, size_t off, float* scratch, int n) {
   if constexpr (std::is_same_v<T, float>) {
     return pool + off;
   } else {
-    for (int d = 0; d < D; ++d) scratch[d] = static_cast<float>(pool[off + d]);
+    for (int d = 0; d < n; ++d) scratch[d] = static_cast<float>(pool[off + d]);
     return scratch;
   }
 }
@@ -59,23 +64,26 @@ void attn_item(const AttnArgs& a, const T* q, const T* kp, const T* vp, int item
   int rest = item / a.num_parts;
   const int qtile = rest % a.num_qtiles;
   rest /= a.num_qtiles;
-  const int groups = a.HQ / a.hpg;
+  const int groups = a.HQ / a.hpi;
   const int g = rest % groups;
   const int b = rest / groups;
-  const int h0 = g * a.hpg;
-  const int kvh = h0 / (a.HQ / a.HKV);
+  const int h0 = g * a.hpi;
+  const int rep = a.HQ / a.HKV;
+  const int kvh0 = h0 / rep;  // the item's first KV head
+  const int span = std::max(1, a.hpi / rep) * D;  // K/V values per token the item reads (its KV heads)
   const int ctx = a.lens[b];
-  const int R = a.qt * a.hpg;
+  const int R = a.qt * a.hpi;
 
   thread_local std::vector<float> buf;
-  const size_t need = 2 * static_cast<size_t>(R) * D + 2 * R + 2 * static_cast<size_t>(W) * D;
+  const size_t need = 2 * static_cast<size_t>(R) * D + 2 * R + 2 * static_cast<size_t>(W) * span;
   if (buf.size() < need) buf.resize(need);
   float* qv = buf.data();
   float* acc = qv + static_cast<size_t>(R) * D;
   float* m = acc + static_cast<size_t>(R) * D;
   float* l = m + R;
   float* kscr = l + R;
-  float* vscr = kscr + static_cast<size_t>(W) * D;
+  float* vscr = kscr + static_cast<size_t>(W) * span;
+  int kvoff[MAX_ROWS];  // row r's head, as an offset into the item's span of a token
 
   int pos[MAX_ROWS];
   int lo[MAX_ROWS];
@@ -91,8 +99,10 @@ void attn_item(const AttnArgs& a, const T* q, const T* kp, const T* vp, int item
     }
   }
   for (int r = 0; r < R; ++r) {
-    const int i = std::min(qtile * a.qt + r / a.hpg, a.L - 1);
-    const size_t qrow = (static_cast<size_t>(b * a.HQ + h0 + r % a.hpg) * a.L + i) * D;
+    const int i = std::min(qtile * a.qt + r / a.hpi, a.L - 1);
+    const int h = h0 + r % a.hpi;
+    kvoff[r] = (h / rep - kvh0) * D;
+    const size_t qrow = (static_cast<size_t>(b * a.HQ + h) * a.L + i) * D;
     for (int d = 0; d < D; ++d) {
       qv[r * D + d] = static_cast<float>(q[qrow + d]) * a.scale;
       acc[r * D + d] = 0.0f;
@@ -111,29 +121,30 @@ void attn_item(const AttnArgs& a, const T* q, const T* kp, const T* vp, int item
     const int n = std::min(W, end - t0);
     for (int j = 0; j < n; ++j) {
       const int t = t0 + j;
-      const size_t off = (static_cast<size_t>(table[t / a.BS]) * a.BS + t % a.BS) * token_stride + kvh * D;
-      krow[j] = token_row(kp, off, kscr + j * D, D);
-      vrow[j] = token_row(vp, off, vscr + j * D, D);
+      const size_t off = (static_cast<size_t>(table[t / a.BS]) * a.BS + t % a.BS) * token_stride + kvh0 * D;
+      krow[j] = token_row(kp, off, kscr + j * span, span);
+      vrow[j] = token_row(vp, off, vscr + j * span, span);
     }
-    // Blocks are scattered over the pool and a head's slice of a token is D floats every HKV * D: hardware
-    // prefetchers lose the stream at every block, so ask for the next tile while this one computes.
+    // Blocks are scattered over the pool: hardware prefetchers lose the stream at every block, so ask for
+    // the next tile while this one computes.
     for (int t = t0 + W, te = std::min(t0 + 2 * W, end); t < te; ++t) {
-      const size_t off = (static_cast<size_t>(table[t / a.BS]) * a.BS + t % a.BS) * token_stride + kvh * D;
-      for (int e = 0; e < D; e += 64 / static_cast<int>(sizeof(T))) {
+      const size_t off = (static_cast<size_t>(table[t / a.BS]) * a.BS + t % a.BS) * token_stride + kvh0 * D;
+      for (int e = 0; e < span; e += 64 / static_cast<int>(sizeof(T))) {
         __builtin_prefetch(kp + off + e);
         __builtin_prefetch(vp + off + e);
       }
     }
     const vi tpos = IOTA + t0;
     for (int r = 0; r < R; ++r) {
-      const int qi = r / a.hpg;
+      const int qi = r / a.hpi;
       if (pos[qi] < t0 || lo[qi] >= t0 + n) continue;  // nothing this row may see in the tile
       const float* qr = qv + r * D;
+      const int ko = kvoff[r];
       vf dots[W];
       for (int j = 0; j < W; ++j) {
         vf s = vf{};
         if (j < n) {
-          for (int c = 0; c < DC; ++c) s += vload(qr + c * W) * vload(krow[j] + c * W);
+          for (int c = 0; c < DC; ++c) s += vload(qr + c * W) * vload(krow[j] + ko + c * W);
         }
         dots[j] = s;
       }
@@ -153,13 +164,13 @@ void attn_item(const AttnArgs& a, const T* q, const T* kp, const T* vp, int item
         for (int c = 0; c < DCT; ++c) accv[c] = vload(ac + c * W) * alpha;
         for (int j = 0; j < n; ++j) {
           const vf pj = vsplat(p[j]);
-          for (int c = 0; c < DCT; ++c) accv[c] += pj * vload(vrow[j] + c * W);
+          for (int c = 0; c < DCT; ++c) accv[c] += pj * vload(vrow[j] + ko + c * W);
         }
         for (int c = 0; c < DCT; ++c) vstore(ac + c * W, accv[c]);
       } else {
         for (int c = 0; c < DC; ++c) {
           vf av = vload(ac + c * W) * alpha;
-          for (int j = 0; j < n; ++j) av += vsplat(p[j]) * vload(vrow[j] + c * W);
+          for (int j = 0; j < n; ++j) av += vsplat(p[j]) * vload(vrow[j] + ko + c * W);
           vstore(ac + c * W, av);
         }
       }
@@ -167,9 +178,9 @@ void attn_item(const AttnArgs& a, const T* q, const T* kp, const T* vp, int item
   }
 
   for (int r = 0; r < R; ++r) {
-    const int i = qtile * a.qt + r / a.hpg;
+    const int i = qtile * a.qt + r / a.hpi;
     if (i >= a.L) continue;
-    const int h = h0 + r % a.hpg;
+    const int h = h0 + r % a.hpi;
     const size_t row = static_cast<size_t>(b * a.HQ + h) * a.L + i;
     const float* ac = acc + r * D;
     if (a.num_parts == 1) {
@@ -213,7 +224,7 @@ void reduce_row(const AttnArgs& a, size_t row, const float* o_part, const float*
 
 template <typename T>
 void run_attention(const AttnArgs& a, const T* q, const T* k, const T* v, T* out) {
-  const int items = a.B * (a.HQ / a.hpg) * a.num_qtiles * a.num_parts;
+  const int items = a.B * (a.HQ / a.hpi) * a.num_qtiles * a.num_parts;
   const size_t rows = static_cast<size_t>(a.B) * a.HQ * a.L;
   std::vector<float> o_part, m_part, l_part;
   if (a.num_parts > 1) {
@@ -253,6 +264,16 @@ int heads_per_group(int rep, int head_dim) {
 int queries_per_tile(int num_queries, int hpg) {
   if (num_queries == 1) return 1;
   return std::max(1, std::min(MAX_ROWS / hpg, num_queries));
+}
+
+int decode_heads_per_item(int batch, int num_q_heads, int num_kv_heads, int head_dim, int num_parts, int threads) {
+  const int rep = num_q_heads / num_kv_heads;
+  // Whole KV heads per item, as many as keep >= 4 items per thread and the rows within MAX_ROWS.
+  for (int nkv = num_kv_heads; nkv > 1; --nkv) {
+    if (num_kv_heads % nkv || nkv * rep > MAX_ROWS) continue;
+    if (static_cast<long>(batch) * (num_kv_heads / nkv) * num_parts >= 4L * threads) return nkv * rep;
+  }
+  return heads_per_group(rep, head_dim);
 }
 
 mx::array paged_attention(const mx::array& q, const mx::array& k_pool, const mx::array& v_pool,
@@ -312,10 +333,11 @@ void PagedAttention::eval_cpu(const std::vector<mx::array>& inputs, std::vector<
   a.BS = k.shape(1);
   a.HKV = k.shape(2);
   a.MB = tables.shape(1);
-  a.hpg = heads_per_group(a.HQ / a.HKV, a.D);
-  a.qt = queries_per_tile(a.L, a.hpg);
-  a.num_qtiles = (a.L + a.qt - 1) / a.qt;
   a.num_parts = std::max(1, (a.MB * a.BS + PARTITION_SIZE - 1) / PARTITION_SIZE);
+  a.hpi = a.L == 1 ? decode_heads_per_item(a.B, a.HQ, a.HKV, a.D, a.num_parts, ThreadPool::get().size())
+                   : heads_per_group(a.HQ / a.HKV, a.D);
+  a.qt = queries_per_tile(a.L, a.hpi);
+  a.num_qtiles = (a.L + a.qt - 1) / a.qt;
   a.scale = scale_;
   a.window = window_;
   a.tables = tables.data<int32_t>();

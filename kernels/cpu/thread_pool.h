@@ -1,9 +1,10 @@
 // A small persistent pool for the CPU kernels: MLX runs every non-BLAS CPU op on one thread, so the
-// kernels split their own work (batch x head groups x context partitions) across the cores.
+// kernels split their own work (batch x head groups x context partitions, weight bands) across the cores.
 #pragma once
 
 #include <atomic>
 #include <condition_variable>
+#include <cstdint>
 #include <functional>
 #include <mutex>
 #include <thread>
@@ -13,10 +14,12 @@ namespace trillm_cpu {
 
 class ThreadPool {
  public:
-  // Process-wide pool with TRILLM_CPU_THREADS workers (default: the cores this process may run on).
+  // Process-wide pool with TRILLM_CPU_THREADS threads (default: the cores this process may run on), the
+  // caller included.
   static ThreadPool& get();
 
-  explicit ThreadPool(int num_threads);
+  // spin_us: how long an idle worker polls for the next call before it sleeps (see worker_loop).
+  ThreadPool(int num_threads, int spin_us);
   ~ThreadPool();
   ThreadPool(const ThreadPool&) = delete;
   ThreadPool& operator=(const ThreadPool&) = delete;
@@ -25,24 +28,28 @@ class ThreadPool {
     return num_threads_;
   }
 
-  // Run fn(i) for i in [0, n): items are taken dynamically by the caller and the workers; returns when all
-  // are done. Runs inline for n <= 1 or a one-thread pool. Not reentrant (the kernels never nest it).
+  // Run fn(i) for i in [0, n): items are claimed one at a time by the caller and whichever workers are
+  // awake; returns when all are done, without waiting for a worker that never joined (a sleeping or
+  // descheduled worker costs the call nothing but its share). Not reentrant (the kernels never nest it).
   void parallel_for(int n, const std::function<void(int)>& fn);
 
  private:
   void worker_loop();
-  void run_items();
+  void run_items(uint32_t generation);
 
   int num_threads_;
+  int spin_us_;
   std::vector<std::thread> workers_;
   std::mutex mu_;
   std::condition_variable cv_;
-  const std::function<void(int)>* fn_ = nullptr;
-  int n_ = 0;
-  std::atomic<int> next_{0};
-  std::atomic<int> busy_{0};
-  long generation_ = 0;
-  bool stop_ = false;
+  std::atomic<const std::function<void(int)>*> fn_{nullptr};
+  std::atomic<int> n_{0};
+  // (generation << 32) | next item: an item is claimed by a compare-exchange that also checks the
+  // generation, so a worker that wakes late can never claim an item of a later call.
+  std::atomic<uint64_t> work_{0};
+  std::atomic<int> done_{0};
+  int sleeping_ = 0;  // workers blocked on cv_ (guarded by mu_)
+  std::atomic<bool> stop_{false};
 };
 
 }  // namespace trillm_cpu

@@ -123,3 +123,40 @@ def test_the_kernels_flag() -> None:
         parser.parse_args(["--kernels", "fast"])
     with pytest.raises(InvalidRequest):
         EngineConfig(kernels="fast")
+
+
+OTHER_OPS = {op.name: op for op in selfcheck.ENGINE_OPS if op.name in ("rms_norm", "rope", "silu_mul", "linear")}
+
+
+@pytest.mark.parametrize("name", sorted(OTHER_OPS))
+@pytest.mark.parametrize("kind", ["raise", "wrong"])
+def test_each_op_falls_back_alone_and_the_engine_serves(name: str, kind: str, tiny_model: LoadedModel,
+                                                        monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
+    """A broken build or wrong numbers in one op: that op runs its reference, with one warning naming it; the
+    others keep their kernels; the engine serves mlx-lm's tokens."""
+    op = OTHER_OPS[name]
+    calls = Calls()
+
+    def broken(*args: Any, **kwargs: Any) -> mx.array:
+        calls.n += 1
+        if kind == "raise":
+            raise RuntimeError("trillm's CPU extension is unavailable: the build failed")
+        return op.reference(*args, **kwargs) * 1.5
+
+    monkeypatch.setitem(op.kernels, "cpu", Kernel(broken))
+    with pytest.warns(KernelFallbackWarning) as caught:
+        eng = engine(tiny_model)
+    assert [str(w.message).split(":")[0] for w in caught] == [name]
+    report = eng.kernel_report
+    assert report is not None and report.implementation(name) == "reference"
+    assert [r.op for r in report.ops if r.failed] == [name]  # the others passed (kept unless slower)
+    checked = calls.n
+    ps = prompts(tiny_model)[:2]
+    got = [list(o.new_token_ids) for o in eng.generate(ps, GREEDY)]
+    assert got == [mlx_lm_greedy(tiny_model, p, GREEDY.max_tokens) for p in ps]
+    assert calls.n == checked  # serving never called the rejected kernel
+
+
+class Calls:
+    def __init__(self) -> None:
+        self.n = 0

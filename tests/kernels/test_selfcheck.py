@@ -70,11 +70,14 @@ def slower(*args: Any, **kwargs: Any) -> mx.array:
 
 
 def test_no_kernel_means_the_reference_and_no_check(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.delitem(pa.KERNELS, "cpu", raising=False)  # as where the CPU extension cannot be built
+    for op in selfcheck.ENGINE_OPS:  # as where the CPU extension cannot be built
+        monkeypatch.delitem(op.kernels, "cpu", raising=False)
     sel = select_kernels(SHAPES)
     assert sel.report.backend == "cpu"
-    assert sel.report.implementations() == {"paged_attention": "reference", "kv_gather": "reference"}
+    assert sel.report.implementations() == {op.name: "reference" for op in selfcheck.ENGINE_OPS}
     assert sel.paged_attention is paged_attention_ref and sel.kv_gather is kv_gather_ref
+    assert (sel.rms_norm, sel.rope, sel.silu_mul, sel.linear) == tuple(
+        op.reference for op in selfcheck.ENGINE_OPS[2:])
     json.dumps(sel.report.as_dict())
 
 
@@ -165,11 +168,11 @@ def test_decisions_are_cached(monkeypatch: pytest.MonkeyPatch, _cache: Path) -> 
         return slower(*args, **kwargs)
 
     _install(monkeypatch, counted)
-    first = select_kernels(SHAPES, timing_iters=1).report.ops[0]
+    first = select_kernels(SHAPES, ops=(ATTENTION_OP,), timing_iters=1).report.ops[0]
     assert not first.cached and first.reason.endswith("slower than the reference")
     assert len(list(_cache.glob("*.json"))) == 1
     calls.n = 0
-    second = select_kernels(SHAPES, timing_iters=1).report.ops[0]
+    second = select_kernels(SHAPES, ops=(ATTENTION_OP,), timing_iters=1).report.ops[0]
     assert second.cached and second.implementation == "reference" and calls.n == 0  # no check, no timing
 
 
@@ -185,10 +188,10 @@ def test_a_cached_failure_still_warns_and_strict_rechecks(monkeypatch: pytest.Mo
 
 def test_the_cache_key_follows_the_kernel(monkeypatch: pytest.MonkeyPatch, _cache: Path) -> None:
     _install(monkeypatch, slower)
-    select_kernels(SHAPES, timing_iters=1)
+    select_kernels(SHAPES, ops=(ATTENTION_OP,), timing_iters=1)
     _install(monkeypatch, wrong)
     with pytest.warns(KernelFallbackWarning):  # not the cached "slower" decision: another kernel
-        select_kernels(SHAPES, timing_iters=1)
+        select_kernels(SHAPES, ops=(ATTENTION_OP,), timing_iters=1)
     assert len(list(_cache.glob("*.json"))) == 2
 
 
