@@ -49,9 +49,11 @@ inline uint32_t generation_of(uint64_t work) {
 
 ThreadPool& ThreadPool::get() {
   // Leaked on purpose: joining threads from a static destructor at interpreter exit can deadlock.
-  // A decode step launches ~150 kernels back to back, microseconds apart: a worker that polls for a while
-  // after each one joins the next without a futex wake-up (tens of microseconds on a busy VM).
-  static ThreadPool* pool = new ThreadPool(default_threads(), env_int("TRILLM_CPU_SPIN_US", 200));
+  // A decode step launches ~150 kernels back to back, microseconds apart: TRILLM_CPU_SPIN_US lets a worker
+  // poll that long after each one, to join the next without a futex wake-up. No polling by default: in
+  // bench engine (alternating, quiet machine) polling workers took the cores from OpenBLAS at batch 32
+  // (1.72-1.88x vs 1.96-1.97x without) and gained nothing at one row.
+  static ThreadPool* pool = new ThreadPool(default_threads(), env_int("TRILLM_CPU_SPIN_US", 0));
   return *pool;
 }
 
