@@ -20,7 +20,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from trillm.engine.errors import InvalidRequest
-from trillm.engine.outputs import RequestOutput, Usage
+from trillm.engine.outputs import Usage
 from trillm.web.anthropic_schema import (
     CountTokensRequest, MessagesRequest, OtherBlock, RedactedThinkingBlock, TextBlock, ThinkingBlock,
     ThinkingDisabled, ToolChoiceAny, ToolChoiceNone, ToolChoiceTool, ToolResultBlock, ToolUseBlock,
@@ -32,11 +32,10 @@ from trillm.web.openai_schema import (
     Tool, ToolCall, ToolCallFunction, describe,
 )
 from trillm.web.output_events import (
-    ChoiceParser, Finish, OutputEvent, ReasoningDelta, TextDelta, ToolCallArgumentsDelta, ToolCallEnd, ToolCallStart,
+    Finish, OutputEvent, ReasoningDelta, TextDelta, ToolCallArgumentsDelta, ToolCallEnd, ToolCallStart,
     arguments_object,
 )
-from trillm.web.sse import sse_named_event
-from trillm.web.translation import choice_events
+from trillm.web.translation import NamedEventStream, named_events
 
 # Anthropic's defaults for what current SDKs no longer send.
 DEFAULT_TEMPERATURE = 1.0
@@ -310,31 +309,14 @@ def anthropic_error(err: APIError) -> tuple[int, dict[str, Any]]:
 
 # ---- stream ----
 
-def _sse(events: Iterable[dict[str, Any]]) -> bytes:
-    return b"".join(sse_named_event(str(ev["type"]), ev) for ev in events)
+PING = named_events([{"type": "ping"}])
 
 
-PING = _sse([{"type": "ping"}])
-
-
-class MessagesStream:
+class MessagesStream(NamedEventStream[MessageTranslator]):
     """The event stream of one Messages generation (a sse.StreamTranslator)."""
 
     keepalive = PING
 
-    def __init__(self, translator: MessageTranslator, parser: ChoiceParser) -> None:
-        self.translator = translator
-        self.parser = parser
-
-    def opening(self) -> bytes:
-        return _sse(self.translator.start())
-
-    def outputs(self, outputs: list[RequestOutput]) -> bytes:
-        return _sse([ev for o in outputs for ev in self.translator.feed(choice_events(self.parser, o), o.usage)])
-
-    def closing(self) -> bytes:
-        return b""
-
     def failure(self, exc: Exception) -> bytes:
         _, body = anthropic_error(to_api_error(exc))
-        return _sse([body])
+        return named_events([body])

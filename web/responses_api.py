@@ -23,21 +23,21 @@ from typing import Any
 from pydantic import ValidationError
 
 from trillm.engine.errors import InvalidRequest
-from trillm.engine.outputs import RequestOutput, Usage
+from trillm.engine.outputs import Usage
 from trillm.web.errors import to_api_error
 from trillm.web.openai_schema import (
     ChatCompletionRequest, ChatMessage, FunctionDef, JsonSchemaFormat, NamedFunction, NamedToolChoice, ResponseFormat,
     Tool, ToolCall, ToolCallFunction, describe,
 )
 from trillm.web.output_events import (
-    ChoiceParser, Finish, OutputEvent, ReasoningDelta, TextDelta, ToolCallArgumentsDelta, ToolCallEnd, ToolCallStart,
+    Finish, OutputEvent, ReasoningDelta, TextDelta, ToolCallArgumentsDelta, ToolCallEnd, ToolCallStart,
 )
 from trillm.web.responses_schema import (
     FunctionCallItem, FunctionCallOutputItem, FunctionTool, MessageItem, OtherPart, ReasoningItem, RefusalPart,
     ResponsesRequest, TextPart,
 )
-from trillm.web.sse import KEEPALIVE, sse_named_event
-from trillm.web.translation import choice_events
+from trillm.web.sse import KEEPALIVE
+from trillm.web.translation import NamedEventStream, named_events
 
 DEFAULT_TEMPERATURE = 1.0  # OpenAI's defaults
 DEFAULT_TOP_P = 1.0
@@ -363,28 +363,11 @@ def _copy(obj: dict[str, Any]) -> dict[str, Any]:
 
 # ---- stream ----
 
-def _sse(events: Iterable[dict[str, Any]]) -> bytes:
-    return b"".join(sse_named_event(str(ev["type"]), ev) for ev in events)
-
-
-class ResponsesStream:
+class ResponsesStream(NamedEventStream[ResponseTranslator]):
     """The event stream of one Responses generation (a sse.StreamTranslator)."""
 
     keepalive = KEEPALIVE
 
-    def __init__(self, translator: ResponseTranslator, parser: ChoiceParser) -> None:
-        self.translator = translator
-        self.parser = parser
-
-    def opening(self) -> bytes:
-        return _sse(self.translator.start())
-
-    def outputs(self, outputs: list[RequestOutput]) -> bytes:
-        return _sse([ev for o in outputs for ev in self.translator.feed(choice_events(self.parser, o), o.usage)])
-
-    def closing(self) -> bytes:
-        return b""
-
     def failure(self, exc: Exception) -> bytes:
         err = to_api_error(exc)
-        return _sse(self.translator.fail(err.code or "server_error", err.message))
+        return named_events(self.translator.fail(err.code or "server_error", err.message))

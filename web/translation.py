@@ -8,11 +8,14 @@ events (output_events.py) in their own wire format.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import Any, Generic, Protocol, TypeVar
 
-from trillm.engine.outputs import RequestOutput
+from trillm.engine.outputs import RequestOutput, Usage
 from trillm.web.output_events import ChoiceParser, OutputEvent
 from trillm.web.protocol import GenerationRequest
+from trillm.web.sse import sse_named_event
 
 
 def choice_events(parser: ChoiceParser, out: RequestOutput) -> list[OutputEvent]:
@@ -45,3 +48,40 @@ class FitMaxTokens:
         """Whether the context (not the client, nor the server's cap) set this request's max_tokens."""
         caps = [x for x in (self.requested, max_tokens_limit) if x is not None]
         return not caps or req.params[0].max_tokens < min(caps)
+
+
+class EventTranslator(Protocol):
+    """A sans-IO translation of one generation's output events into an API's named stream events."""
+
+    def start(self) -> list[dict[str, Any]]: ...
+
+    def feed(self, events: Iterable[OutputEvent], usage: Usage | None = None) -> list[dict[str, Any]]: ...
+
+
+T = TypeVar("T", bound=EventTranslator)
+
+
+def named_events(events: Iterable[dict[str, Any]]) -> bytes:
+    """SSE events each named by its `type` (as Anthropic's and the Responses streams are)."""
+    return b"".join(sse_named_event(str(ev["type"]), ev) for ev in events)
+
+
+class NamedEventStream(Generic[T]):
+    """The event stream of one generation in an API with named events (a sse.StreamTranslator once a subclass
+    gives its keepalive and its failure event)."""
+
+    keepalive: bytes
+
+    def __init__(self, translator: T, parser: ChoiceParser) -> None:
+        self.translator = translator
+        self.parser = parser
+
+    def opening(self) -> bytes:
+        return named_events(self.translator.start())
+
+    def outputs(self, outputs: list[RequestOutput]) -> bytes:
+        return named_events([ev for o in outputs
+                             for ev in self.translator.feed(choice_events(self.parser, o), o.usage)])
+
+    def closing(self) -> bytes:
+        return b""  # the translator's last events came with the final output
