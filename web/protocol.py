@@ -253,26 +253,23 @@ def answer_spec(body: ChatCompletionRequest | CompletionRequest) -> AnswerSpec |
             raise _bad("'response_format.json_schema.schema' is required for type 'json_schema'")
         found.append(AnswerSpec("json_schema", schema_text(rf.json_schema.schema_, "response_format.json_schema.schema"),
                                 lenient=rf.json_schema.strict is not True))
+    def vllm_constraints(json_: Any, regex: str | None, grammar: str | None, choice: Any, where: str) -> None:
+        # vLLM's two spellings of the same constraints: structured_outputs.{json,...} and guided_{json,...}.
+        if json_ is not None:
+            found.append(AnswerSpec("json_schema", schema_text(json_, where.format("json")), lenient=True))
+        if regex is not None:
+            found.append(AnswerSpec("regex", regex))
+        if grammar is not None:
+            found.append(AnswerSpec("lark", grammar))
+        if choice is not None:
+            found.append(AnswerSpec("choice", json.dumps(choice)))
+
     so = body.structured_outputs
     if so is not None:
-        if so.json_ is not None:
-            found.append(AnswerSpec("json_schema", schema_text(so.json_, "structured_outputs.json"), lenient=True))
-        if so.regex is not None:
-            found.append(AnswerSpec("regex", so.regex))
-        if so.grammar is not None:
-            found.append(AnswerSpec("lark", so.grammar))
-        if so.choice is not None:
-            found.append(AnswerSpec("choice", json.dumps(so.choice)))
+        vllm_constraints(so.json_, so.regex, so.grammar, so.choice, "structured_outputs.{}")
         if so.json_object:
             found.append(AnswerSpec("json_schema", '{"type": "object"}'))
-    if body.guided_json is not None:
-        found.append(AnswerSpec("json_schema", schema_text(body.guided_json, "guided_json"), lenient=True))
-    if body.guided_regex is not None:
-        found.append(AnswerSpec("regex", body.guided_regex))
-    if body.guided_grammar is not None:
-        found.append(AnswerSpec("lark", body.guided_grammar))
-    if body.guided_choice is not None:
-        found.append(AnswerSpec("choice", json.dumps(body.guided_choice)))
+    vllm_constraints(body.guided_json, body.guided_regex, body.guided_grammar, body.guided_choice, "guided_{}")
     if len(found) > 1:
         raise _bad("give at most one output constraint (response_format, structured_outputs or one guided_* field)")
     return found[0] if found else None
