@@ -11,7 +11,8 @@ HELP = "benchmarks: `trillm bench --help`"
 # subcommand -> (module with main(argv), what it measures)
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "serve": ("trillm.bench.serve", "measure OpenAI-compatible servers (SSE or trillm's websocket), like vLLM"),
-    "peers": ("trillm.bench.peers", "start trillm and mlx_lm.server on one model and compare them"),
+    "peers": ("trillm.bench.peers", "start trillm, mlx_lm.server and llama.cpp on one model and compare them"),
+    "llama-cpp": ("trillm.bench.llama_cpp", "llama.cpp's server for bench peers: install it, export its F32 GGUF"),
     "engine": ("trillm.bench.bench_engine", "the engine without HTTP"),
     "kernels": ("trillm.bench.bench_kernels", "the paged-KV kernels against their references"),
     "overhead": ("trillm.bench.bench_serving_overhead", "what the web layer adds over the engine"),

@@ -1,7 +1,9 @@
-"""`trillm bench peers`: trillm and mlx_lm.server side by side on one model folder, dtype and BLAS.
+"""`trillm bench peers`: trillm, mlx_lm.server and llama.cpp's server side by side on the same fp32 weights.
 
-Both (plus a trillm with its prefix cache off, for the multi-turn target) run on loopback; every workload
-runs against each in turn, alternating the order, and the ratios are checked against the project's targets.
+All of them (plus a trillm with its prefix cache off, for the multi-turn target) run on loopback; every
+workload runs against each in turn, alternating the order, and the ratios are checked against the project's
+targets. llama.cpp (llama-cpp-python's server on an F32 GGUF of the same model) is optional: it runs when an
+interpreter with it is found (`trillm bench llama-cpp install` builds one) and is skipped, said once, when not.
 """
 
 from __future__ import annotations
@@ -11,12 +13,13 @@ import contextlib
 import json
 import shlex
 import sys
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import trio
 
-from trillm.bench import report
+from trillm.bench import llama_cpp, report
 from trillm.bench.arrival import Arrival
 from trillm.bench.client import GenerationOptions, Target
 from trillm.bench.metrics import Summary
@@ -24,10 +27,11 @@ from trillm.bench.results import new_results_dir, write_meta
 from trillm.bench.runner import RunResult
 from trillm.bench.serve import run_matrix
 from trillm.bench.servers import ServerProcess, free_port, mlx_lm_command, trillm_command
-from trillm.bench.workloads import Workload, multi_turn, random_lengths
+from trillm.bench.workloads import Workload, fixed, multi_turn, random_lengths
 
-TRILLM, MLX_LM, NO_CACHE = "trillm", "mlx_lm.server", "trillm-no-cache"
+TRILLM, MLX_LM, NO_CACHE, LLAMA_CPP = "trillm", "mlx_lm.server", "trillm-no-cache", "llama.cpp"
 HIGH = "high-concurrency"  # the targets are set at concurrency 32 (--high-concurrency)
+SINGLE, MULTI_TURN, PREFILL = "single-stream", "multi-turn", "long-prompt"
 
 
 @dataclass(frozen=True, slots=True)
@@ -40,7 +44,7 @@ class TargetCheck:
     theirs: float
     ratio: float | None
     target: str
-    passed: bool | None  # None: not measured
+    passed: bool | None  # None: not measured, or a ratio only reported (target "report")
 
 
 def _ratio(a: float, b: float) -> float | None:
@@ -48,28 +52,35 @@ def _ratio(a: float, b: float) -> float | None:
 
 
 def check_targets(summaries: dict[tuple[str, str], Summary]) -> list[TargetCheck]:
-    """The three targets from the runs keyed by (workload label, server)."""
+    """The targets (and the ratios only reported) from the runs keyed by (workload label, server)."""
     out: list[TargetCheck] = []
 
-    def add(wl: str, metric: str, ours: Summary | None, theirs: Summary | None, attr: str,
-            target: str, ok: object) -> None:
+    def add(wl: str, metric: str, num: str, den: str, attr: str, target: str,
+            ok: Callable[[float], bool] | None) -> None:
+        ours, theirs = summaries.get((wl, num)), summaries.get((wl, den))
         if ours is None or theirs is None:
             out.append(TargetCheck(wl, metric, float("nan"), float("nan"), None, target, None))
             return
         a, b = _get(ours, attr), _get(theirs, attr)
         r = _ratio(a, b)
-        out.append(TargetCheck(wl, metric, a, b, r, target, None if r is None else bool(ok(r))))  # type: ignore[operator]
+        out.append(TargetCheck(wl, metric, a, b, r, target, None if r is None or ok is None else ok(r)))
 
-    hi, single, mt = HIGH, "single-stream", "multi-turn"
-    add(hi, "output tok/s, trillm / mlx_lm.server", summaries.get((hi, TRILLM)), summaries.get((hi, MLX_LM)),
-        "output_throughput", ">= 1.5", lambda r: r >= 1.5)
-    add(hi, "TTFT p90 ms, trillm / mlx_lm.server", summaries.get((hi, TRILLM)), summaries.get((hi, MLX_LM)),
-        "ttft.p90", "<= 0.5", lambda r: r <= 0.5)
-    add(single, "output tok/s, trillm / mlx_lm.server", summaries.get((single, TRILLM)),
-        summaries.get((single, MLX_LM)), "output_throughput", ">= 1.0", lambda r: r >= 1.0)
+    add(HIGH, "output tok/s, trillm / mlx_lm.server", TRILLM, MLX_LM, "output_throughput", ">= 1.5",
+        lambda r: r >= 1.5)
+    add(HIGH, "TTFT p90 ms, trillm / mlx_lm.server", TRILLM, MLX_LM, "ttft.p90", "<= 0.5", lambda r: r <= 0.5)
+    add(SINGLE, "output tok/s, trillm / mlx_lm.server", TRILLM, MLX_LM, "output_throughput", ">= 1.0",
+        lambda r: r >= 1.0)
     # "TTFT 3x better": cache-off TTFT over cache-on TTFT, so the ratio reads as the speed-up.
-    add(mt, "TTFT mean ms, trillm-no-cache / trillm", summaries.get((mt, NO_CACHE)), summaries.get((mt, TRILLM)),
-        "ttft.mean", ">= 3.0", lambda r: r >= 3.0)
+    add(MULTI_TURN, "TTFT mean ms, trillm-no-cache / trillm", NO_CACHE, TRILLM, "ttft.mean", ">= 3.0",
+        lambda r: r >= 3.0)
+    # llama.cpp: the stretch goal is its single-stream speed; the rest is reported. On a long prompt with one
+    # output token, their TTFT over ours reads as the prefill speed-up.
+    add(SINGLE, "output tok/s, trillm / llama.cpp", TRILLM, LLAMA_CPP, "output_throughput", ">= 1.0 (stretch)",
+        lambda r: r >= 1.0)
+    add(HIGH, "output tok/s, trillm / llama.cpp", TRILLM, LLAMA_CPP, "output_throughput", "report", None)
+    add(HIGH, "TTFT p90 ms, trillm / llama.cpp", TRILLM, LLAMA_CPP, "ttft.p90", "report", None)
+    add(PREFILL, "TTFT mean ms, llama.cpp / trillm", LLAMA_CPP, TRILLM, "ttft.mean", "report", None)
+    add(PREFILL, "TTFT mean ms, mlx_lm.server / trillm", MLX_LM, TRILLM, "ttft.mean", "report", None)
     return out
 
 
@@ -85,7 +96,12 @@ def targets_markdown(checks: list[TargetCheck], failures: dict[str, Summary] | N
     failures = failures or {}
     rows = ["| workload | metric | numerator | denominator | ratio | target | result |", "|---|---|---|---|---|---|---|"]
     for c in checks:
-        verdict = "not measured" if c.passed is None else ("met" if c.passed else "**MISSED**")
+        if c.ratio is None:
+            verdict = "not measured"
+        elif c.passed is None:
+            verdict = "reported"
+        else:
+            verdict = "met" if c.passed else "**MISSED**"
         ratio = "-" if c.ratio is None else f"{c.ratio:.2f}x"
         rows.append(f"| {c.workload} | {c.metric} | {c.ours:.1f} | {c.theirs:.1f} | {ratio} | {c.target} | {verdict} |")
     for name, s in sorted(failures.items()):
@@ -120,7 +136,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--system-len", type=int, default=192, help="multi-turn: system prompt words")
     p.add_argument("--turn-len", type=int, default=48, help="multi-turn: words per user and assistant turn")
     p.add_argument("--turn-output-len", type=int, default=16)
-    p.add_argument("--only", action="append", choices=("concurrency", "single", "multi-turn"), default=None)
+    p.add_argument("--prefill-prompts", type=int, default=3, help="long-prompt: requests (one at a time)")
+    p.add_argument("--prefill-len", type=int, default=1000, help="long-prompt: words (about one token each), "
+                   "one output token")
+    p.add_argument("--only", action="append", choices=("concurrency", "single", "multi-turn", "prefill"),
+                   default=None)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--timeout", type=float, default=900.0)
     p.add_argument("--warmup", type=int, default=2)
@@ -129,6 +149,15 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the `trillm serve` flags that turn its prefix cache off")
     p.add_argument("--mlx-lm-args", default="", help="extra `mlx_lm server` flags (one string)")
     p.add_argument("--skip-mlx-lm", action="store_true")
+    p.add_argument("--llama-cpp", choices=("auto", "on", "off"), default="auto",
+                   help="llama.cpp's server as a peer: auto runs it when found, on fails without it")
+    p.add_argument("--llama-cpp-python", default=None, help="an interpreter with llama-cpp-python[server] "
+                   f"(default: ${llama_cpp.PYTHON_ENV}, then {llama_cpp.venv_dir()}/bin/python, then this one)")
+    p.add_argument("--llama-cpp-gguf", default=None, help="the GGUF llama.cpp serves (default: the bundled "
+                   "SmolLM2 dequantized to F32, cached; required with --model)")
+    p.add_argument("--llama-cpp-threads", type=int, default=None, help="its decode and batch threads "
+                   "(default: one per core)")
+    p.add_argument("--llama-cpp-args", default="", help="extra `python -m llama_cpp.server` flags (one string)")
     p.add_argument("--skip-no-cache", action="store_true")
     p.add_argument("--startup-timeout", type=float, default=600.0)
     p.add_argument("--results-dir", default="results")
@@ -138,20 +167,47 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _plan(args: argparse.Namespace) -> list[tuple[str, Workload, Arrival, tuple[str, ...]]]:
     """(label, workload, arrival, servers) for every comparison the targets need."""
-    only = set(args.only or ("concurrency", "single", "multi-turn"))
+    only = set(args.only or ("concurrency", "single", "multi-turn", "prefill"))
     plan: list[tuple[str, Workload, Arrival, tuple[str, ...]]] = []
     if "concurrency" in only:
         wl = random_lengths(args.high_prompts, args.input_len, args.output_len, 0.0, args.seed)
-        plan.append((HIGH, wl, Arrival("concurrency", args.high_concurrency),
-                     (TRILLM, MLX_LM)))
+        plan.append((HIGH, wl, Arrival("concurrency", args.high_concurrency), (TRILLM, MLX_LM, LLAMA_CPP)))
     if "single" in only:
         wl = random_lengths(args.single_prompts, args.input_len, args.output_len, 0.0, args.seed + 1)
-        plan.append(("single-stream", wl, Arrival("concurrency", 1), (TRILLM, MLX_LM)))
+        plan.append((SINGLE, wl, Arrival("concurrency", 1), (TRILLM, MLX_LM, LLAMA_CPP)))
     if "multi-turn" in only:
         wl = multi_turn(args.conversations, args.turns, args.turn_len, args.turn_len, args.turn_output_len,
                         args.system_len, args.seed + 2)
-        plan.append(("multi-turn", wl, Arrival("concurrency", args.conversations), (TRILLM, NO_CACHE, MLX_LM)))
+        plan.append((MULTI_TURN, wl, Arrival("concurrency", args.conversations), (TRILLM, NO_CACHE, MLX_LM)))
+    if "prefill" in only:
+        wl = fixed("long-prompt", args.prefill_prompts, args.prefill_len, 1, args.seed + 3)
+        plan.append((PREFILL, wl, Arrival("concurrency", 1), (TRILLM, MLX_LM, LLAMA_CPP)))
     return plan
+
+
+def _llama_cpp_process(args: argparse.Namespace, out: Path) -> ServerProcess | None:
+    """Its server process, or None (said once) when auto finds no interpreter or no GGUF for --model."""
+    if args.llama_cpp == "off":
+        return None
+    python = llama_cpp.find_python(args.llama_cpp_python)
+    why = None if python else ("no interpreter with llama-cpp-python[server] found; `trillm bench llama-cpp "
+                               "install` builds one")
+    gguf = args.llama_cpp_gguf
+    if why is None and gguf is None and args.model_given:
+        why = "--model was given without --llama-cpp-gguf (the same weights as a GGUF)"
+    if why is not None:
+        if args.llama_cpp == "on":
+            raise SystemExit(f"trillm bench peers: --llama-cpp on: {why}")
+        print(f"llama.cpp peer skipped: {why}", file=sys.stderr)
+        return None
+    assert python is not None
+    if gguf is None:
+        print("dequantizing the default model to an F32 GGUF for llama.cpp (cached) ...", file=sys.stderr)
+        gguf = str(llama_cpp.export_f32_gguf())
+    cmd = llama_cpp.llama_cpp_command(python, gguf, 0, threads=args.llama_cpp_threads,
+                                      extra=shlex.split(args.llama_cpp_args))
+    return ServerProcess(LLAMA_CPP, cmd, 0, out / "llama_cpp_server.log", env=llama_cpp.server_env(),
+                         health_path=llama_cpp.HEALTH_PATH)
 
 
 async def _run_plan(
@@ -175,6 +231,7 @@ def main(argv: list[str] | None = None) -> int:
     """Start the servers, run the plan, print the table and the targets; results under results/<timestamp>/."""
     args = build_parser().parse_args(argv)
     out = new_results_dir(args.results_dir)
+    args.model_given = args.model is not None
     if args.model is None:
         from trillm.bench.export_mlx import export_gguf
 
@@ -192,6 +249,8 @@ def main(argv: list[str] | None = None) -> int:
     if not args.skip_mlx_lm:
         procs[MLX_LM] = ServerProcess(MLX_LM, mlx_lm_command(model, 0, shlex.split(args.mlx_lm_args)), 0,
                                       out / "mlx_lm_server.log")
+    if LLAMA_CPP in wanted and (lp := _llama_cpp_process(args, out)) is not None:
+        procs[LLAMA_CPP] = lp
     for sp in procs.values():  # the port goes after "--port" in the command
         sp.port = free_port()
         sp.command[sp.command.index("--port") + 1] = str(sp.port)

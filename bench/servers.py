@@ -1,4 +1,4 @@
-"""Start and stop servers under test as child processes, ready once GET /health answers 200."""
+"""Start and stop servers under test as child processes, ready once GET /health (or their own path) answers 200."""
 
 from __future__ import annotations
 
@@ -54,6 +54,7 @@ class ServerProcess:
     port: int
     log_path: Path
     env: dict[str, str] = field(default_factory=blas_env)
+    health_path: str = "/health"
     proc: subprocess.Popen[bytes] | None = None
 
     @property
@@ -70,13 +71,13 @@ class ServerProcess:
             )
 
     def wait_ready(self, timeout_s: float = 300.0) -> float:
-        """Poll /health until 200; returns seconds waited. Raises ServerStartError on exit or timeout."""
+        """Poll health_path until 200; returns seconds waited. Raises ServerStartError on exit or timeout."""
         t0 = time.monotonic()
         while time.monotonic() - t0 < timeout_s:
             if self.proc is not None and self.proc.poll() is not None:
                 raise ServerStartError(f"{self.name} exited with {self.proc.returncode}; see {self.log_path}")
             try:
-                if httpx.get(self.url + "/health", timeout=2.0).status_code == 200:
+                if httpx.get(self.url + self.health_path, timeout=2.0).status_code == 200:
                     return time.monotonic() - t0
             except httpx.HTTPError:
                 pass

@@ -41,8 +41,9 @@ def test_bench_peers_runs_both_servers_and_checks_targets(tiny_model_path: Path,
     rc = cli.main([
         "peers", "--model", str(tiny_model_path), "--high-concurrency", "4", "--high-prompts", "4",
         "--single-prompts", "2", "--input-len", "16", "--output-len", "4", "--conversations", "2", "--turns", "2",
-        "--system-len", "32", "--turn-len", "8", "--turn-output-len", "4", "--warmup", "1",
-        "--results-dir", str(tmp_path), "--no-progress", "--startup-timeout", "180",
+        "--system-len", "32", "--turn-len", "8", "--turn-output-len", "4", "--prefill-prompts", "1",
+        "--prefill-len", "32", "--warmup", "1", "--results-dir", str(tmp_path), "--no-progress",
+        "--startup-timeout", "180",
     ])
     assert rc == 0
     (out,) = [p for p in tmp_path.iterdir() if p.is_dir()]
@@ -52,5 +53,10 @@ def test_bench_peers_runs_both_servers_and_checks_targets(tiny_model_path: Path,
     for run in doc["runs"]:
         assert run["summary"]["failed"] == 0, (run["server"], run["summary"]["errors"])
     targets = json.loads((out / "targets.json").read_text())
-    assert len(targets) == 4 and all(t["passed"] is not None for t in targets)
+    ours = [t for t in targets if "llama.cpp" not in t["metric"] and t["target"] != "report"]
+    assert len(ours) == 4 and all(t["passed"] is not None for t in ours)
+    # --model without --llama-cpp-gguf: llama.cpp is skipped (said once), its rows are not measured
+    assert all(t["ratio"] is None for t in targets if "llama.cpp" in t["metric"])
+    prefill = [t for t in targets if t["workload"] == "long-prompt" and "mlx_lm.server" in t["metric"]]
+    assert prefill and prefill[0]["ratio"] is not None and prefill[0]["passed"] is None
     assert "## Targets" in (out / "peers.md").read_text()

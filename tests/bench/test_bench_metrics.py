@@ -97,13 +97,23 @@ def test_peer_targets_ratios_and_verdicts() -> None:
     checks = check_targets({
         ("high-concurrency", "trillm"): fast, ("high-concurrency", "mlx_lm.server"): slow,
         ("multi-turn", "trillm"): slow, ("multi-turn", "trillm-no-cache"): fast,
+        ("high-concurrency", "llama.cpp"): slow, ("single-stream", "trillm"): slow,
+        ("single-stream", "llama.cpp"): fast,
     })
-    by = {(c.workload, c.metric.split(",")[0]): c for c in checks}
-    assert by[("high-concurrency", "output tok/s")].ratio == pytest.approx(3.0)
-    assert by[("high-concurrency", "output tok/s")].passed is True
-    assert by[("high-concurrency", "TTFT p90 ms")].ratio == pytest.approx(0.25) and by[
-        ("high-concurrency", "TTFT p90 ms")].passed is True
-    assert by[("single-stream", "output tok/s")].passed is None  # not run
-    assert by[("multi-turn", "TTFT mean ms")].ratio == pytest.approx(0.25)  # cache made TTFT worse here
-    assert by[("multi-turn", "TTFT mean ms")].passed is False
+    by = {(c.workload, c.metric): c for c in checks}
+    hi_out = by[("high-concurrency", "output tok/s, trillm / mlx_lm.server")]
+    assert hi_out.ratio == pytest.approx(3.0) and hi_out.passed is True
+    hi_ttft = by[("high-concurrency", "TTFT p90 ms, trillm / mlx_lm.server")]
+    assert hi_ttft.ratio == pytest.approx(0.25) and hi_ttft.passed is True
+    assert by[("single-stream", "output tok/s, trillm / mlx_lm.server")].passed is None  # not run
+    mt = by[("multi-turn", "TTFT mean ms, trillm-no-cache / trillm")]
+    assert mt.ratio == pytest.approx(0.25) and mt.passed is False  # cache made TTFT worse here
+    stretch = by[("single-stream", "output tok/s, trillm / llama.cpp")]
+    assert stretch.ratio == pytest.approx(1 / 3) and stretch.passed is False
+    reported = by[("high-concurrency", "output tok/s, trillm / llama.cpp")]
+    assert reported.ratio == pytest.approx(3.0) and reported.passed is None  # a ratio, no verdict
+    assert by[("long-prompt", "TTFT mean ms, llama.cpp / trillm")].ratio is None
+    md = targets_markdown(checks)
+    assert "| reported |" in md and "| not measured |" in md
+    assert "Target missed: single-stream output tok/s, trillm / llama.cpp" in md
     assert "Target missed: multi-turn" in targets_markdown(checks)

@@ -1,0 +1,1 @@
+"""What bench peers imports to tell that the server extras are installed."""
