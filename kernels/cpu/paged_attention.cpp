@@ -54,6 +54,110 @@ inline const float* token_row(const T* pool, size_t off, float* scratch, int n) 
 
 const vi IOTA = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
 
+// One tile of up to 16 tokens against some rows of an item: the rows' state and the tile's K/V rows.
+struct RowTile {
+  const float* qv;  // [R, D], scaled
+  float* acc;       // [R, D]
+  float* m;
+  float* l;
+  const int* pos;  // per query of the item
+  const int* lo;
+  int hpi, t0, n;
+  vi tpos;
+  const float* const* krow;
+  const float* const* vrow;
+  int ko;  // the rows' head, as an offset into a token's span
+};
+
+// The online-softmax update of row r from its 16 scores s (invalid lanes masked here); p gets the weights.
+inline float softmax_tile(const RowTile& t, int r, vf s, float* p_out) {
+  const int qi = r / t.hpi;
+  const vi valid = (t.tpos >= t.lo[qi]) & (t.tpos <= t.pos[qi]) & (t.tpos < t.t0 + t.n);
+  s = valid ? s : vsplat(NEG_INF);
+  const float mo = t.m[r];
+  const float mn = std::max(mo, vmaxf(s));
+  const float alpha = std::exp(mo - mn);
+  vf p = vexp(s - mn);
+  p = valid ? p : vf{};
+  t.l[r] = t.l[r] * alpha + vsum(p);
+  t.m[r] = mn;
+  vstore(p_out, p);
+  return alpha;
+}
+
+inline bool sees_tile(const RowTile& t, int r) {
+  const int qi = r / t.hpi;
+  return t.pos[qi] >= t.t0 && t.lo[qi] < t.t0 + t.n;
+}
+
+// NB rows of one KV head, D = DC * 16: q in registers, each K vector loaded once for the NB dot products,
+// each V vector once for the NB accumulators.
+template <int NB, int DC>
+inline void rows_tile(const RowTile& t, int r0) {
+  bool any = false;
+  for (int b = 0; b < NB; ++b) any |= sees_tile(t, r0 + b);
+  if (!any) return;  // nothing these rows may see in the tile
+  constexpr int D = DC * W;
+  vf q[NB][DC];
+  for (int b = 0; b < NB; ++b) {
+    for (int c = 0; c < DC; ++c) q[b][c] = vload(t.qv + (r0 + b) * D + c * W);
+  }
+  vf dots[NB][W];
+  for (int j = 0; j < W; ++j) {
+    if (j < t.n) {
+      vf kv[DC];
+      for (int c = 0; c < DC; ++c) kv[c] = vload(t.krow[j] + t.ko + c * W);
+      for (int b = 0; b < NB; ++b) {
+        vf d = q[b][0] * kv[0];
+        for (int c = 1; c < DC; ++c) d += q[b][c] * kv[c];
+        dots[b][j] = d;
+      }
+    } else {
+      for (int b = 0; b < NB; ++b) dots[b][j] = vf{};
+    }
+  }
+  alignas(64) float p[NB][W];
+  vf accv[NB][DC];
+  for (int b = 0; b < NB; ++b) {
+    const float alpha = softmax_tile(t, r0 + b, vsum16(dots[b]), p[b]);
+    for (int c = 0; c < DC; ++c) accv[b][c] = vload(t.acc + (r0 + b) * D + c * W) * alpha;
+  }
+  for (int j = 0; j < t.n; ++j) {
+    vf vv[DC];
+    for (int c = 0; c < DC; ++c) vv[c] = vload(t.vrow[j] + t.ko + c * W);
+    for (int b = 0; b < NB; ++b) {
+      const vf pj = vsplat(p[b][j]);
+      for (int c = 0; c < DC; ++c) accv[b][c] += pj * vv[c];
+    }
+  }
+  for (int b = 0; b < NB; ++b) {
+    for (int c = 0; c < DC; ++c) vstore(t.acc + (r0 + b) * D + c * W, accv[b][c]);
+  }
+}
+
+// One row, any D (a multiple of 16).
+inline void row_tile_any(const RowTile& t, int r, int D) {
+  if (!sees_tile(t, r)) return;
+  const int DC = D / W;
+  const float* qr = t.qv + r * D;
+  vf dots[W];
+  for (int j = 0; j < W; ++j) {
+    vf s = vf{};
+    if (j < t.n) {
+      for (int c = 0; c < DC; ++c) s += vload(qr + c * W) * vload(t.krow[j] + t.ko + c * W);
+    }
+    dots[j] = s;
+  }
+  alignas(64) float p[W];
+  const float alpha = softmax_tile(t, r, vsum16(dots), p);
+  float* ac = t.acc + r * D;
+  for (int c = 0; c < DC; ++c) {
+    vf av = vload(ac + c * W) * alpha;
+    for (int j = 0; j < t.n; ++j) av += vsplat(p[j]) * vload(t.vrow[j] + t.ko + c * W);
+    vstore(ac + c * W, av);
+  }
+}
+
 // One work item. DCT: D / 16 when known at compile time (0: read from args).
 template <typename T, int DCT>
 void attn_item(const AttnArgs& a, const T* q, const T* kp, const T* vp, int item, T* out, float* o_part,
@@ -135,45 +239,22 @@ void attn_item(const AttnArgs& a, const T* q, const T* kp, const T* vp, int item
       }
     }
     const vi tpos = IOTA + t0;
-    for (int r = 0; r < R; ++r) {
-      const int qi = r / a.hpi;
-      if (pos[qi] < t0 || lo[qi] >= t0 + n) continue;  // nothing this row may see in the tile
-      const float* qr = qv + r * D;
-      const int ko = kvoff[r];
-      vf dots[W];
-      for (int j = 0; j < W; ++j) {
-        vf s = vf{};
-        if (j < n) {
-          for (int c = 0; c < DC; ++c) s += vload(qr + c * W) * vload(krow[j] + ko + c * W);
-        }
-        dots[j] = s;
-      }
-      vf s = vsum16(dots);
-      const vi valid = (tpos >= lo[qi]) & (tpos <= pos[qi]) & (tpos < t0 + n);
-      s = valid ? s : vsplat(NEG_INF);
-      const float mo = m[r];
-      const float mn = std::max(mo, vmaxf(s));
-      const float alpha = std::exp(mo - mn);
-      vf p = vexp(s - mn);
-      p = valid ? p : vf{};
-      l[r] = l[r] * alpha + vsum(p);
-      m[r] = mn;
-      float* ac = acc + r * D;
+    for (int r0 = 0; r0 < R;) {
+      // Rows of one KV head go together, up to 4: each K and V vector loaded once for all of them.
+      int nb = 1;
+      while (nb < 4 && r0 + nb < R && kvoff[r0 + nb] == kvoff[r0]) ++nb;
+      const RowTile t{qv, acc, m, l, pos, lo, a.hpi, t0, n, tpos, krow, vrow, kvoff[r0]};
       if constexpr (DCT > 0) {
-        vf accv[DCT];
-        for (int c = 0; c < DCT; ++c) accv[c] = vload(ac + c * W) * alpha;
-        for (int j = 0; j < n; ++j) {
-          const vf pj = vsplat(p[j]);
-          for (int c = 0; c < DCT; ++c) accv[c] += pj * vload(vrow[j] + ko + c * W);
+        switch (nb) {
+          case 4: rows_tile<4, DCT>(t, r0); break;
+          case 3: rows_tile<3, DCT>(t, r0); break;
+          case 2: rows_tile<2, DCT>(t, r0); break;
+          default: rows_tile<1, DCT>(t, r0); break;
         }
-        for (int c = 0; c < DCT; ++c) vstore(ac + c * W, accv[c]);
       } else {
-        for (int c = 0; c < DC; ++c) {
-          vf av = vload(ac + c * W) * alpha;
-          for (int j = 0; j < n; ++j) av += vsplat(p[j]) * vload(vrow[j] + ko + c * W);
-          vstore(ac + c * W, av);
-        }
+        for (int r = r0; r < r0 + nb; ++r) row_tile_any(t, r, D);
       }
+      r0 += nb;
     }
   }
 
