@@ -3,8 +3,10 @@ the dispatcher.
 
 MLX sends every matmul to cblas_sgemm, and for a handful of rows OpenBLAS 0.3.21 reads the weights well under
 the memory bandwidth (platform notes: ~11 GB/s for one row, ~7 for 8-32). The CPU primitive
-(kernels/cpu/linear.cpp) streams each weight row once per call for all rows, split across the cores. It wins
-up to `MAX_ROWS` rows; past that OpenBLAS's packed sgemm is faster, so larger M stays on BLAS.
+(kernels/cpu/linear.cpp) streams each weight row once per call for all rows, split across the cores: dot
+products along K up to 8 rows, each weight element broadcast against all rows (transposed) from 9 to 32. It
+wins up to `MAX_ROWS` rows (1.1-2x OpenBLAS at 9-32 rows on SmolLM2's shapes); past that OpenBLAS's packed
+sgemm is as fast, so larger M (prefill) stays on BLAS.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ from trillm.kernels import cpu_ext
 from trillm.kernels.backend import Case, Kernel, KernelOp, cpu_extension_supports, random_array
 from trillm.kernels.layout import ModelShapes
 
-MAX_ROWS = 8  # measured: ~2-4x BLAS at 1-4 rows, about even at 8-13, slower at 32
+MAX_ROWS = 32  # measured: 1.2-3x BLAS at 1-8 rows, 1.1-2.3x at 9-32, about even at 48-64
 
 
 def linear_ref(x: mx.array, weight: mx.array) -> mx.array:
@@ -76,7 +78,7 @@ def _weights(shapes: ModelShapes, seed: int) -> list[tuple[str, mx.array]]:
 def _check_cases(shapes: ModelShapes) -> list[Case]:
     out = []
     for name, w in _weights(shapes, 70):
-        for rows in sorted({1, 2, 3, 5, 8, 9, min(shapes.max_batch, MAX_ROWS), MAX_ROWS + 1}):
+        for rows in sorted({1, 2, 3, 5, 8, 9, 16, 17, 24, min(shapes.max_batch, MAX_ROWS), MAX_ROWS, MAX_ROWS + 1}):
             x = random_array((rows, 1, w.shape[1]), shapes.dtype, 80 + rows)
             out.append(Case(f"{name} {tuple(w.shape)} rows={rows}", (x, w)))
     return out

@@ -26,8 +26,10 @@ inline void vstore(float* p, vf v) {
   std::memcpy(p, &v, sizeof v);
 }
 
+// Spelled lane by lane: `vf{} + x` compiles to a scalar add of +0.0 and a register broadcast, two FP uops
+// in front of every FMA that uses it; this is one broadcast load (or an FMA's {1to16} operand).
 inline vf vsplat(float x) {
-  return vf{} + x;
+  return vf{x, x, x, x, x, x, x, x, x, x, x, x, x, x, x, x};
 }
 
 inline float vsum(vf v) {

@@ -194,7 +194,9 @@ def test_silu_mul_cpu_matches_reference(ext: object, shape: tuple[int, ...], dty
     _assert_close(got, silu_mul_ref(gate, up), dtype)
 
 
-@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8])
+# 1-8: dot-product tiles; 9-16 and 17-32: the transposed broadcast path (one and two vectors of rows, padded
+# rows inside a vector); past 32: several 32-row blocks sharing a weight band.
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8, 9, 15, 16, 17, 24, 31, 32, 33, 50, 64])
 @pytest.mark.parametrize("n, k", [(576, 576), (192, 576), (1536, 576), (576, 1536), (49152, 64), (37, 48)])
 def test_linear_cpu_matches_blas(ext: object, rows: int, n: int, k: int) -> None:
     x = mx.random.normal((rows, 1, k), key=mx.random.key(6))
@@ -202,6 +204,16 @@ def test_linear_cpu_matches_blas(ext: object, rows: int, n: int, k: int) -> None
     got = linear_cpu(x, w)
     assert got.shape == (rows, 1, n)
     _assert_close(got, linear_ref(x, w), mx.float32)
+
+
+@pytest.mark.parametrize("rows", [4, 20])
+def test_linear_cpu_reads_row_slices_and_transposed_weights(ext: object, rows: int) -> None:
+    """The engine's stacked q/k/v weights are row slices of one buffer (read through the row stride); any
+    other layout is copied row-major inside the task."""
+    packed = mx.random.normal((960, 576), key=mx.random.key(8)) / 24
+    x = mx.random.normal((rows, 1, 576), key=mx.random.key(9))
+    for w in (packed[576:768], packed[:576, :192].T):
+        _assert_close(linear_cpu(x, w), linear_ref(x, w), mx.float32)
 
 
 def test_linear_dispatch_keeps_many_rows_on_blas(ext: object, monkeypatch: pytest.MonkeyPatch) -> None:
