@@ -65,10 +65,6 @@ def install(dest: Path | None = None, jobs: int | None = None) -> str:
     return str(python)
 
 
-def _field_value(field: object) -> object:
-    return field.contents()  # type: ignore[attr-defined]
-
-
 def export_f32_gguf(src: str | os.PathLike[str] | None = None, dest: Path | None = None) -> Path:
     """Write src (default: the bundled SmolLM2 GGUF) with every tensor dequantized to F32; cached by name
     and size. Metadata (tokenizer, chat template, hyper-parameters) is copied as it is; file_type becomes
@@ -88,7 +84,7 @@ def export_f32_gguf(src: str | os.PathLike[str] | None = None, dest: Path | None
     tmp = dest.with_name(dest.name + ".partial")
     reader = GGUFReader(src_path)
     arch_field = reader.fields["general.architecture"]
-    writer = GGUFWriter(tmp, arch=str(_field_value(arch_field)))
+    writer = GGUFWriter(tmp, arch=str(arch_field.contents()))
     for field in reader.fields.values():
         if field.name.startswith("GGUF.") or field.name == "general.architecture":
             continue  # the writer writes the header fields and the architecture itself
@@ -97,7 +93,7 @@ def export_f32_gguf(src: str | os.PathLike[str] | None = None, dest: Path | None
             writer.add_key_value(field.name, int(LlamaFileType.ALL_F32), vtype)
             continue
         sub_type = field.types[-1] if vtype == GGUFValueType.ARRAY else None
-        writer.add_key_value(field.name, _field_value(field), vtype, sub_type=sub_type)
+        writer.add_key_value(field.name, field.contents(), vtype, sub_type=sub_type)
     for t in reader.tensors:
         # numpy shape is GGML's dims reversed; dequantize returns it for quantized blocks as well
         shape = tuple(int(d) for d in reversed(t.shape))
