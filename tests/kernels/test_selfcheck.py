@@ -122,6 +122,28 @@ def test_a_slower_kernel_loses_without_a_warning(monkeypatch: pytest.MonkeyPatch
     assert op.kernel_ms is not None and op.reference_ms is not None and op.kernel_ms > op.reference_ms
 
 
+@pytest.mark.parametrize("kernel_ms, wins", [(1.04, True), (1.06, False)])
+def test_a_tie_within_the_margin_goes_to_the_kernel(monkeypatch: pytest.MonkeyPatch, kernel_ms: float,
+                                                     wins: bool) -> None:
+    """A fallback is cached for later starts, so a difference inside the timing noise keeps the kernel."""
+    monkeypatch.setattr(selfcheck, "time_kernel", lambda *a: (kernel_ms, 1.0))
+    _install(monkeypatch, ATTENTION_OP.reference)
+    op = select_kernels(SHAPES, timing_iters=2).report.ops[0]
+    assert (op.implementation == "cpu") is wins
+    assert ("within 5% of the reference" in op.reason) is wins
+
+
+def test_the_linear_timing_case_streams_a_weight_larger_than_the_caches() -> None:
+    """Decode streams every weight from memory; a cache-hot timing once picked BLAS and halved decode speed."""
+    from trillm.kernels import linear
+
+    shapes = dataclasses.replace(SHAPES, hidden_size=576, intermediate_size=1536, max_batch=8)
+    cases = linear.OP.timing_cases(shapes)
+    assert [c.args[0].shape[0] for c in cases] == [1, 8]
+    for c in cases:
+        assert c.args[1].nbytes >= 64 << 20 and c.args[1].shape[1] == 576
+
+
 def test_a_faster_kernel_wins_and_is_what_the_selection_runs(monkeypatch: pytest.MonkeyPatch) -> None:
     calls = Calls()
 
