@@ -134,14 +134,18 @@ def test_a_tie_within_the_margin_goes_to_the_kernel(monkeypatch: pytest.MonkeyPa
 
 
 def test_the_linear_timing_case_streams_a_weight_larger_than_the_caches() -> None:
-    """Decode streams every weight from memory; a cache-hot timing once picked BLAS and halved decode speed."""
+    """Decode streams every weight from memory; a cache-hot timing once picked BLAS and halved decode speed.
+    SmolLM2's shapes get a weight beyond the caches; a tiny model's stays as small as its LM head."""
     from trillm.kernels import linear
 
-    shapes = dataclasses.replace(SHAPES, hidden_size=576, intermediate_size=1536, max_batch=8)
-    cases = linear.OP.timing_cases(shapes)
+    smol = dataclasses.replace(SHAPES, hidden_size=576, intermediate_size=1536, vocab_size=49152, max_batch=8)
+    cases = linear.OP.timing_cases(smol)
     assert [c.args[0].shape[0] for c in cases] == [1, 8]
     for c in cases:
         assert c.args[1].nbytes >= 64 << 20 and c.args[1].shape[1] == 576
+    tiny = dataclasses.replace(SHAPES, hidden_size=64, vocab_size=512, max_batch=64)
+    assert [(c.args[0].shape[0], c.args[1].shape) for c in linear.OP.timing_cases(tiny)] == [(1, (480, 64)),
+                                                                                          (32, (480, 64))]
 
 
 def test_a_faster_kernel_wins_and_is_what_the_selection_runs(monkeypatch: pytest.MonkeyPatch) -> None:
