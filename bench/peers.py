@@ -189,12 +189,12 @@ def _llama_cpp_process(args: argparse.Namespace, out: Path) -> ServerProcess | N
     """Its server process, or None (said once) when auto finds no interpreter or no GGUF for --model."""
     if args.llama_cpp == "off":
         return None
-    python = llama_cpp.find_python(args.llama_cpp_python)
-    why = None if python else ("no interpreter with llama-cpp-python[server] found; `trillm bench llama-cpp "
-                               "install` builds one")
     gguf = args.llama_cpp_gguf
-    if why is None and gguf is None and args.model_given:
+    python, why = None, None
+    if gguf is None and args.model_given:
         why = "--model was given without --llama-cpp-gguf (the same weights as a GGUF)"
+    elif (python := llama_cpp.find_python(args.llama_cpp_python)) is None:
+        why = "no interpreter with llama-cpp-python[server] found; `trillm bench llama-cpp install` builds one"
     if why is not None:
         if args.llama_cpp == "on":
             raise SystemExit(f"trillm bench peers: --llama-cpp on: {why}")

@@ -99,6 +99,9 @@ def test_peers_with_llama_cpp_on_fails_loudly_without_it(tiny_model_path: Path, 
     if llama_cpp.has_server(sys.executable):
         pytest.skip("this interpreter has llama-cpp-python")
     with pytest.raises(SystemExit, match="--llama-cpp on: no interpreter"):
+        cli.main(["peers", "--model", str(tiny_model_path), "--llama-cpp", "on", "--llama-cpp-gguf",
+                  str(tmp_path / "m.gguf"), "--skip-mlx-lm", "--results-dir", str(tmp_path), "--only", "single"])
+    with pytest.raises(SystemExit, match="--llama-cpp on: --model was given without --llama-cpp-gguf"):
         cli.main(["peers", "--model", str(tiny_model_path), "--llama-cpp", "on", "--skip-mlx-lm",
                   "--results-dir", str(tmp_path), "--only", "single"])
 
