@@ -58,8 +58,7 @@ def install(dest: Path | None = None, jobs: int | None = None) -> str:
     python = dest / "bin" / "python"
     if not python.exists():
         subprocess.run([sys.executable, "-m", "venv", str(dest)], check=True)
-    env = dict(os.environ, CMAKE_ARGS=CMAKE_ARGS, CMAKE_BUILD_PARALLEL_LEVEL=str(jobs or os.cpu_count() or 1))
-    env.pop("LD_PRELOAD", None)  # trillm's BLAS preload has no business in its build
+    env = dict(server_env(), CMAKE_ARGS=CMAKE_ARGS, CMAKE_BUILD_PARALLEL_LEVEL=str(jobs or os.cpu_count() or 1))
     subprocess.run([str(python), "-m", "pip", "install", "--no-cache-dir", f"llama-cpp-python[server]=={VERSION}"],
                    check=True, env=env)
     return str(python)
@@ -118,7 +117,7 @@ def llama_cpp_command(python: str, gguf: str | os.PathLike[str], port: int, *, n
 
 
 def server_env() -> dict[str, str]:
-    """Its environment: ours without trillm's BLAS preload (llama.cpp does its own matmuls)."""
+    """Its environment (build and server): ours without trillm's BLAS preload (llama.cpp does its own matmuls)."""
     env = dict(os.environ)
     env.pop("LD_PRELOAD", None)
     return env

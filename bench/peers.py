@@ -185,13 +185,13 @@ def _plan(args: argparse.Namespace) -> list[tuple[str, Workload, Arrival, tuple[
     return plan
 
 
-def _llama_cpp_process(args: argparse.Namespace, out: Path) -> ServerProcess | None:
+def _llama_cpp_process(args: argparse.Namespace, out: Path, model_given: bool) -> ServerProcess | None:
     """Its server process, or None (said once) when auto finds no interpreter or no GGUF for --model."""
     if args.llama_cpp == "off":
         return None
     gguf = args.llama_cpp_gguf
     python, why = None, None
-    if gguf is None and args.model_given:
+    if gguf is None and model_given:
         why = "--model was given without --llama-cpp-gguf (the same weights as a GGUF)"
     elif (python := llama_cpp.find_python(args.llama_cpp_python)) is None:
         why = "no interpreter with llama-cpp-python[server] found; `trillm bench llama-cpp install` builds one"
@@ -231,7 +231,7 @@ def main(argv: list[str] | None = None) -> int:
     """Start the servers, run the plan, print the table and the targets; results under results/<timestamp>/."""
     args = build_parser().parse_args(argv)
     out = new_results_dir(args.results_dir)
-    args.model_given = args.model is not None
+    model_given = args.model is not None
     if args.model is None:
         from trillm.bench.export_mlx import export_gguf
 
@@ -249,7 +249,7 @@ def main(argv: list[str] | None = None) -> int:
     if not args.skip_mlx_lm:
         procs[MLX_LM] = ServerProcess(MLX_LM, mlx_lm_command(model, 0, shlex.split(args.mlx_lm_args)), 0,
                                       out / "mlx_lm_server.log")
-    if LLAMA_CPP in wanted and (lp := _llama_cpp_process(args, out)) is not None:
+    if LLAMA_CPP in wanted and (lp := _llama_cpp_process(args, out, model_given)) is not None:
         procs[LLAMA_CPP] = lp
     for sp in procs.values():  # the port goes after "--port" in the command
         sp.port = free_port()
