@@ -55,6 +55,8 @@ METAL_TYPES: dict[mx.Dtype, str] = {
     mx.uint8: "uint8_t", mx.uint16: "uint16_t", mx.uint32: "uint32_t", mx.uint64: "uint64_t",
 }  # fmt: skip
 UTILS_INCLUDE = '#include "mlx/backend/metal/kernels/utils.h"\n'
+# MLX's utils.h uses `bfloat` (Metal 3.1); xcrun's default language version rejects it.
+METAL_STD = "-std=metal3.1"
 GXX = os.environ.get("CXX", shutil.which("g++") or "g++")
 
 # Just enough of <metal_stdlib> and MLX's utils.h for g++ to type-check a generated kernel. Metal's names
@@ -152,7 +154,10 @@ def xcrun_available() -> bool:
 
 
 def mlx_include_dir() -> Path:
-    return Path(mx.__file__).resolve().parent.parent / "include"
+    """The mlx wheel's header folder: site-packages/mlx/include (holds mlx/backend/metal/kernels/utils.h)."""
+    import mlx
+
+    return Path(next(iter(mlx.__path__))).resolve() / "include"
 
 
 def _verbose_metal_factory(**kwargs: Any) -> Callable[..., Any]:
@@ -191,7 +196,7 @@ def xcrun_compile(source: str, out_dir: Path, name: str, flags: list[str]) -> tu
     src = out_dir / f"{name}.metal"
     src.write_text(UTILS_INCLUDE + source)
     cmd = ["xcrun", "-sdk", "macosx", "metal", "-c", str(src), "-o", str(out_dir / f"{name}.air"),
-           f"-I{mlx_include_dir()}", *flags]  # fmt: skip
+           f"-I{mlx_include_dir()}", METAL_STD, *flags]  # fmt: skip
     proc = subprocess.run(cmd, capture_output=True, text=True)
     return proc.returncode == 0, proc.stdout + proc.stderr
 

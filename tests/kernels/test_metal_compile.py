@@ -97,3 +97,28 @@ def test_sources_are_written(tmp_path: Path) -> None:
     assert mc.main(["sources", "--out", str(tmp_path)]) == 0
     files = list(tmp_path.glob("*.metal"))
     assert files and all(f.read_text().startswith(mc.UTILS_INCLUDE) for f in files)
+
+
+def test_the_include_dir_holds_mlx_utils_header() -> None:
+    """xcrun's -I must name site-packages/mlx/include (where the mlx wheel puts utils.h), not site-packages/include."""
+    include = mc.mlx_include_dir()
+    assert include.name == "include" and include.parent.name == "mlx"
+    assert (include / "mlx" / "backend" / "metal" / "kernels" / "utils.h").is_file()
+
+
+def test_xcrun_compiles_as_metal_3_1_against_that_dir(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """utils.h uses `bfloat` (Metal 3.1): the command must say -std=metal3.1 and -I the real header folder."""
+    seen: list[list[str]] = []
+
+    def fake_run(cmd: list[str], **_: object) -> object:
+        seen.append(cmd)
+        return type("Proc", (), {"returncode": 0, "stdout": "", "stderr": ""})()
+
+    monkeypatch.setattr(mc.subprocess, "run", fake_run)
+    ok, _ = mc.xcrun_compile("kernel text", tmp_path, "k", ["-ffast-math"])
+    (cmd,) = seen
+    assert ok and cmd[:5] == ["xcrun", "-sdk", "macosx", "metal", "-c"]
+    assert "-std=metal3.1" in cmd and "-ffast-math" in cmd
+    include = next(Path(a[2:]) for a in cmd if a.startswith("-I"))
+    assert (include / "mlx/backend/metal/kernels/utils.h").is_file()
+    assert (tmp_path / "k.metal").read_text() == mc.UTILS_INCLUDE + "kernel text"
