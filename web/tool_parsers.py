@@ -221,7 +221,10 @@ def _call_schema(tool: dict[str, Any], args_key: str) -> dict[str, Any]:
 def json_options(schema: dict[str, Any], *, lenient: bool) -> dict[str, Any]:
     """`schema` with llguidance's compile options: bounded whitespace, and (lenient) keywords llguidance does
     not enforce ignored rather than refused."""
-    options = {**schema.get("x-guidance", {}), "whitespace_pattern": JSON_WHITESPACE}
+    given = schema.get("x-guidance", {})
+    if not isinstance(given, dict):  # llguidance's compile options: an object, or a 400 (not a TypeError)
+        raise InvalidRequest(f"'x-guidance' must be an object of llguidance options, got {type(given).__name__}")
+    options = {**given, "whitespace_pattern": JSON_WHITESPACE}
     if lenient:
         options["lenient"] = True
     return {**schema, "x-guidance": options}
