@@ -227,8 +227,19 @@ def sampling_params(body: ChatCompletionRequest | CompletionRequest, kind: Kind,
         include_stop_str_in_output=body.include_stop_str_in_output, cache_salt=body.cache_salt,
         prompt_logprobs=prompt_logprobs,
     )
-    # Choice i gets seed + i: reproducible, yet the n choices differ.
-    return [SamplingParams(seed=None if body.seed is None else body.seed + i, **common) for i in range(body.n)]
+    return [SamplingParams(seed=None if body.seed is None else choice_seed(body.seed, i), **common)
+            for i in range(body.n)]
+
+
+# Seeds the engine takes: |seed| < 2^63, i.e. 2^64 - 1 values.
+_SEED_SPAN = 2**64 - 1
+_SEED_MAX = 2**63 - 1
+
+
+def choice_seed(seed: int, index: int) -> int:
+    """Choice `index`'s seed: seed + index, wrapped into the engine's range (a seed near the top must not
+    overflow it), so choice 0 keeps the seed as given, the n choices differ, and all are reproducible."""
+    return (seed + index + _SEED_MAX) % _SEED_SPAN - _SEED_MAX
 
 
 def answer_spec(body: ChatCompletionRequest | CompletionRequest) -> AnswerSpec | None:

@@ -41,3 +41,27 @@ async def test_malformed_x_guidance_is_a_400_not_a_500() -> None:
                                                         "guided_json": {"type": "object", "x-guidance": "fast"}})
         assert r.status_code == 400 and "x-guidance" in r.json()["error"]["message"], r.text
         assert factory.engine.statistics().num_steps == 0
+
+
+# ---- per-choice seeds never overflow ----
+
+async def test_a_seed_at_the_top_of_its_range_with_n_choices_is_served_and_reproducible() -> None:
+    from trillm.web.openai_schema import MAX_SEED
+
+    async with live_client(MockFactory()) as client:
+        async def texts(seed: int, n: int) -> list[str]:
+            r = await client.post("/v1/completions", json={"prompt": "a b c", "max_tokens": 12, "n": n, "seed": seed,
+                                                            "temperature": 1.0, "ignore_eos": True})
+            assert r.status_code == 200, r.text
+            return [c["text"] for c in sorted(r.json()["choices"], key=lambda c: c["index"])]
+
+        for seed in (MAX_SEED, MAX_SEED - 1, -MAX_SEED):
+            first = await texts(seed, 4)
+            assert await texts(seed, 4) == first  # reproducible
+            assert (await texts(seed, 1))[0] == first[0]  # choice 0 runs under the seed as given
+            assert len(set(first)) > 1  # the choices differ
+        # choice 1 of the top seed is the bottom seed: wrapped, not clamped (which would repeat choice 0)
+        from trillm.web.protocol import choice_seed
+
+        assert choice_seed(MAX_SEED, 1) == -MAX_SEED
+        assert (await texts(MAX_SEED, 2))[1] == (await texts(-MAX_SEED, 1))[0]
