@@ -39,7 +39,8 @@ class GenerationHandle:
     Deltas arrive through `feed` (one engine step at a time) and leave through `receive`. The channel has a
     small fixed buffer; when it is full a request's newer deltas are merged into one pending delta, so a slow
     client never blocks the engine and memory grows only with what is unread. Past `max_buffered_bytes` of
-    unread output (text, token ids and logprobs, see `buffered_size`) the handle fails with a clear error and its requests are aborted. A failure (the engine refused a request
+    unread output (text, token ids and logprobs, see `buffered_size`) the handle fails with a clear error and its
+    requests are aborted; a single delta over that size is delivered when nothing else is unread. A failure (the engine refused a request
     while adding it, the engine failed, the client lagged) is raised by the next `receive`.
     """
 
@@ -59,6 +60,7 @@ class GenerationHandle:
         self._send, self._recv = trio.open_memory_channel[RequestOutput](channel_size)
         self._pending: dict[str, RequestOutput] = {}
         self._buffered_bytes = 0
+        self._exempt_bytes = 0  # an oversized delta admitted into an empty buffer (see feed)
         self._unfinished = set(request_ids)
         self._failure: BaseException | None = None
         self._closed = False
@@ -77,7 +79,13 @@ class GenerationHandle:
             return
         if output.finished:
             self._unfinished.discard(rid)
-        self._buffered_bytes += buffered_size(output)
+        size = buffered_size(output)
+        if self._buffered_bytes == 0 and size > self._max_buffered_bytes:
+            # One delta larger than the whole budget (a long prompt's prompt_logprobs) arriving when nothing else
+            # is unread is one step's output, not a client falling behind: it does not count against the budget
+            # until the client has read everything again. What comes on top of it does.
+            self._exempt_bytes = size
+        self._buffered_bytes += size
         if rid in self._pending:
             self._pending[rid] = RequestOutput.concat([self._pending[rid], output])
         else:
@@ -85,7 +93,7 @@ class GenerationHandle:
                 self._send.send_nowait(output)
             except trio.WouldBlock:
                 self._pending[rid] = output
-        if self._buffered_bytes > self._max_buffered_bytes:
+        if self._buffered_bytes > self._max_buffered_bytes + self._exempt_bytes:
             self.fail(GenerationFailed(
                 f"the client read too slowly: more than {self._max_buffered_bytes} bytes of output were "
                 "buffered, so the request was aborted"))
@@ -117,7 +125,7 @@ class GenerationHandle:
             if not self._pending:
                 raise
             output = self._pending.pop(next(iter(self._pending)))
-        self._buffered_bytes -= buffered_size(output)
+        self._taken(output)
         return output
 
     async def receive(self) -> RequestOutput:
@@ -132,8 +140,13 @@ class GenerationHandle:
             self._raise_if_failed()
             raise
         self._raise_if_failed()  # it may have failed while we waited
-        self._buffered_bytes -= buffered_size(output)
+        self._taken(output)
         return output
+
+    def _taken(self, output: RequestOutput) -> None:
+        self._buffered_bytes -= buffered_size(output)
+        if self._buffered_bytes <= 0:
+            self._exempt_bytes = 0
 
     async def receive_batch(self, max_items: int = 256) -> list[RequestOutput]:
         """Wait for at least one delta, then take every one already there (one write for all of them)."""

@@ -65,3 +65,56 @@ async def test_a_seed_at_the_top_of_its_range_with_n_choices_is_served_and_repro
 
         assert choice_seed(MAX_SEED, 1) == -MAX_SEED
         assert (await texts(MAX_SEED, 2))[1] == (await texts(-MAX_SEED, 1))[0]
+
+
+# ---- one streamed delta over the buffered-bytes budget ----
+
+def test_one_delta_over_the_budget_is_delivered_when_nothing_else_is_unread() -> None:
+    from trillm.engine.outputs import RequestOutput, TokenLogprob, Usage
+    from trillm.web.stream import GenerationFailed, GenerationHandle, buffered_size
+
+    lps = tuple(TokenLogprob(5, -1.0, tuple((t, -2.0) for t in range(20)), 1) for _ in range(100))
+
+    def delta(text: str, prompt_logprobs: Any = None) -> RequestOutput:
+        return RequestOutput("r", (7,), text, None, Usage(3, 1, 0), prompt_logprobs=prompt_logprobs)
+
+    big = delta("a", lps)
+    assert buffered_size(big) > 4096
+    handle = GenerationHandle(("r",), abort=lambda rid: None, channel_size=4, max_buffered_bytes=4096)
+    handle.feed(big)
+    assert handle.receive_nowait() is big  # delivered, not failed
+    handle.feed(delta("b"))
+    assert handle.receive_nowait().new_text == "b"
+    # still bounded: an oversized delta on top of unread output fails the stream
+    handle.feed(delta("c"))
+    handle.feed(delta("d", lps))
+    try:
+        handle.receive_nowait()
+    except GenerationFailed as exc:
+        assert "read too slowly" in str(exc)
+    else:
+        raise AssertionError("an oversized delta on top of unread output must fail")
+    # and a client that never reads gets the big delta plus at most the budget on top of it
+    handle = GenerationHandle(("r",), abort=lambda rid: None, channel_size=4, max_buffered_bytes=4096)
+    handle.feed(big)
+    for _ in range(4096 // buffered_size(delta("x" * 100)) + 1):
+        handle.feed(delta("x" * 100))
+    try:
+        handle.receive_nowait()
+    except GenerationFailed:
+        pass
+    else:
+        raise AssertionError("output on top of the exempt delta counts against the budget")
+
+
+async def test_a_streamed_prompt_logprobs_delta_over_the_budget_is_served() -> None:
+    prompt = " ".join(f"w{i}" for i in range(300))
+    async with live_client(MockFactory(), service_config={"max_buffered_bytes": 16 << 10}) as client:
+        async with client.stream("POST", "/v1/completions", json={
+                "prompt": prompt, "max_tokens": 3, "prompt_logprobs": 20, "stream": True, "ignore_eos": True}) as r:
+            body = (await r.aread()).decode()
+        assert r.status_code == 200, body
+        assert "read too slowly" not in body and "data: [DONE]" in body
+        events = [json.loads(line[6:]) for line in body.splitlines() if line.startswith("data: {")]
+        plps = [c["prompt_logprobs"] for e in events for c in e["choices"] if c.get("prompt_logprobs")]
+        assert len(plps) == 1 and len(plps[0]) > 100
