@@ -20,6 +20,19 @@ class RequestLimits:
     vocab_size: int
     max_waiting: int  # waiting-queue bound (Overloaded past it)
 
+    @property
+    def max_group_waiting(self) -> int:
+        """The most waiting sequences one client request (a group: its prompts x n) may hold: a quarter of the
+        queue, so two huge requests cannot fill it and refuse everyone else."""
+        return max(1, self.max_waiting // 4)
+
+    def check_group(self, num_sequences: int) -> None:
+        """Raise InvalidRequest when one request would take more than its share of the waiting queue."""
+        if self.max_waiting and num_sequences > self.max_group_waiting:
+            raise InvalidRequest(
+                f"the request asks for {num_sequences} generations (prompts x n); one request may queue at most "
+                f"{self.max_group_waiting} (a quarter of --max-waiting {self.max_waiting})")
+
     def blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 

@@ -31,6 +31,7 @@ class Submit:
     prompt_token_ids: list[int]
     params: SamplingParams
     priority: int = 0
+    group: str | None = None  # the client request it belongs to (fair admission between requests)
 
 
 @dataclass(frozen=True, slots=True)
@@ -102,7 +103,8 @@ class EngineDriver:
                     pass  # it finished, or was refused, before the abort arrived
                 continue
             try:
-                self.engine.add_request(item.request_id, item.prompt_token_ids, item.params, priority=item.priority)
+                self.engine.add_request(item.request_id, item.prompt_token_ids, item.params, priority=item.priority,
+                                        group=item.group)
             except EngineError as exc:
                 rejected.append(Rejected(item.request_id, exc))
             except Exception as exc:  # a bug in setting up one request must not take the others down

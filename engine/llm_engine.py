@@ -144,11 +144,13 @@ class LLMEngine:
         return ModelRunner(self.loaded.model, pool, Sampler(self.config.seed, vocab_size=self.tokenizer.vocab_size))
 
     # ---- requests ----------------------------------------------------------------------------------------
-    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, *, priority: int = 0) -> None:
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, *, priority: int = 0,
+                    group: str | None = None) -> None:
+        """group: shared by the requests of one client request (its prompts x n), for fair admission."""
         if request_id in self._requests:
             raise InvalidRequest(f"a request with id {request_id!r} is already running")
         self.limits.check_token_ids(prompt_token_ids)
-        seq = Sequence(request_id, prompt_token_ids, params, priority=priority)
+        seq = Sequence(request_id, prompt_token_ids, params, priority=priority, group=group)
         if params.grammar is not None:
             seq.grammar = self.grammars.matcher(params.grammar)  # compiled (and validated) once per grammar
         req = _Request(

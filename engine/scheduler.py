@@ -1,10 +1,21 @@
 """Continuous-batching scheduler: decode first, then chunked prefill fills the step's token budget.
 
 Pure Python over `Sequence`s and the `BlockManager`; it never touches tensors. Waiting sequences are served
-FCFS within a priority (lower value first), and the head of the waiting queue is never overtaken: if it does
-not fit, nothing behind it is admitted. When a decode needs a block and none is free, the newest running
-sequence is preempted by recompute: its blocks are freed (full ones stay in the prefix cache) and it
-rejoins the waiting queue ahead of every later arrival.
+in fair-queueing order within a priority (lower value first), and the head of the waiting queue is never
+overtaken: if it does not fit, nothing behind it is admitted. When a decode needs a block and none is free,
+the newest running sequence is preempted by recompute: its blocks are freed (full ones stay in the prefix
+cache) and it rejoins the waiting queue ahead of every later arrival.
+
+Fairness between client requests (start-time fair queueing over groups, as in network schedulers): the
+sequences of one request (its prompts x n) share a group, and each sequence gets a tag, its group's previous
+tag + 1, but never less than the virtual time (the largest tag admitted) + 1. Waiting sequences are ordered by
+(priority, tag, arrival), so a request's 2nd, 3rd, ... sequences queue behind other requests' 1st: admission
+is round-robin over the requests waiting, and a request arriving behind a 1,000-sequence one is admitted
+within one sequence of it. Ungrouped sequences (every tag the virtual time + 1) stay first-come first-served.
+Two bounds keep one request from crowding out the others: its share of the waiting queue
+(`RequestLimits.max_group_waiting`, refused with InvalidRequest) and of the running batch
+(`max_group_running`: an eighth of the slots stays free for other requests' first tokens; a waiting
+sequence of a group at that bound is passed over, which is the only way the head is overtaken).
 
 One step's flow (nano-vllm's, with vLLM v1's accounting):
 - `schedule()` picks the step and commits to it: each scheduled token counts as computed from here on
@@ -19,13 +30,14 @@ One step's flow (nano-vllm's, with vLLM v1's accounting):
 from __future__ import annotations
 
 import bisect
+from collections import Counter
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from trillm.engine.admission import RequestLimits
 from trillm.engine.block_manager import BlockManager
 from trillm.engine.config import EngineConfig
-from trillm.engine.errors import Overloaded
+from trillm.engine.errors import InvalidRequest, Overloaded
 from trillm.engine.outputs import FinishReason, TokenLogprob
 from trillm.engine.sequence import Sequence, SequenceStatus
 
@@ -98,16 +110,37 @@ class Scheduler:
         self.waiting: list[Sequence] = []  # sorted by Sequence.sort_key
         self.running: list[Sequence] = []  # admission order; the last is the newest
         self.num_preemptions = 0
+        self._vtime = 0  # fair queueing's virtual time: the largest tag admitted so far
+        self._last_tag: dict[str, int] = {}  # per live group, its newest sequence's tag
+        self._group_waiting: Counter[str] = Counter()
+        self._group_running: Counter[str] = Counter()
 
     @property
     def max_model_len(self) -> int:
         return self.limits.max_model_len
+
+    @property
+    def max_group_running(self) -> int:
+        """Running slots one group may hold: all but an eighth, kept for other requests' first tokens."""
+        n = self.config.max_num_seqs
+        return n - n // 8
 
     # ---- admission ---------------------------------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
         self.limits.check(seq.num_prompt_tokens, seq.params)
         if len(self.waiting) >= self.config.max_waiting:
             raise Overloaded(f"the waiting queue is full ({self.config.max_waiting} requests)")
+        g = seq.group
+        if g is None:
+            seq.tag = self._vtime + 1
+        else:
+            if self._group_waiting[g] >= self.limits.max_group_waiting:
+                raise InvalidRequest(
+                    f"one request may queue at most {self.limits.max_group_waiting} generations (prompts x n; a "
+                    f"quarter of --max-waiting {self.limits.max_waiting})")
+            seq.tag = max(self._vtime, self._last_tag.get(g, 0)) + 1
+            self._last_tag[g] = seq.tag
+            self._group_waiting[g] += 1
         bisect.insort(self.waiting, seq, key=lambda s: s.sort_key)
 
     def finish(self, seq: Sequence) -> None:
@@ -115,9 +148,21 @@ class Scheduler:
         if seq.status is SequenceStatus.RUNNING:
             self.running.remove(seq)
             self.block_manager.deallocate(seq)
+            self._count_group(seq, running=-1)
         elif seq.status is SequenceStatus.WAITING:
             self.waiting.remove(seq)
+            self._count_group(seq, waiting=-1)
         seq.status = SequenceStatus.FINISHED
+
+    def _count_group(self, seq: Sequence, *, waiting: int = 0, running: int = 0) -> None:
+        g = seq.group
+        if g is None:
+            return
+        self._group_waiting[g] += waiting
+        self._group_running[g] += running
+        if self._group_waiting[g] <= 0 and self._group_running[g] <= 0:  # the group is gone: forget it
+            del self._group_waiting[g], self._group_running[g]
+            self._last_tag.pop(g, None)
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
@@ -151,14 +196,22 @@ class Scheduler:
                 batch.prefills.append(PrefillChunk(seq, seq.num_computed_tokens, n))
                 budget -= n
 
-        # 3. Admit waiting sequences in order; the head is never overtaken.
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
-            seq = self.waiting[0]
+        # 3. Admit waiting sequences in order; the head is never overtaken, but a sequence whose group holds
+        # its share of the running batch is passed over (the slot is for the other requests).
+        i = 0
+        group_cap = self.max_group_running
+        while i < len(self.waiting) and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            seq = self.waiting[i]
+            if seq.group is not None and self._group_running[seq.group] >= group_cap:
+                i += 1
+                continue
             if not self._chunk_size(seq.num_tokens, budget, batch) or not bm.can_allocate(seq):
                 break
             if self._wait_for_shared_prefix(seq):
                 break
-            self.waiting.pop(0)
+            self.waiting.pop(i)
+            self._vtime = max(self._vtime, seq.tag)
+            self._count_group(seq, waiting=-1, running=1)
             bm.allocate(seq)
             if seq.num_preemptions == 0:
                 seq.num_cached_tokens = seq.num_computed_tokens
@@ -222,6 +275,7 @@ class Scheduler:
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
         self.block_manager.deallocate(seq)
+        self._count_group(seq, waiting=1, running=-1)
         seq.status = SequenceStatus.WAITING
         seq.num_preemptions += 1
         self.num_preemptions += 1

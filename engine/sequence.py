@@ -31,10 +31,11 @@ class Sequence:
     __slots__ = (
         "request_id", "params", "priority", "arrival", "token_ids", "num_prompt_tokens",
         "num_computed_tokens", "num_cached_tokens", "block_table", "num_hashed_blocks", "block_hashes",
-        "status", "num_preemptions", "grammar",
+        "status", "num_preemptions", "grammar", "group", "tag",
     )
 
-    def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, *, priority: int = 0) -> None:
+    def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, *, priority: int = 0,
+                 group: str | None = None) -> None:
         self.request_id = request_id
         self.params = params
         self.priority = priority
@@ -49,6 +50,10 @@ class Sequence:
         self.status = SequenceStatus.WAITING
         self.num_preemptions = 0
         self.grammar: GrammarMatcher | None = None  # set by the engine when params.grammar is given
+        # Fair admission (Scheduler.add): the sequences of one client request share a group, and each gets a
+        # fair-queueing tag, so one request's later prompts and choices queue behind other groups' first.
+        self.group = group
+        self.tag = 0
 
     @property
     def num_tokens(self) -> int:
@@ -67,8 +72,8 @@ class Sequence:
         return len(self.token_ids) - self.num_computed_tokens
 
     @property
-    def sort_key(self) -> tuple[int, int]:
-        return (self.priority, self.arrival)
+    def sort_key(self) -> tuple[int, int, int]:
+        return (self.priority, self.tag, self.arrival)
 
     @property
     def is_finished(self) -> bool:

@@ -432,6 +432,7 @@ class EngineService:
             for p in params:
                 self.limits.check(len(prompt), p)
         total = len(prompts) * len(params)
+        self.limits.check_group(total)  # one request's share of the queue: its own 400, before any 503
         waiting = (self._stats.num_waiting if self._stats is not None else 0) + self._unapplied
         if waiting + total > self.limits.max_waiting:
             raise Overloaded(f"the waiting queue is full ({self.limits.max_waiting} requests)")
@@ -441,7 +442,7 @@ class EngineService:
         work = ((prompt, p) for prompt in prompts for p in params)
         for rid, (prompt, p) in zip(rids, work):
             self._live[rid] = handle
-            self._inbox.append(Submit(rid, list(prompt), p, priority))
+            self._inbox.append(Submit(rid, list(prompt), p, priority, group=rids[0]))
         self._unapplied += total
         self._wakeup.set()
         return handle
