@@ -25,7 +25,7 @@ import json
 import threading
 import weakref
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
 import numpy as np
@@ -47,6 +47,9 @@ class GrammarSpec:
 
     kind: GrammarKind
     source: str
+    # Set by `GrammarCompiler.validate`: the compiled grammar travels with the request, so the engine thread
+    # never compiles it again, even when other grammars pushed it out of the cache meanwhile.
+    compiled: _Compiled | None = field(default=None, compare=False, hash=False, repr=False)
 
     def __post_init__(self) -> None:
         if self.kind not in GRAMMAR_KINDS:
@@ -55,6 +58,12 @@ class GrammarSpec:
             raise InvalidRequest("a grammar must be a non-empty string")
         if len(self.source) > MAX_GRAMMAR_CHARS:
             raise InvalidRequest(f"the grammar has {len(self.source)} characters; at most {MAX_GRAMMAR_CHARS}")
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class _Compiled:
+    compiler: GrammarCompiler  # whose tokenizer it was compiled for
+    matcher: Any  # the pristine llguidance matcher (only ever deep-copied)
 
 
 def bitmask_width(vocab_size: int) -> int:
@@ -162,6 +171,8 @@ class GrammarCompiler:
     def _pristine(self, spec: GrammarSpec) -> Any:
         import llguidance
 
+        if spec.compiled is not None and spec.compiled.compiler is self:
+            return spec.compiled.matcher
         with self._lock:
             hit = self._cache.get(spec)
             if hit is not None:
@@ -169,9 +180,9 @@ class GrammarCompiler:
                 return hit
         try:
             text = _grammar_text(spec)
-        except ValueError as exc:
-            raise InvalidRequest(f"invalid {spec.kind.replace('_', ' ')}: {exc}") from None
-        matcher = llguidance.LLMatcher(self._ll_tokenizer(), text, log_level=0)
+            matcher = llguidance.LLMatcher(self._ll_tokenizer(), text, log_level=0)
+        except (ValueError, TypeError) as exc:  # malformed options are the request's fault, never a 500
+            raise InvalidRequest(f"invalid {spec.kind.replace('_', ' ')}: {_first_line(str(exc))}") from None
         if matcher.is_error():
             raise InvalidRequest(f"invalid {spec.kind.replace('_', ' ')}: {_first_line(matcher.get_error())}")
         with self._lock:
@@ -180,9 +191,10 @@ class GrammarCompiler:
                 self._cache.popitem(last=False)
         return matcher
 
-    def validate(self, spec: GrammarSpec) -> None:
-        """Compile `spec` (into the cache); InvalidRequest names what is wrong with it."""
-        self._pristine(spec)
+    def validate(self, spec: GrammarSpec) -> GrammarSpec:
+        """Compile `spec` (into the cache); InvalidRequest names what is wrong with it. Returns `spec` holding
+        its compiled form: queue that one, and `matcher` never compiles on the engine thread."""
+        return replace(spec, compiled=_Compiled(self, self._pristine(spec)))
 
     def matcher(self, spec: GrammarSpec) -> GrammarMatcher:
         """A fresh matcher at the start of `spec` (compiled once, then copied)."""

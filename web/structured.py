@@ -199,7 +199,7 @@ def output_plan(prompt_ids: list[int], tokenizer: TokenizerLike, features: Model
     grammar = None
     if part is not None:
         grammar = _after_thinking(part, reasoning, inside, tokenizer) if reasoning is not None else _single(part)
-        grammar_compiler(tokenizer).validate(grammar)
+        grammar = grammar_compiler(tokenizer).validate(grammar)  # compiled here, off the engine thread
     keep = bool(fmt is not None and (_marker_is_special(tokenizer, fmt.start) or _marker_is_special(tokenizer, fmt.end)))
     keep = keep or bool(reasoning is not None and (_marker_is_special(tokenizer, reasoning.start)
                                                    or _marker_is_special(tokenizer, reasoning.end)))

@@ -118,3 +118,38 @@ async def test_a_streamed_prompt_logprobs_delta_over_the_budget_is_served() -> N
         events = [json.loads(line[6:]) for line in body.splitlines() if line.startswith("data: {")]
         plps = [c["prompt_logprobs"] for e in events for c in e["choices"] if c.get("prompt_logprobs")]
         assert len(plps) == 1 and len(plps[0]) > 100
+
+
+# ---- a grammar evicted from the compiler's cache is never compiled on the engine thread ----
+
+async def test_the_engine_thread_never_compiles_a_grammar_evicted_after_validation(monkeypatch: Any) -> None:
+    import threading
+
+    from trillm.engine import grammar
+
+    compiled_on: list[int] = []
+    real_text, real_validate = grammar._grammar_text, grammar.GrammarCompiler.validate
+
+    def recording_text(spec: grammar.GrammarSpec) -> str:
+        compiled_on.append(threading.get_ident())
+        return real_text(spec)
+
+    def validate_then_evict(self: grammar.GrammarCompiler, spec: grammar.GrammarSpec) -> grammar.GrammarSpec:
+        out = real_validate(self, spec)
+        with self._lock:  # as if 256 other grammars had come through before this one was queued
+            self._cache.clear()
+        return out
+
+    monkeypatch.setattr(grammar, "_grammar_text", recording_text)
+    monkeypatch.setattr(grammar.GrammarCompiler, "validate", validate_then_evict)
+    factory = MockFactory()
+    async with live_client(factory) as client:
+        for body in ({"prompt": "x", "max_tokens": 8, "guided_regex": "[0-9]{3}"},
+                     {"prompt": "y", "max_tokens": 8, "guided_choice": ["yes", "no"]}):
+            r = await client.post("/v1/completions", json=body)
+            assert r.status_code == 200, r.text
+        r = await client.post("/v1/chat/completions", json={
+            "messages": MESSAGES, "max_tokens": 8, "response_format": {"type": "json_object"}})
+        assert r.status_code == 200, r.text
+    assert len(compiled_on) >= 3  # each was compiled (at validation)...
+    assert not set(compiled_on) & set(factory.threads)  # ...and never on the engine thread
