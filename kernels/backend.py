@@ -13,7 +13,7 @@ Names a shared body may use:
   simd_sum(x), simd_max(x)        reductions over one 32-wide simdgroup/warp
   SHARED, BARRIER()               threadgroup / __shared__ storage and its barrier
   UNROLL                          "unroll this loop fully": per-lane arrays stay in registers only then
-  EXPF, MAXF, MINI, MAXI, NEG_INF math helpers
+  EXPF, MAXF, MINF, MINI, MAXI, NEG_INF, SOFTCAP(s, cap, 1 / cap)   math helpers
 Metal's index attributes exist only as parameters MLX adds for the names it finds in the BODY text, so a
 kernel's `header` must not use them (KernelSpec refuses one that does); CUDA's prelude defines them as
 macros over threadIdx/blockIdx.
@@ -67,8 +67,13 @@ COMMON_PRELUDE = """
 #define MAXF(a, b) ((a) > (b) ? (a) : (b))
 #define MINI(a, b) ((a) < (b) ? (a) : (b))
 #define MAXI(a, b) ((a) > (b) ? (a) : (b))
+#define MINF(a, b) ((a) < (b) ? (a) : (b))
 // A finite stand-in for -inf: exp(NEG_INF - NEG_INF) stays 1 instead of NaN, so fast math is safe.
 #define NEG_INF (-1.0e30f)
+// Logit soft-capping, cap * tanh(s / cap), as 1 - 2 / (exp(2y) + 1) on y clamped to [-9, 9] (tanh(9) is 1
+// in float32): only EXPF, so every back-end (and the stand-ins) spell it alike, and no inf under fast math.
+#define SOFTCAP(s, cap, inv_cap) \
+  ((cap) * (1.0f - 2.0f / (EXPF(2.0f * MINF(MAXF((s) * (inv_cap), -9.0f), 9.0f)) + 1.0f)))
 """
 
 METAL_PRELUDE = COMMON_PRELUDE + """

@@ -25,6 +25,17 @@ position context_lens[b] - L + i and attends causally to positions <= its own (o
 
 Block 0 is never handed to a sequence: the engine reserves it as the padding target, so a stray read of
 padding lands in memory that exists.
+
+Attention variants (keyword arguments of every paged attention implementation, and `ModelShapes` fields
+the start-up self-check builds its cases from):
+    scale                 multiplies q . k first
+    softcap: float|None   logit soft-capping (Gemma 2): scores = tanh(scores / softcap) * softcap, after the
+                          scale and before the mask, the sinks and the softmax (ModelShapes.softcap)
+    window: int|None      sliding window: query at pos sees positions > pos - window only; per layer
+                          (ModelShapes.layer_windows lists every layer's, None for full attention, so the
+                          self-check compiles and checks each distinct window's variant)
+    sinks: [Hq] | None    attention sinks (gpt-oss): one extra logit per head in the softmax, with no value
+                          (ModelShapes.sinks)
 """
 
 from __future__ import annotations
@@ -60,6 +71,20 @@ class ModelShapes:
     hidden_size: int = 0
     intermediate_size: int = 0
     vocab_size: int = 0
+    # Attention variants beyond `window` / `sinks` (see the module docstring).
+    softcap: float | None = None  # logit soft-capping (Gemma 2): scores = tanh(scores / softcap) * softcap
+    layer_windows: tuple[int | None, ...] = ()  # every layer's window (None: full attention); (): `window`
+    kv_lora_rank: int = 0  # MLA (DeepSeek V2/V3): the latent's width; 0: no MLA layers
+    qk_rope_head_dim: int = 0  # MLA: the RoPE part's width (k_pe)
+
+    @property
+    def windows(self) -> tuple[int | None, ...]:
+        """The distinct windows the model's layers attend with, in first-seen order (None: full attention)."""
+        return tuple(dict.fromkeys(self.layer_windows or (self.window,)))
+
+    @property
+    def mla(self) -> bool:
+        return self.kv_lora_rank > 0
 
     @property
     def hidden(self) -> int:
@@ -78,8 +103,13 @@ class ModelShapes:
             raise ValueError(f"num_q_heads {self.num_q_heads} is not a multiple of num_kv_heads {self.num_kv_heads}")
         if min(self.block_size, self.head_dim, self.max_batch, self.chunk, self.max_context) < 1:
             raise ValueError(f"shapes must be positive: {self}")
-        if self.window is not None and self.window < 1:
-            raise ValueError(f"window must be >= 1, got {self.window}")
+        for w in (self.window, *self.layer_windows):
+            if w is not None and w < 1:
+                raise ValueError(f"window must be >= 1, got {w}")
+        if self.softcap is not None and not self.softcap > 0:
+            raise ValueError(f"softcap must be > 0, got {self.softcap}")
+        if min(self.kv_lora_rank, self.qk_rope_head_dim) < 0 or (self.kv_lora_rank > 0) != (self.qk_rope_head_dim > 0):
+            raise ValueError(f"MLA needs both kv_lora_rank and qk_rope_head_dim (or neither): {self}")
 
 
 @dataclass(frozen=True, slots=True)

@@ -50,9 +50,9 @@ TOLERANCES: dict[mx.Dtype, tuple[float, float]] = {
 
 _MAIN_INPUTS = ("q", "k_pool", "v_pool", "block_tables", "context_lens", "sinks", "scale", "meta")
 
-# Template constants: T, D, BS, HKV, HQ, HPG, QT, NW, WINDOW (0 = none), HAS_SINKS.
-# meta (int32): [max_blocks, num_parts, part_size, L]; scale (float32): [scale]. Every input has >= 8
-# elements (see backend.int32_params), so MLX builds one variant per template tuple.
+# Template constants: T, D, BS, HKV, HQ, HPG, QT, NW, WINDOW (0 = none), HAS_SOFTCAP, HAS_SINKS.
+# meta (int32): [max_blocks, num_parts, part_size, L]; scale (float32): [scale, softcap (0 = none)]. Every
+# input has >= 8 elements (see backend.int32_params), so MLX builds one variant per template tuple.
 _MAIN_BODY = """
   constexpr int DPL = D / 32;
   constexpr int R = QT * HPG;
@@ -74,6 +74,8 @@ _MAIN_BODY = """
   const int kvh = h0 / REP;
   const int ctx = context_lens[b];
   const float sc = scale[0];
+  const float cap = scale[1];
+  const float inv_cap = HAS_SOFTCAP ? 1.0f / cap : 0.0f;
 
   // Row r = qi * HPG + hh: query qtile * QT + qi (absolute position ctx - L + i), head h0 + hh.
   int pos[QT];
@@ -134,6 +136,9 @@ _MAIN_BODY = """
         s += qv[r][e] * kf[e];
       }
       s = simd_sum(s);
+      if (HAS_SOFTCAP) {
+        s = SOFTCAP(s, cap, inv_cap);
+      }
       const bool ok = t >= lo[r / HPG] && t <= pos[r / HPG];
       const float mn = ok ? MAXF(m[r], s) : m[r];
       const float alpha = EXPF(m[r] - mn);
@@ -319,13 +324,13 @@ def paged_attention_kernel(
     scale: float,
     window: int | None = None,
     sinks: mx.array | None = None,
+    softcap: float | None = None,
 ) -> mx.array:
     """Launch the paged attention kernels on `backend` (any name in backend.FACTORIES). Shapes as the reference."""
     b, hq, length, d = q.shape
     _, bs, hkv, _ = k_pool.shape
     max_blocks = block_tables.shape[1]
-    if window is not None and window < 1:
-        raise ValueError(f"window must be >= 1, got {window}")
+    _check_variant(window, softcap)
     if k_pool.dtype != q.dtype or v_pool.dtype != q.dtype:
         raise ValueError(f"q {q.dtype} and the pools {k_pool.dtype}/{v_pool.dtype} must share a dtype")
     plan = launch_plan(backend, b, hq, hkv, length, d, max_blocks * bs)
@@ -334,10 +339,11 @@ def paged_attention_kernel(
     sinks_in = at_least_8(sinks.astype(mx.float32)) if sinks is not None else float32_params()
     tables = block_tables if block_tables.dtype == mx.int32 else block_tables.astype(mx.int32)
     lens = context_lens if context_lens.dtype == mx.int32 else context_lens.astype(mx.int32)
-    inputs = [q, k_pool, v_pool, at_least_8(tables), at_least_8(lens), sinks_in, float32_params(scale), meta]
+    inputs = [q, k_pool, v_pool, at_least_8(tables), at_least_8(lens), sinks_in, float32_params(scale, softcap or 0.0), meta]
     template = [
         ("T", q.dtype), ("D", d), ("BS", bs), ("HKV", hkv), ("HQ", hq), ("HPG", plan.hpg),
-        ("QT", plan.qt), ("NW", NUM_SIMDGROUPS), ("WINDOW", window or 0), ("HAS_SINKS", sinks is not None),
+        ("QT", plan.qt), ("NW", NUM_SIMDGROUPS), ("WINDOW", window or 0), ("HAS_SOFTCAP", softcap is not None),
+        ("HAS_SINKS", sinks is not None),
     ]  # fmt: skip
     grid = (plan.threadgroups_per_row * nt, hq // plan.hpg, b)
     if plan.num_parts == 1:
@@ -363,6 +369,13 @@ def paged_attention_kernel(
 
 
 # ---------------------------------------------------------------- reference
+def _check_variant(window: int | None, softcap: float | None) -> None:
+    if window is not None and window < 1:
+        raise ValueError(f"window must be >= 1, got {window}")
+    if softcap is not None and not softcap > 0:
+        raise ValueError(f"softcap must be > 0, got {softcap}")
+
+
 def paged_attention_ref(
     q: mx.array,
     k_pool: mx.array,
@@ -373,32 +386,61 @@ def paged_attention_ref(
     scale: float,
     window: int | None = None,
     sinks: mx.array | None = None,
+    softcap: float | None = None,
 ) -> mx.array:
     """Pure-mx paged attention: gather K/V through the tables, mask, then `mx.fast` SDPA (GQA native).
 
     Shapes: q [B, Hq, L, D]; k_pool, v_pool [num_blocks, bs, Hkv, D]; block_tables int32 [B, max_blocks];
     context_lens int32 [B]; sinks [Hq] or None -> [B, Hq, L, D] in q's dtype.
     Query i of row b sits at position context_lens[b] - L + i and sees positions <= its own
-    (and > pos - window when window is set) that the table holds. The whole table width is gathered, so
-    pass a table trimmed to the batch's longest row; reading max(context_lens) here would force a host sync
-    every layer.
+    (and > pos - window when window is set) that the table holds. softcap (Gemma 2's logit soft-capping):
+    scores = tanh(scores / softcap) * softcap after the scale, before the mask, the sinks and the softmax.
+    The whole table width is gathered, so pass a table trimmed to the batch's longest row; reading
+    max(context_lens) here would force a host sync every layer.
     """
-    if window is not None and window < 1:
-        raise ValueError(f"window must be >= 1, got {window}")
+    _check_variant(window, softcap)
     if q.shape[2] == 1:
-        return _decode_ref(q, k_pool, v_pool, block_tables, context_lens, scale, window, sinks)
+        return _decode_ref(q, k_pool, v_pool, block_tables, context_lens, scale, window, sinks, softcap)
     n = block_tables.shape[1] * k_pool.shape[1]
     keys = kv_gather_ref(k_pool, block_tables, n)  # [B, Hkv, N, D]
     values = kv_gather_ref(v_pool, block_tables, n)
     mask = attention_mask(context_lens, q.shape[2], n, window)
+    if softcap is not None:  # mx.fast SDPA has no soft-capping: the scores written out
+        return _prefill_softcap_ref(q, keys, values, mask, scale, sinks, softcap)
     if sinks is not None and sinks.dtype != q.dtype:
         sinks = sinks.astype(q.dtype)
     return mx.fast.scaled_dot_product_attention(q, keys, values, scale=scale, mask=mask, sinks=sinks)
 
 
+def _softmax_with_sinks(scores: mx.array, sinks: mx.array | None) -> mx.array:
+    """Softmax over the last axis of float32 scores [B, Hq, ..., N]; a sink is one more logit per head."""
+    if sinks is None:
+        return mx.softmax(scores, axis=-1)
+    hq = scores.shape[1]
+    sink_col = mx.broadcast_to(sinks.astype(mx.float32).reshape((1, hq) + (1,) * (scores.ndim - 2)),
+                               scores.shape[:-1] + (1,))  # fmt: skip
+    return mx.softmax(mx.concatenate([sink_col, scores], axis=-1), axis=-1)[..., 1:]
+
+
+def _prefill_softcap_ref(
+    q: mx.array, keys: mx.array, values: mx.array, mask: mx.array, scale: float, sinks: mx.array | None,
+    softcap: float,
+) -> mx.array:  # fmt: skip
+    """Soft-capped attention of q [B, Hq, L, D] over gathered K/V [B, Hkv, N, D], in float32."""
+    b, hq, length, d = q.shape
+    hkv = keys.shape[1]
+    rep = hq // hkv
+    qg = (q.astype(mx.float32) * scale).reshape(b, hkv, rep * length, d)
+    scores = (qg @ keys.astype(mx.float32).swapaxes(-1, -2)).reshape(b, hq, length, -1)  # [B, Hq, L, N]
+    scores = mx.tanh(scores / softcap) * softcap
+    scores = mx.where(mask, scores, mx.array(-mx.inf, mx.float32))
+    probs = _softmax_with_sinks(scores, sinks).reshape(b, hkv, rep * length, -1)
+    return (probs @ values.astype(mx.float32)).reshape(b, hq, length, d).astype(q.dtype)
+
+
 def _decode_ref(
     q: mx.array, k_pool: mx.array, v_pool: mx.array, block_tables: mx.array, context_lens: mx.array,
-    scale: float, window: int | None, sinks: mx.array | None,
+    scale: float, window: int | None, sinks: mx.array | None, softcap: float | None = None,
 ) -> mx.array:  # fmt: skip
     """Decode without the head-major transpose: block-diagonal queries against [B, N, Hkv * D] K/V.
 
@@ -415,13 +457,11 @@ def _decode_ref(
     slices = mx.eye(hkv, dtype=q.dtype).reshape(1, hkv, 1, hkv, 1)
     q_bd = ((q * scale).reshape(b, hkv, rep, 1, d) * slices).reshape(b, hq, hkv * d)
     scores = (q_bd @ keys.swapaxes(1, 2)).astype(mx.float32)  # [B, Hq, N]
+    if softcap is not None:
+        scores = mx.tanh(scores / softcap) * softcap
     mask = attention_mask(context_lens, 1, n, window).reshape(b, 1, n)
     scores = mx.where(mask, scores, mx.array(-mx.inf, mx.float32))
-    if sinks is not None:  # a sink is one more logit in each head's softmax, with no value
-        sink_col = mx.broadcast_to(sinks.astype(mx.float32).reshape(1, hq, 1), (b, hq, 1))
-        probs = mx.softmax(mx.concatenate([sink_col, scores], axis=-1), axis=-1)[..., 1:]
-    else:
-        probs = mx.softmax(scores, axis=-1)
+    probs = _softmax_with_sinks(scores, sinks)
     out = (probs.astype(values.dtype) @ values).reshape(b, hkv, rep, hkv, d)  # [B, group, rep, slice, D]
     out = mx.take_along_axis(out, mx.arange(hkv).reshape(1, hkv, 1, 1, 1), axis=3)
     return out.reshape(b, hq, 1, d).astype(q.dtype)
@@ -453,10 +493,12 @@ def paged_attention_metal(
     scale: float,
     window: int | None = None,
     sinks: mx.array | None = None,
+    softcap: float | None = None,
 ) -> mx.array:
     """`paged_attention` as Metal kernels. Shapes as the reference."""
     return paged_attention_kernel(
-        "metal", q, k_pool, v_pool, block_tables, context_lens, scale=scale, window=window, sinks=sinks
+        "metal", q, k_pool, v_pool, block_tables, context_lens, scale=scale, window=window, sinks=sinks,
+        softcap=softcap,
     )
 
 
@@ -470,10 +512,12 @@ def paged_attention_cuda(
     scale: float,
     window: int | None = None,
     sinks: mx.array | None = None,
+    softcap: float | None = None,
 ) -> mx.array:
     """`paged_attention` as CUDA kernels. Shapes as the reference."""
     return paged_attention_kernel(
-        "cuda", q, k_pool, v_pool, block_tables, context_lens, scale=scale, window=window, sinks=sinks
+        "cuda", q, k_pool, v_pool, block_tables, context_lens, scale=scale, window=window, sinks=sinks,
+        softcap=softcap,
     )
 
 
@@ -487,6 +531,7 @@ def paged_attention_cpu(
     scale: float,
     window: int | None = None,
     sinks: mx.array | None = None,
+    softcap: float | None = None,
 ) -> mx.array:
     """`paged_attention` as a primitive of trillm's CPU extension (kernels/cpu/paged_attention.cpp).
 
@@ -497,10 +542,9 @@ def paged_attention_cpu(
     ext = cpu_ext.load()
     if ext is None:
         raise RuntimeError(f"trillm's CPU extension is unavailable: {cpu_ext.status().reason}")
-    if window is not None and window < 1:
-        raise ValueError(f"window must be >= 1, got {window}")
+    _check_variant(window, softcap)
     out: mx.array = ext.paged_attention(q, k_pool, v_pool, block_tables, context_lens, scale=scale,
-                                        window=window or 0, sinks=sinks)
+                                        window=window or 0, sinks=sinks, softcap=softcap or 0.0)
     return out
 
 
@@ -529,7 +573,7 @@ class PagedAttentionFn(Protocol):
 
     def __call__(
         self, q: mx.array, k_pool: mx.array, v_pool: mx.array, block_tables: mx.array, context_lens: mx.array,
-        *, scale: float, window: int | None = None, sinks: mx.array | None = None,
+        *, scale: float, window: int | None = None, sinks: mx.array | None = None, softcap: float | None = None,
     ) -> mx.array: ...  # fmt: skip
 
 
@@ -544,6 +588,7 @@ def paged_attention(
     scale: float,
     window: int | None = None,
     sinks: mx.array | None = None,
+    softcap: float | None = None,
 ) -> mx.array:
     """Causal attention of q [B, Hq, L, D] over each row's cached K/V -> [B, Hq, L, D] in q's dtype.
 
@@ -554,10 +599,12 @@ def paged_attention(
     """
     kernel = None
     if k_pool.dtype == q.dtype:
-        shapes = ModelShapes(q.shape[1], k_pool.shape[2], q.shape[3], k_pool.shape[1], q.dtype, window, sinks is not None)
+        shapes = ModelShapes(q.shape[1], k_pool.shape[2], q.shape[3], k_pool.shape[1], q.dtype, window,
+                             sinks is not None, softcap=softcap)  # fmt: skip
         kernel = OP.kernel_for(kernel_backend(), shapes)
     impl: PagedAttentionFn = kernel.fn if kernel is not None else paged_attention_ref
-    return impl(q, k_pool, v_pool, block_tables, context_lens, scale=scale, window=window, sinks=sinks)
+    return impl(q, k_pool, v_pool, block_tables, context_lens, scale=scale, window=window, sinks=sinks,
+                softcap=softcap)
 
 
 # ---------------------------------------------------------------- self-check cases
@@ -566,28 +613,36 @@ CHECK_QUERIES = (1, 3)  # plus the model's prefill chunk
 CHECK_LONG_CONTEXT = 1029  # splits decode into partitions on every back-end's policy
 
 
-def _case(shapes: ModelShapes, label: str, lens: list[int], num_queries: int, seed: int) -> Case:
+def _case(shapes: ModelShapes, label: str, lens: list[int], num_queries: int, seed: int,
+          window: int | None = None) -> Case:  # fmt: skip
     batch = random_batch(shapes, lens, num_queries, seed)
     sinks = None
     if shapes.sinks:
         sinks = mx.random.normal((shapes.num_q_heads,), key=mx.random.key(seed + 1)) * 2
     args = (batch.q, batch.k_pool, batch.v_pool, batch.block_tables, batch.context_lens)
-    return Case(label, args, {"scale": shapes.head_dim**-0.5, "window": shapes.window, "sinks": sinks})
+    kwargs = {"scale": shapes.head_dim**-0.5, "window": window, "sinks": sinks, "softcap": shapes.softcap}
+    if window is not None:
+        label += f" window {window}"
+    return Case(label, args, kwargs)
 
 
 def _check_cases(shapes: ModelShapes) -> list[Case]:
-    """Every variant serving launches: decode with one and with several partitions, prefill tiles, B in {1, 9}."""
+    """Every variant serving launches: decode with one and with several partitions, prefill tiles, B in {1, 9},
+    for each window the model's layers use (the first in full; the others, each a kernel variant of its
+    own, at B = 9 only), with the model's sinks and soft-capping."""
     cases: list[Case] = []
     top = shapes.max_context
-    for num_queries in sorted({*CHECK_QUERIES, min(shapes.chunk, top)}):
-        for batch in CHECK_BATCHES:
-            for long in (False, True):
-                ladder = [num_queries + k for k in (0, 1, shapes.block_size - 1, shapes.block_size, 2 * shapes.block_size + 3)]
-                lens = [min(ladder[i % len(ladder)], top) for i in range(batch)]
-                if long:
-                    lens[-1] = min(max(CHECK_LONG_CONTEXT, num_queries), top)
-                label = f"B={batch} L={num_queries} contexts {min(lens)}..{max(lens)}"
-                cases.append(_case(shapes, label, lens, num_queries, seed=len(cases)))
+    for k, window in enumerate(shapes.windows):
+        for num_queries in sorted({*CHECK_QUERIES, min(shapes.chunk, top)}):
+            for batch in CHECK_BATCHES if k == 0 else CHECK_BATCHES[-1:]:
+                for long in (False, True):
+                    ladder = [num_queries + j for j in (0, 1, shapes.block_size - 1, shapes.block_size,
+                                                        2 * shapes.block_size + 3)]  # fmt: skip
+                    lens = [min(ladder[i % len(ladder)], top) for i in range(batch)]
+                    if long:
+                        lens[-1] = min(max(CHECK_LONG_CONTEXT, num_queries), top)
+                    label = f"B={batch} L={num_queries} contexts {min(lens)}..{max(lens)}"
+                    cases.append(_case(shapes, label, lens, num_queries, seed=len(cases), window=window))
     return cases
 
 
@@ -596,10 +651,11 @@ def _timing_cases(shapes: ModelShapes) -> list[Case]:
     top = shapes.max_context
     big = shapes.max_batch
     chunk = min(shapes.chunk, top)
+    window = None if None in shapes.windows else shapes.windows[0]  # full attention is the costlier
     return [
-        _case(shapes, "decode B=1", [min(2048, top)], 1, seed=100),
-        _case(shapes, f"decode B={big}", [min(512, top, max(1, 65536 // big))] * big, 1, seed=101),
-        _case(shapes, f"prefill L={chunk}", [min(2 * chunk, top)], chunk, seed=102),
+        _case(shapes, "decode B=1", [min(2048, top)], 1, seed=100, window=window),
+        _case(shapes, f"decode B={big}", [min(512, top, max(1, 65536 // big))] * big, 1, seed=101, window=window),
+        _case(shapes, f"prefill L={chunk}", [min(2 * chunk, top)], chunk, seed=102, window=window),
     ]
 
 

@@ -14,7 +14,7 @@ NB_MODULE(_trillm_cpu, m) {
   m.doc() = "trillm's CPU kernels as MLX primitives";
   m.def("paged_attention", &trillm_cpu::paged_attention, "q"_a, "k_pool"_a, "v_pool"_a, "block_tables"_a,
         "context_lens"_a, nb::kw_only(), "scale"_a, "window"_a = 0, "sinks"_a = nb::none(),
-        "stream"_a = nb::none(), "Paged attention over the KV pool (see trillm.kernels.paged_attention).");
+        "softcap"_a = 0.0f, "stream"_a = nb::none(), "Paged attention over the KV pool (see trillm.kernels.paged_attention).");
   m.def("rms_norm", &trillm_cpu::rms_norm, "x"_a, "weight"_a, "eps"_a, nb::kw_only(), "stream"_a = nb::none(),
         "RMSNorm over the last axis (as mx.fast.rms_norm).");
   m.def("rope", &trillm_cpu::rope, "x"_a, "dims"_a, nb::kw_only(), "traditional"_a, "base"_a, "scale"_a,

@@ -15,15 +15,16 @@ namespace trillm_cpu {
 // Paged attention over the KV pool (layout: trillm.kernels.layout), decode (L == 1) and prefill chunks
 // (L > 1) with the cached prefix, reading K/V through the block tables. Shapes as paged_attention_ref:
 // q [B, Hq, L, D]; k_pool, v_pool [num_blocks, bs, Hkv, D]; block_tables int32 [B, max_blocks];
-// context_lens int32 [B]; sinks [Hq] or none; window 0 = none -> [B, Hq, L, D] in q's dtype.
+// context_lens int32 [B]; sinks [Hq] or none; window 0 = none; softcap 0 = none (else scores =
+// softcap * tanh(scores / softcap) after the scale, before the mask) -> [B, Hq, L, D] in q's dtype.
 mx::array paged_attention(const mx::array& q, const mx::array& k_pool, const mx::array& v_pool,
                           const mx::array& block_tables, const mx::array& context_lens, float scale, int window,
-                          const std::optional<mx::array>& sinks, mx::StreamOrDevice s = {});
+                          const std::optional<mx::array>& sinks, float softcap = 0.0f, mx::StreamOrDevice s = {});
 
 class PagedAttention : public mx::Primitive {
  public:
-  PagedAttention(mx::Stream stream, float scale, int window, bool has_sinks)
-      : mx::Primitive(stream), scale_(scale), window_(window), has_sinks_(has_sinks) {}
+  PagedAttention(mx::Stream stream, float scale, int window, bool has_sinks, float softcap)
+      : mx::Primitive(stream), scale_(scale), window_(window), has_sinks_(has_sinks), softcap_(softcap) {}
 
   void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override;
   void eval_gpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override;
@@ -36,6 +37,7 @@ class PagedAttention : public mx::Primitive {
   float scale_;
   int window_;
   bool has_sinks_;
+  float softcap_;
 };
 
 // RMSNorm over the last axis: x * rsqrt(mean(x^2) + eps) * weight, as mx.fast.rms_norm.

@@ -37,6 +37,7 @@ struct AttnArgs {
   int hpi, qt, num_qtiles, num_parts;  // hpi: query heads per item (HPG, or whole KV heads' worth in decode)
   float scale;
   int window;  // 0: none
+  float softcap;  // 0: none
   const int32_t* tables;
   const int32_t* lens;
   const float* sinks;  // nullptr: none
@@ -67,12 +68,15 @@ struct RowTile {
   const float* const* krow;
   const float* const* vrow;
   int ko;  // the rows' head, as an offset into a token's span
+  float cap;  // soft-capping (0: none)
+  float inv_cap;
 };
 
 // The online-softmax update of row r from its 16 scores s (invalid lanes masked here); p gets the weights.
 inline float softmax_tile(const RowTile& t, int r, vf s, float* p_out) {
   const int qi = r / t.hpi;
   const vi valid = (t.tpos >= t.lo[qi]) & (t.tpos <= t.pos[qi]) & (t.tpos < t.t0 + t.n);
+  if (t.cap > 0.0f) s = vsoftcap(s, t.cap, t.inv_cap);
   s = valid ? s : vsplat(NEG_INF);
   const float mo = t.m[r];
   const float mn = std::max(mo, vmaxf(s));
@@ -243,7 +247,8 @@ void attn_item(const AttnArgs& a, const T* q, const T* kp, const T* vp, int item
       // Rows of one KV head go together, up to 4: each K and V vector loaded once for all of them.
       int nb = 1;
       while (nb < 4 && r0 + nb < R && kvoff[r0 + nb] == kvoff[r0]) ++nb;
-      const RowTile t{qv, acc, m, l, pos, lo, a.hpi, t0, n, tpos, krow, vrow, kvoff[r0]};
+      const RowTile t{qv, acc, m, l, pos, lo, a.hpi, t0, n, tpos, krow, vrow, kvoff[r0], a.softcap,
+                      a.softcap > 0.0f ? 1.0f / a.softcap : 0.0f};
       if constexpr (DCT > 0) {
         switch (nb) {
           case 4: rows_tile<4, DCT>(t, r0); break;
@@ -359,7 +364,7 @@ int decode_heads_per_item(int batch, int num_q_heads, int num_kv_heads, int head
 
 mx::array paged_attention(const mx::array& q, const mx::array& k_pool, const mx::array& v_pool,
                           const mx::array& block_tables, const mx::array& context_lens, float scale, int window,
-                          const std::optional<mx::array>& sinks, mx::StreamOrDevice s) {
+                          const std::optional<mx::array>& sinks, float softcap, mx::StreamOrDevice s) {
   if (q.ndim() != 4 || k_pool.ndim() != 4 || v_pool.ndim() != 4) {
     throw std::invalid_argument("[trillm paged_attention] q and the pools must be 4-D");
   }
@@ -382,6 +387,7 @@ mx::array paged_attention(const mx::array& q, const mx::array& k_pool, const mx:
     throw std::invalid_argument("[trillm paged_attention] block_tables [B, n] and context_lens [B] expected");
   }
   if (window < 0) throw std::invalid_argument("[trillm paged_attention] window must be >= 0");
+  if (!(softcap >= 0.0f)) throw std::invalid_argument("[trillm paged_attention] softcap must be >= 0 (0: none)");
   if (sinks && (sinks->ndim() != 1 || sinks->shape(0) != HQ)) {
     throw std::invalid_argument("[trillm paged_attention] sinks must be [Hq]");
   }
@@ -391,7 +397,7 @@ mx::array paged_attention(const mx::array& q, const mx::array& k_pool, const mx:
       mx::contiguous(mx::astype(block_tables, mx::int32, stream), false, stream),
       mx::contiguous(mx::astype(context_lens, mx::int32, stream), false, stream)};
   if (sinks) inputs.push_back(mx::contiguous(mx::astype(*sinks, mx::float32, stream), false, stream));
-  return mx::array(q.shape(), q.dtype(), std::make_shared<PagedAttention>(stream, scale, window, bool(sinks)),
+  return mx::array(q.shape(), q.dtype(), std::make_shared<PagedAttention>(stream, scale, window, bool(sinks), softcap),
                    std::move(inputs));
 }
 
@@ -421,6 +427,7 @@ void PagedAttention::eval_cpu(const std::vector<mx::array>& inputs, std::vector<
   a.num_qtiles = (a.L + a.qt - 1) / a.qt;
   a.scale = scale_;
   a.window = window_;
+  a.softcap = softcap_;
   a.tables = tables.data<int32_t>();
   a.lens = lens.data<int32_t>();
   a.sinks = has_sinks_ ? inputs[5].data<float>() : nullptr;
@@ -449,7 +456,7 @@ void PagedAttention::eval_gpu(const std::vector<mx::array>&, std::vector<mx::arr
 
 bool PagedAttention::is_equivalent(const mx::Primitive& other) const {
   const auto& o = static_cast<const PagedAttention&>(other);
-  return scale_ == o.scale_ && window_ == o.window_ && has_sinks_ == o.has_sinks_;
+  return scale_ == o.scale_ && window_ == o.window_ && has_sinks_ == o.has_sinks_ && softcap_ == o.softcap_;
 }
 
 }  // namespace trillm_cpu

@@ -74,6 +74,15 @@ inline vf vexp(vf x) {
   return p;
 }
 
+// cap * tanh(s / cap) for 16 lanes (logit soft-capping), as the GPU kernels' SOFTCAP: 1 - 2 / (exp(2y) + 1)
+// on y clamped to [-9, 9], where float32 tanh is already +-1.
+inline vf vsoftcap(vf s, float cap, float inv_cap) {
+  vf y = s * inv_cap;
+  y = y < vsplat(-9.0f) ? vsplat(-9.0f) : y;
+  y = y > vsplat(9.0f) ? vsplat(9.0f) : y;
+  return cap * (1.0f - 2.0f / (vexp(y + y) + 1.0f));
+}
+
 // 16 vectors -> one vector of their 16 horizontal sums (lane j = sum of in[j]), by a transpose-add tree:
 // 15 shuffle pairs for 16 dot products instead of 16 full horizontal reductions.
 inline vf vsum16(const vf* in) {

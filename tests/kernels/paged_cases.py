@@ -55,14 +55,20 @@ def make_case(
     )  # fmt: skip
 
 
-def dense_truth(case: PagedCase, *, scale: float, window: int | None, sinks: mx.array | None) -> mx.array:
-    """mx.fast SDPA in float32, one row at a time on contiguous K/V with an explicit mask."""
+def dense_truth(case: PagedCase, *, scale: float, window: int | None, sinks: mx.array | None,
+                softcap: float | None = None) -> mx.array:  # fmt: skip
+    """mx.fast SDPA in float32, one row at a time on contiguous K/V with an explicit mask; with softcap, the
+    scores written out as mlx-lm's gemma2 Attention does (scale, tanh, mask, softmax, values)."""
     outs = []
     num_queries = case.q.shape[2]
     for b, n in enumerate(case.lens):
         pos = n - num_queries + np.arange(num_queries)[:, None]
         j = np.arange(n)[None, :]
         allowed = (j <= pos) & ((j > pos - window) if window else True)
+        if softcap is not None:
+            outs.append(_gemma2_attention(case.q[b : b + 1].astype(mx.float32), mx.array(case.keys[b])[None],
+                                          mx.array(case.values[b])[None], mx.array(allowed), scale, softcap, sinks))
+            continue
         out = mx.fast.scaled_dot_product_attention(
             case.q[b : b + 1].astype(mx.float32), mx.array(case.keys[b])[None], mx.array(case.values[b])[None],
             scale=scale, mask=mx.array(allowed), sinks=None if sinks is None else sinks.astype(mx.float32),
@@ -71,7 +77,30 @@ def dense_truth(case: PagedCase, *, scale: float, window: int | None, sinks: mx.
     return mx.concatenate(outs, axis=0)
 
 
-def numpy_truth(case: PagedCase, *, scale: float, window: int | None, sinks: np.ndarray | None) -> np.ndarray:
+def _gemma2_attention(queries: mx.array, keys: mx.array, values: mx.array, mask: mx.array, scale: float,
+                     softcap: float, sinks: mx.array | None) -> mx.array:  # fmt: skip
+    """mlx_lm/models/gemma2.py Attention.__call__'s core, with an optional sink logit per head."""
+    B, n_heads, L, head_dim = queries.shape
+    n_kv_heads = keys.shape[1]
+    repeats = n_heads // n_kv_heads
+    queries = queries * scale
+    queries = queries.reshape(B, n_kv_heads, repeats, L, head_dim)
+    keys = mx.expand_dims(keys, 2)
+    values = mx.expand_dims(values, 2)
+    scores = queries @ keys.swapaxes(-1, -2)
+    scores = mx.tanh(scores / softcap)
+    scores *= softcap
+    scores = mx.where(mask, scores, mx.array(mx.finfo(scores.dtype).min, scores.dtype))
+    if sinks is not None:
+        col = mx.broadcast_to(sinks.astype(scores.dtype).reshape(1, n_kv_heads, repeats, 1, 1), scores.shape[:-1] + (1,))
+        scores = mx.softmax(mx.concatenate([col, scores], axis=-1), precise=True, axis=-1)[..., 1:]
+    else:
+        scores = mx.softmax(scores, precise=True, axis=-1)
+    return (scores @ values).reshape(B, n_heads, L, head_dim)
+
+
+def numpy_truth(case: PagedCase, *, scale: float, window: int | None, sinks: np.ndarray | None,
+                softcap: float | None = None) -> np.ndarray:  # fmt: skip
     """Float64 softmax attention written out in numpy (validates the SDPA truth's sink/window meaning)."""
     q = np.array(case.q.astype(mx.float32)).astype(np.float64)
     _, hq, num_queries, _ = q.shape
@@ -83,6 +112,8 @@ def numpy_truth(case: PagedCase, *, scale: float, window: int | None, sinks: np.
             for i in range(num_queries):
                 pos = n - num_queries + i
                 s = q[b, h, i] @ k.T * scale
+                if softcap is not None:
+                    s = np.tanh(s / softcap) * softcap
                 ok = (np.arange(n) <= pos) & ((np.arange(n) > pos - window) if window else True)
                 s = np.where(ok, s, -np.inf)
                 top = max(s.max(), sinks[h] if sinks is not None else -np.inf)

@@ -69,6 +69,26 @@ def test_paged_attention_cpu_matches_reference(ext: object, num_queries: int, bs
     _assert_close(got, want, dtype)
 
 
+@pytest.mark.parametrize("dtype", [mx.float32, mx.float16, mx.bfloat16], ids=["f32", "f16", "bf16"])
+@pytest.mark.parametrize("d, rep", [(64, 1), (64, 4), (128, 3), (96, 2)])  # 96: the any-D path
+@pytest.mark.parametrize("num_queries", [1, 6], ids=["decode", "prefill"])
+@pytest.mark.parametrize("window, with_sinks, softcap", [(None, False, 1.5), (37, True, 2.0), (None, True, 30.0)],
+                         ids=["softcap", "softcap-window-sinks", "softcap-sinks-wide"])
+def test_paged_attention_cpu_softcap(ext: object, num_queries: int, d: int, rep: int, dtype: mx.Dtype,
+                                     window: int | None, with_sinks: bool, softcap: float) -> None:  # fmt: skip
+    """Soft-capping (Gemma 2) alone and with the other variants, through the split-K partitions and reduction."""
+    case = make_case(_lens(16, num_queries, True), bs=16, hkv=2, rep=rep, d=d, num_queries=num_queries, dtype=dtype,
+                     seed=7)  # fmt: skip
+    sinks = mx.array(np.linspace(-1, 1, 2 * rep, dtype=np.float32)) if with_sinks else None
+    args = (case.q, case.k_pool, case.v_pool, case.block_tables, case.context_lens)
+    kw = dict(scale=0.3, window=window, sinks=sinks, softcap=softcap)
+    got = paged_attention_cpu(*args, **kw)  # type: ignore[arg-type]
+    _assert_close(got, paged_attention_ref(*args, **kw), dtype)  # type: ignore[arg-type]
+    if softcap < 10:  # the cap bends these scores: a kernel ignoring it would fail the comparison above
+        uncapped = paged_attention_ref(*args, scale=0.3, window=window, sinks=sinks)
+        assert float(mx.max(mx.abs(uncapped.astype(mx.float32) - got.astype(mx.float32))).item()) > 0.05
+
+
 @pytest.mark.parametrize("num_queries", [40, 70], ids=["one-tile-per-row-group", "ragged-tiles"])
 def test_paged_attention_cpu_long_prefill_chunk(ext: object, num_queries: int) -> None:
     # Query tiles of several queries x heads, a chunk crossing partitions, and a cached prefix before it.

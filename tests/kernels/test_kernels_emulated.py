@@ -34,27 +34,32 @@ def _emulator() -> None:
     kernel_emulator.install()
 
 
-# (lens, L, bs, rep, d, window, with_sinks, dtype, split)
+# (lens, L, bs, rep, d, window, with_sinks, dtype, split, softcap)
 CASES = [
-    pytest.param([16, 17, 40, 1], 1, 16, 3, 64, None, False, mx.float32, False, id="decode-gqa3-ragged"),
-    pytest.param([LONG, 32, 33], 1, 32, 4, 128, 37, True, mx.float32, True, id="decode-splitk-window-sinks"),
-    pytest.param([LONG], 1, 16, 2, 32, None, False, mx.float32, True, id="decode-splitk-batch1"),
-    pytest.param([16, 17, 23], 5, 16, 1, 64, 7, True, mx.float32, False, id="prefill-mha-window-sinks"),
-    pytest.param([LONG, 9], 2, 16, 8, 64, None, True, mx.float32, False, id="prefill-long-gqa8"),
-    pytest.param([33, 20], 4, 16, 2, 64, None, False, mx.float16, False, id="prefill-f16"),
+    pytest.param([16, 17, 40, 1], 1, 16, 3, 64, None, False, mx.float32, False, None, id="decode-gqa3-ragged"),
+    pytest.param([LONG, 32, 33], 1, 32, 4, 128, 37, True, mx.float32, True, None, id="decode-splitk-window-sinks"),
+    pytest.param([LONG], 1, 16, 2, 32, None, False, mx.float32, True, None, id="decode-splitk-batch1"),
+    pytest.param([16, 17, 23], 5, 16, 1, 64, 7, True, mx.float32, False, None, id="prefill-mha-window-sinks"),
+    pytest.param([LONG, 9], 2, 16, 8, 64, None, True, mx.float32, False, None, id="prefill-long-gqa8"),
+    pytest.param([33, 20], 4, 16, 2, 64, None, False, mx.float16, False, None, id="prefill-f16"),
+    pytest.param([16, 17, 40, 1], 1, 16, 3, 64, None, False, mx.float32, False, 1.5, id="decode-softcap"),
+    pytest.param([LONG, 32], 1, 32, 2, 64, 37, True, mx.float32, True, 2.0, id="decode-splitk-softcap-window-sinks"),
+    pytest.param([16, 17, 23], 5, 16, 2, 64, None, False, mx.float32, False, 1.5, id="prefill-softcap"),
+    pytest.param([33, 20], 4, 16, 2, 64, 9, True, mx.float16, False, 2.0, id="prefill-f16-softcap-window-sinks"),
 ]
 
 
-@pytest.mark.parametrize("lens, num_queries, bs, rep, d, window, with_sinks, dtype, split", CASES)
-def test_attention_kernel_body(lens, num_queries, bs, rep, d, window, with_sinks, dtype, split) -> None:  # type: ignore[no-untyped-def]
+@pytest.mark.parametrize("lens, num_queries, bs, rep, d, window, with_sinks, dtype, split, softcap", CASES)
+def test_attention_kernel_body(lens, num_queries, bs, rep, d, window, with_sinks, dtype, split, softcap) -> None:  # type: ignore[no-untyped-def]
     case = make_case(lens, bs=bs, hkv=1 if rep == 8 else 2, rep=rep, d=d, num_queries=num_queries, dtype=dtype)
     hq = case.q.shape[1]
     plan = launch_plan(EMU, len(lens), hq, hq // rep, num_queries, d, case.block_tables.shape[1] * bs)
     assert (plan.num_parts > 1) == split  # the split-K cases really split; prefill never does
     sinks = mx.array(np.linspace(-1.0, 1.5, hq, dtype=np.float32)) if with_sinks else None
     args = (case.q, case.k_pool, case.v_pool, case.block_tables, case.context_lens)
-    got = paged_attention_kernel(EMU, *args, scale=d**-0.5, window=window, sinks=sinks)
-    want = paged_attention_ref(*args, scale=d**-0.5, window=window, sinks=sinks)
+    scale = d**-0.5 if softcap is None else 0.3  # larger scores, so the cap bends them
+    got = paged_attention_kernel(EMU, *args, scale=scale, window=window, sinks=sinks, softcap=softcap)
+    want = paged_attention_ref(*args, scale=scale, window=window, sinks=sinks, softcap=softcap)
     tol = 1e-5 if dtype == mx.float32 else 2e-3
     np.testing.assert_allclose(np.array(got.astype(mx.float32)), np.array(want.astype(mx.float32)), atol=tol, rtol=tol)
 

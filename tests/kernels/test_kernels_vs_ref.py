@@ -39,14 +39,17 @@ def _lens(bs: int, num_queries: int, long: bool) -> list[int]:
 @pytest.mark.parametrize("rep", [1, 3, 4, 8])
 @pytest.mark.parametrize("bs", [16, 32])
 @pytest.mark.parametrize("num_queries", [1, 6], ids=["decode", "prefill"])
-@pytest.mark.parametrize("window, with_sinks, long", [(None, False, False), (None, False, True), (37, True, True)])
-def test_paged_attention_kernel(num_queries, bs, rep, d, dtype, window, with_sinks, long) -> None:  # type: ignore[no-untyped-def]
+@pytest.mark.parametrize("window, with_sinks, long, softcap", [
+    (None, False, False, None), (None, False, True, None), (37, True, True, None), (37, True, True, 2.0),
+])  # fmt: skip
+def test_paged_attention_kernel(num_queries, bs, rep, d, dtype, window, with_sinks, long, softcap) -> None:  # type: ignore[no-untyped-def]
     assert ATTENTION is not None
     case = make_case(_lens(bs, num_queries, long), bs=bs, hkv=2, rep=rep, d=d, num_queries=num_queries, dtype=dtype)
     sinks = mx.array(np.linspace(-1, 1, 2 * rep, dtype=np.float32)) if with_sinks else None
     args = (case.q, case.k_pool, case.v_pool, case.block_tables, case.context_lens)
-    want = paged_attention_ref(*args, scale=d**-0.5, window=window, sinks=sinks)
-    got = ATTENTION.fn(*args, scale=d**-0.5, window=window, sinks=sinks)
+    scale = d**-0.5 if softcap is None else 0.3  # larger scores, so the cap bends them
+    want = paged_attention_ref(*args, scale=scale, window=window, sinks=sinks, softcap=softcap)
+    got = ATTENTION.fn(*args, scale=scale, window=window, sinks=sinks, softcap=softcap)
     atol, rtol = TOLERANCES[dtype]
     np.testing.assert_allclose(np.array(got.astype(mx.float32)), np.array(want.astype(mx.float32)), atol=atol, rtol=rtol)
 

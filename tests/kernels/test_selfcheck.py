@@ -243,3 +243,48 @@ def test_command_line(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, capsys: p
     assert "check failed" in capsys.readouterr().out
     (entry,) = json.loads(out.read_text())
     assert entry["report"]["ops"][0]["failed"] is True
+
+
+VARIANTS = dataclasses.replace(SHAPES, sinks=True, softcap=2.0, layer_windows=(5, None, 5))  # Gemma-2 + gpt-oss-like
+
+
+def test_check_cases_cover_every_declared_variant() -> None:
+    cases = ATTENTION_OP.check_cases(VARIANTS)
+    windows = [c.kwargs["window"] for c in cases]
+    assert set(windows) == {5, None} and windows[0] == 5  # each layer kind's window, the first one in full
+    assert all(c.kwargs["softcap"] == 2.0 and c.kwargs["sinks"] is not None for c in cases)
+    for window in (5, None):  # decode and prefill for both
+        assert {c.args[0].shape[2] for c in cases if c.kwargs["window"] == window} == {1, 3, 8}
+    plain = ATTENTION_OP.check_cases(SHAPES)
+    assert all(c.kwargs["softcap"] is None and c.kwargs["sinks"] is None and c.kwargs["window"] is None for c in plain)
+    timed = ATTENTION_OP.timing_cases(VARIANTS)
+    assert all(c.kwargs["window"] is None for c in timed)  # full attention: the costlier layers
+
+
+@pytest.mark.parametrize("dropped", ["softcap", "window", "sinks"])
+def test_a_kernel_that_ignores_a_variant_falls_back(monkeypatch: pytest.MonkeyPatch, dropped: str) -> None:
+    def ignoring(*args: Any, **kwargs: Any) -> mx.array:
+        return paged_attention_ref(*args, **{**kwargs, dropped: None})
+
+    _install(monkeypatch, ignoring)
+    with pytest.warns(KernelFallbackWarning, match="exceeds atol"):
+        sel = select_kernels(VARIANTS, ops=(ATTENTION_OP,))
+    assert sel.report.implementation("paged_attention") == "reference"
+
+
+def test_the_cpu_primitive_passes_the_variant_check() -> None:
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", KernelFallbackWarning)
+        report = select_kernels(VARIANTS, "strict", ops=(ATTENTION_OP,), timing_iters=1).report
+    assert report.ops[0].backend == "cpu" and not report.ops[0].failed, report
+
+
+def test_the_shared_kernel_body_passes_the_variant_check_in_the_emulator(monkeypatch: pytest.MonkeyPatch) -> None:
+    kernel_emulator.install()
+    _install(monkeypatch, lambda *a, **k: paged_attention_kernel(kernel_emulator.BACKEND, *a, **k))
+    shapes = dataclasses.replace(VARIANTS, max_batch=2, max_context=140)
+    monkeypatch.setattr(selfcheck, "time_kernel", lambda *a: (0.0, 1.0))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", KernelFallbackWarning)
+        report = select_kernels(shapes, "strict", ops=(ATTENTION_OP,)).report
+    assert report.implementation("paged_attention") == "cpu", report
