@@ -28,7 +28,7 @@ import mlx.core as mx  # noqa: E402
 
 from trillm.bench.results import new_results_dir, write_meta  # noqa: E402
 from trillm.engine.fused_ops import fused_ops  # noqa: E402
-from trillm.engine.kv_cache import KVPool  # noqa: E402
+from trillm.engine.kv_cache import KVLayout, KVPool  # noqa: E402
 from trillm.engine.loader import LoadedModel, load_model  # noqa: E402
 from trillm.engine.model_runner import ModelRunner, prepare_inputs  # noqa: E402
 from trillm.engine.sampler import Sampler, SampleRow  # noqa: E402
@@ -84,8 +84,8 @@ class Setup:
         self.loaded = loaded
         self.case = case
         blocks_per_row = -(-case.context // BLOCK_SIZE)
-        self.pool = KVPool(loaded.num_layers, 1 + case.batch * blocks_per_row, BLOCK_SIZE, loaded.num_kv_heads,
-                           loaded.head_dim, loaded.dtype)
+        layout = KVLayout.uniform(loaded.num_layers, loaded.num_kv_heads, loaded.head_dim)
+        self.pool = KVPool(layout, 1 + case.batch * blocks_per_row, BLOCK_SIZE, loaded.dtype)
         for arr in self.pool.arrays():  # random K/V: timing only, but no denormals or NaN paths
             arr[...] = mx.random.normal(arr.shape).astype(arr.dtype) * 0.5
         mx.eval(*self.pool.arrays())

@@ -26,6 +26,8 @@ class EngineConfig:
     seed: int = 0  # seeds unseeded sampling
     pipeline_decode: bool = True  # queue decode step n+1 before reading step n back
     kernels: str = "auto"  # start-up kernel self-check: auto (fall back per op), strict (fail), ref (references)
+    verify_model: bool = True  # at load, compare the paged forward with mlx-lm's own (engine/model_probe.py)
+    allow_unverified_model: bool = False  # serve a model that fails that comparison anyway (loudly)
 
     def __post_init__(self) -> None:
         if self.block_size <= 0 or self.block_size & (self.block_size - 1):
@@ -60,6 +62,10 @@ _FLAGS: dict[str, tuple[str, str]] = {
     "seed": ("--engine-seed", "seed of unseeded sampling"),
     "kernels": ("--kernels", "auto: check each kernel against its reference at start, fall back per op; "
                              "strict: fail at start instead; ref: run the references only"),
+    "verify_model": ("--no-verify-model", "skip the load-time check of the paged forward against mlx-lm's own"),
+    "allow_unverified_model": ("--allow-unverified-model",
+                               "serve a model whose paged forward disagrees with mlx-lm's own (its output may be "
+                               "wrong; logged and shown in /health)"),
 }
 
 

@@ -32,3 +32,11 @@ class ModelNotFound(ModelLoadError, FileNotFoundError):
 
 class CorruptModelFile(ModelLoadError, ValueError):
     """The model file exists but cannot be read: truncated, corrupt, or an unsupported layout."""
+
+
+class UnsupportedModel(ModelLoadError, ValueError):
+    """The model loads, but the paged engine cannot serve it (yet): refused at load, in one line."""
+
+
+class UnverifiedModel(ModelLoadError, ValueError):
+    """The load-time probe found the paged forward disagreeing with mlx-lm's own forward of the same model."""

@@ -7,8 +7,12 @@ batch: per-row offsets, writes through `trillm.kernels.kv_write`, and a dense vi
 THE attention seam (the only one): `install_paged_attention(model)` rebinds `scaled_dot_product_attention`
 in the model's own modules to `paged_sdpa`, which sends paged caches to paged attention (the implementation
 the engine's start-up kernel self-check chose: a kernel, or the pure-mx reference) and everything else to
-mlx-lm's original. Without the seam the model still runs correctly on the gathered K/V and the mask; MLX's
-laziness means the unused gather costs nothing when the seam is in place.
+mlx-lm's original. The paged path is taken only when the call is provably plain attention over this layer's
+cache: the keys and values are the ones `update_and_fetch` returned, and the mask is one `make_mask` built (its
+sliding window, if any, is passed to the kernel with the layer's sinks). Any other call (a mask the model
+built itself, as MLA's RoPE scores or Llama 4's chunks; keys the model transformed after the fetch) runs
+mlx-lm's original on the dense gathered K/V with the model's own mask: slower, never wrong. MLX's laziness
+means the unused gather costs nothing when the paged path is taken.
 """
 
 from __future__ import annotations
@@ -38,33 +42,77 @@ class BatchLayout:
     num_new_tokens: int  # L
 
 
-class KVPool:
-    """Per-layer K and V pools, [num_blocks, block_size, num_kv_heads, head_dim] each."""
+@dataclass(frozen=True, slots=True)
+class LayerKV:
+    """One cached layer's K and V per token: heads x dims (MLA: one "head" of latent and one of RoPE keys)."""
 
-    def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
-                 dtype: mx.Dtype, *, kernels: KernelSelection | None = None) -> None:
-        shape = (num_blocks, block_size, num_kv_heads, head_dim)
+    num_kv_heads: int
+    k_dim: int
+    v_dim: int
+    window: int | None = None  # the layer's sliding window, where the model's own cache says so
+
+    @property
+    def elements_per_token(self) -> int:
+        return self.num_kv_heads * (self.k_dim + self.v_dim)
+
+
+@dataclass(frozen=True, slots=True)
+class KVLayout:
+    """What the pool holds per token: one `LayerKV` per cache the model makes (layers that share another
+    layer's K/V, as Gemma 4's, have none)."""
+
+    layers: tuple[LayerKV, ...]
+
+    @classmethod
+    def uniform(cls, num_layers: int, num_kv_heads: int, head_dim: int) -> KVLayout:
+        return cls((LayerKV(num_kv_heads, head_dim, head_dim),) * num_layers)
+
+    @property
+    def windows(self) -> tuple[int | None, ...]:
+        return tuple(layer.window for layer in self.layers)
+
+    def bytes_per_block(self, block_size: int, dtype: mx.Dtype) -> int:
+        return block_size * sum(layer.elements_per_token for layer in self.layers) * dtype.size
+
+
+class KVPool:
+    """Per-layer K and V pools, [num_blocks, block_size, num_kv_heads, k_dim | v_dim] each."""
+
+    def __init__(self, layout: KVLayout, num_blocks: int, block_size: int, dtype: mx.Dtype, *,
+                 kernels: KernelSelection | None = None,
+                 layer_kernels: list[KernelSelection] | None = None) -> None:
         self.block_size = block_size
+        self.kv_layout = layout
         # The attention and gather implementations the engine's self-check chose; else the dispatchers.
+        # `kernels` is the first layer's selection (its report is the engine's); layers of other shapes may
+        # have their own.
         self.kernels = kernels or unchecked()
-        self.keys = [mx.zeros(shape, dtype) for _ in range(num_layers)]
-        self.values = [mx.zeros(shape, dtype) for _ in range(num_layers)]
+        self.layer_kernels = layer_kernels or [self.kernels] * len(layout.layers)
+        self.keys = [mx.zeros((num_blocks, block_size, lay.num_kv_heads, lay.k_dim), dtype) for lay in layout.layers]
+        self.values = [mx.zeros((num_blocks, block_size, lay.num_kv_heads, lay.v_dim), dtype) for lay in layout.layers]
         mx.eval(self.keys, self.values)
         self.layout: BatchLayout | None = None
+        # The masks `make_mask` built for the current forward, by id, with their sliding window: the seam's proof
+        # that a mask is a plain causal (or windowed) one. Cleared with the layout.
+        self.masks: dict[int, tuple[mx.array, int | None]] = {}
 
     @property
     def nbytes(self) -> int:
         return sum(a.nbytes for a in self.keys) + sum(a.nbytes for a in self.values)
-
-    @staticmethod
-    def bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: mx.Dtype) -> int:
-        return 2 * num_layers * block_size * num_kv_heads * head_dim * dtype.size
 
     def caches(self) -> list[PagedKVCache]:
         return [PagedKVCache(self, i) for i in range(len(self.keys))]
 
     def arrays(self) -> list[mx.array]:
         return self.keys + self.values
+
+    def begin(self, layout: BatchLayout) -> None:
+        """Describe the next forward (call `end` after it)."""
+        self.layout = layout
+
+    def end(self) -> None:
+        self.layout = None
+        self.masks.clear()
 
 
 class PagedKVCache:
@@ -73,6 +121,7 @@ class PagedKVCache:
     def __init__(self, pool: KVPool, layer: int) -> None:
         self.pool = pool
         self.layer = layer
+        self._fetched: tuple[mx.array, mx.array] | None = None  # what update_and_fetch returned this forward
 
     @property
     def _layout(self) -> BatchLayout:
@@ -87,22 +136,24 @@ class PagedKVCache:
         return lay.uniform_offset if lay.uniform_offset is not None else lay.offsets
 
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
-        # keys, values: [B, Hkv, L, D] -> pool slots
+        # keys [B, Hkv, L, Dk], values [B, Hkv, L, Dv] -> pool slots
         B, H, L, D = keys.shape
+        Dv = values.shape[-1]
         lay = self._layout
         if L == 1:  # decode: [B, H, 1, D] is already [B, H, D] in memory; skip the transpose's copy
-            flat_k, flat_v = keys.reshape(B, H, D), values.reshape(B, H, values.shape[-1])
+            flat_k, flat_v = keys.reshape(B, H, D), values.reshape(B, H, Dv)
         else:
             flat_k = keys.transpose(0, 2, 1, 3).reshape(B * L, H, D)
-            flat_v = values.transpose(0, 2, 1, 3).reshape(B * L, H, values.shape[-1])
+            flat_v = values.transpose(0, 2, 1, 3).reshape(B * L, H, Dv)
         pool = self.pool
         pool.keys[self.layer], pool.values[self.layer] = kv_write(
             pool.keys[self.layer], pool.values[self.layer], flat_k, flat_v, lay.slot_mapping)
-        # Dense view for models that bypass the seam; lazy, so free when unused.
+        # Dense view for calls that leave the paged path; lazy, so free when unused.
         max_len = self._padded_len()
-        gather = pool.kernels.kv_gather
-        return (gather(pool.keys[self.layer], lay.block_tables, max_len),
-                gather(pool.values[self.layer], lay.block_tables, max_len))
+        gather = pool.layer_kernels[self.layer].kv_gather
+        self._fetched = (gather(pool.keys[self.layer], lay.block_tables, max_len),
+                         gather(pool.values[self.layer], lay.block_tables, max_len))
+        return self._fetched
 
     def _padded_len(self) -> int:
         bs = self.pool.block_size
@@ -116,13 +167,31 @@ class PagedKVCache:
         mask = k_pos <= q_pos
         if window_size is not None:
             mask = mask & (k_pos > q_pos - window_size)
-        return mask[:, None]
+        mask = mask[:, None]
+        self.pool.masks[id(mask)] = (mask, window_size)
+        return mask
 
-    def attend(self, queries: mx.array, *, scale: float, sinks: mx.array | None = None) -> mx.array:
+    def paged_window(self, keys: mx.array, values: mx.array, mask: Any) -> tuple[bool, int | None]:
+        """(may the paged kernel answer this call, its sliding window): only for the K/V this layer fetched
+        and no mask or one `make_mask` built."""
+        fetched = self._fetched
+        if fetched is None or keys is not fetched[0] or values is not fetched[1]:
+            return False, None
+        if mask is None:
+            return True, None
+        known = self.pool.masks.get(id(mask))
+        if known is None or known[0] is not mask:
+            return False, None
+        return True, known[1]
+
+    def attend(self, queries: mx.array, *, scale: float, sinks: mx.array | None = None, window: int | None = None,
+               **variant: Any) -> mx.array:
+        """Paged attention of `queries` [B, Hq, L, Dk] over this layer's pool. `variant`: the kernels' other
+        options (softcap)."""
         lay = self._layout
-        attention = self.pool.kernels.paged_attention
+        attention = self.pool.layer_kernels[self.layer].paged_attention
         return attention(queries, self.pool.keys[self.layer], self.pool.values[self.layer],
-                         lay.block_tables, lay.context_lens, scale=scale, sinks=sinks)
+                         lay.block_tables, lay.context_lens, scale=scale, window=window, sinks=sinks, **variant)
 
     # mlx-lm's cache protocol, for code that inspects caches.
     def is_trimmable(self) -> bool:
@@ -144,8 +213,8 @@ _SDPA = "scaled_dot_product_attention"
 
 
 class PagedSDPA:
-    """What a model module's `scaled_dot_product_attention` becomes: paged caches go to the paged kernel,
-    anything else to mlx-lm's `original`."""
+    """What a model module's `scaled_dot_product_attention` becomes: a plain call on a paged cache goes to the
+    paged kernel, anything else to mlx-lm's `original` (see the module docstring)."""
 
     def __init__(self, original: Callable[..., mx.array]) -> None:
         self.original = original
@@ -153,7 +222,9 @@ class PagedSDPA:
     def __call__(self, queries: mx.array, keys: mx.array, values: mx.array, cache: Any, scale: float,
                  mask: Any = None, sinks: mx.array | None = None, **kwargs: Any) -> mx.array:
         if isinstance(cache, PagedKVCache):
-            return cache.attend(queries, scale=scale, sinks=sinks)
+            paged, window = cache.paged_window(keys, values, mask)
+            if paged and not kwargs:
+                return cache.attend(queries, scale=scale, sinks=sinks, window=window)
         return self.original(queries, keys, values, cache=cache, scale=scale, mask=mask, sinks=sinks, **kwargs)
 
 

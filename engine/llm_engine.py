@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections import deque
@@ -16,7 +17,7 @@ from trillm.engine.admission import RequestLimits
 from trillm.engine.block_manager import BlockManager
 from trillm.engine.config import EngineConfig
 from trillm.engine.detokenizer import IncrementalDetokenizer, StopStringMatcher
-from trillm.engine.errors import InvalidRequest, ModelLoadError, UnknownRequest
+from trillm.engine.errors import InvalidRequest, ModelLoadError, UnknownRequest, UnverifiedModel
 from trillm.engine.grammar import grammar_compiler
 from trillm.engine.loader import LoadedModel
 from trillm.engine.outputs import EngineStatistics, FinishReason, RequestOutput, TokenLogprob, Usage
@@ -28,8 +29,9 @@ from trillm.engine.scheduler import Finish, SampledToken, ScheduledBatch, Schedu
 from trillm.engine.sequence import Sequence, SequenceStatus
 
 if TYPE_CHECKING:
-    from trillm.engine.kv_cache import KVPool
+    from trillm.engine.kv_cache import KVLayout, KVPool
     from trillm.engine.mock.model import MockLoadedModel
+    from trillm.engine.model_probe import ProbeResult
     from trillm.kernels.selfcheck import KernelReport
 
 _RATE_WINDOW_S = 10.0
@@ -62,30 +64,53 @@ class StepInfo:
     virtual_seconds: float | None  # a simulated runner's duration for it; None: the step's wall time
 
 
-def make_kv_pool(lm: LoadedModel, config: EngineConfig, num_blocks: int, max_model_len: int) -> KVPool:
-    """The paged KV pool for `lm`, with the kernels the start-up self-check picks for its shapes.
+def make_kv_pool(lm: LoadedModel, config: EngineConfig, num_blocks: int, max_model_len: int,
+                 layout: KVLayout | None = None) -> KVPool:
+    """The paged KV pool for `lm` (its `kv_layout` unless given), with the kernels the start-up self-check
+    picks for each distinct layer shape.
 
     Call it on the engine thread: the kernels compile (and their check runs) on the stream serving uses.
     """
     import mlx.core as mx
 
     from trillm.engine.kv_cache import KVPool
+    from trillm.engine.paged_model import kv_layout
     from trillm.kernels.layout import ModelShapes
-    from trillm.kernels.selfcheck import KernelCheckError, select_kernels
+    from trillm.kernels.kv_gather import OP as KV_GATHER
+    from trillm.kernels.paged_attention import OP as PAGED_ATTENTION
+    from trillm.kernels.selfcheck import KernelCheckError, KernelSelection, select_kernels
 
+    layout = layout or kv_layout(lm.model, lm.name)
     sinks = any(isinstance(getattr(m, "sinks", None), mx.array) for _, m in lm.model.named_modules())
+    # Gemma 2's attention soft-capping (engine/attention_variants.py): the check runs the kernel's variant too.
+    caps = {float(c) for _, m in lm.model.named_modules() if (c := getattr(m, "attn_logit_softcapping", None))}
+    softcap = max(caps) if caps else None
     args = getattr(lm.model, "args", None)  # mlx-lm's ModelArgs; 0: the kernels derive a size
-    shapes = ModelShapes(lm.num_attention_heads, lm.num_kv_heads, lm.head_dim, config.block_size, lm.dtype,
-                         sinks=sinks, max_batch=config.max_num_seqs, chunk=config.max_num_batched_tokens,
-                         max_context=max_model_len, hidden_size=int(getattr(args, "hidden_size", 0) or 0),
-                         intermediate_size=int(getattr(args, "intermediate_size", 0) or 0),
-                         vocab_size=int(getattr(args, "vocab_size", 0) or 0))  # fmt: skip
-    try:
-        kernels = select_kernels(shapes, config.kernels)
-    except KernelCheckError as exc:
-        raise ModelLoadError(f"--kernels strict: {exc}") from exc
-    return KVPool(lm.num_layers, num_blocks, config.block_size, lm.num_kv_heads, lm.head_dim, lm.dtype,
-                  kernels=kernels)  # fmt: skip
+    selections: dict[tuple[int, int, int | None], KernelSelection] = {}
+    primary: KernelSelection | None = None
+    per_layer = []
+    for layer in layout.layers:
+        # Layers whose V differs from K (MLA's latent and RoPE keys) never take the paged kernel (see
+        # kv_cache); they get the dispatchers, checked on layer 0's shapes like the rest.
+        key = (layer.num_kv_heads, layer.k_dim, layer.window) if layer.k_dim == layer.v_dim else (0, 0, None)
+        if key not in selections:
+            shapes = ModelShapes(lm.num_attention_heads, key[0] or lm.num_kv_heads, key[1] or lm.head_dim,
+                                 config.block_size, lm.dtype, window=key[2], sinks=sinks, softcap=softcap,
+                                 max_batch=config.max_num_seqs, chunk=config.max_num_batched_tokens,
+                                 max_context=max_model_len, hidden_size=int(getattr(args, "hidden_size", 0) or 0),
+                                 intermediate_size=int(getattr(args, "intermediate_size", 0) or 0),
+                                 vocab_size=int(getattr(args, "vocab_size", 0) or 0))  # fmt: skip
+            try:
+                if primary is None:
+                    selections[key] = primary = select_kernels(shapes, config.kernels)
+                else:  # the ops outside attention are checked once, on the first layer's shapes
+                    attn = select_kernels(shapes, config.kernels, ops=[PAGED_ATTENTION, KV_GATHER])
+                    selections[key] = dataclasses.replace(primary, paged_attention=attn.paged_attention,
+                                                          kv_gather=attn.kv_gather)
+            except KernelCheckError as exc:
+                raise ModelLoadError(f"--kernels strict: {exc}") from exc
+        per_layer.append(selections[key])
+    return KVPool(layout, num_blocks, config.block_size, lm.dtype, kernels=primary, layer_kernels=per_layer)
 
 
 class LLMEngine:
@@ -108,7 +133,14 @@ class LLMEngine:
         self.eos_token_ids = lm.eos_token_ids
 
         bs = config.block_size
-        per_block = 2 * lm.num_layers * bs * lm.num_kv_heads * lm.head_dim * lm.dtype.size
+        self.kv_layout: KVLayout | None = None  # a real model's caches, asked of the model (the mock has none)
+        if isinstance(lm, LoadedModel) and runner_factory is None:
+            from trillm.engine.paged_model import kv_layout
+
+            self.kv_layout = kv_layout(lm.model, lm.name)
+            per_block = self.kv_layout.bytes_per_block(bs, lm.dtype)
+        else:
+            per_block = 2 * lm.num_layers * bs * lm.num_kv_heads * lm.head_dim * lm.dtype.size
         if config.num_kv_blocks is not None:
             num_blocks = config.num_kv_blocks
         else:
@@ -127,18 +159,41 @@ class LLMEngine:
         self._inflight: Launch | None = None  # a decode step launched ahead, not read back yet
         self._requests: dict[str, _Request] = {}
         self.last_step: StepInfo | None = None
+        self._reset_statistics()
+        self.probe_result: ProbeResult | None = None  # the load-time check of the paged forward (MLX runner)
+        if self.kv_layout is not None and config.verify_model:
+            self._verify_model()
+
+    def _verify_model(self) -> None:
+        from trillm.engine.model_probe import probe
+
+        result = probe(self)
+        self._reset_statistics()  # the probe's requests are nobody's traffic
+        if not result.verified:
+            message = f"{self.model_name}: the paged forward disagrees with mlx-lm's own forward: {result.detail}"
+            if not self.config.allow_unverified_model:
+                raise UnverifiedModel(message + " (--allow-unverified-model serves it anyway)")
+            result = dataclasses.replace(result, allowed_anyway=True)
+            log.warning("%s; serving it anyway (--allow-unverified-model): its output may be wrong", message)
+        else:
+            log.info("%s: paged forward verified against mlx-lm's own (%s, %.2f s)", self.model_name, result.detail,
+                     result.seconds)
+        self.probe_result = result
+
+    def _reset_statistics(self) -> None:
         self._num_steps = 0
         self._num_prompt_tokens = 0
         self._num_generation_tokens = 0
         self._recent: deque[tuple[float, int, int]] = deque()  # (time, prompt tokens, generated tokens)
         self._recent_sums = [0, 0]  # running sums over _recent, so statistics() is O(1)
+        self.block_manager.num_queried_tokens = self.block_manager.num_hit_tokens = 0
 
     def _mlx_runner(self, num_blocks: int) -> Runner:
         from trillm.engine.model_runner import ModelRunner
         from trillm.engine.sampler import Sampler
 
         assert isinstance(self.loaded, LoadedModel), "the MLX runner needs a loaded model"
-        pool = make_kv_pool(self.loaded, self.config, num_blocks, self.max_model_len)
+        pool = make_kv_pool(self.loaded, self.config, num_blocks, self.max_model_len, self.kv_layout)
         self.kernel_report = pool.kernels.report
         # Padded embeddings (more logits than tokens) must never yield an id the tokenizer cannot decode.
         return ModelRunner(self.loaded.model, pool, Sampler(self.config.seed, vocab_size=self.tokenizer.vocab_size))

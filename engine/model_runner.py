@@ -10,9 +10,11 @@ from typing import Any, cast
 import mlx.core as mx
 import mlx.nn as nn
 
+from trillm.engine.attention_variants import install_attention_variants
 from trillm.engine.fused_ops import fused_ops, install_fused_ops
 from trillm.engine.kv_cache import BatchLayout, KVPool, install_paged_attention
 from trillm.engine.outputs import TokenLogprob
+from trillm.engine.paged_model import ModelHead
 from trillm.engine.prompt_logprobs import PendingScores, ScoredSpan, score, scored_span
 from trillm.engine.runner import Launch, RowsFn
 from trillm.engine.sampler import LazySample, Sampler
@@ -86,8 +88,9 @@ class ModelRunner:
         self.caches = pool.caches()
         self.sampler = sampler
         self.patched_modules = install_paged_attention(model)
+        self.attention_variants = install_attention_variants(model)  # layers that write their scores out
         self.fused_ops = install_fused_ops(model)  # linear, RMSNorm, RoPE, SwiGLU through trillm.kernels
-        self._inner: Any = getattr(model, "model", None)  # mlx-lm's decoder stack, for last-position-only logits
+        self.head = ModelHead(model)  # the model's own tail, on the last positions only
 
     def prepare_decode(self, seqs: list[Sequence], tokens: mx.array | None = None) -> ForwardInputs:
         # tokens: [B, 1], each row's one pending token (from the host, or the previous step's lazy samples).
@@ -102,38 +105,19 @@ class ModelRunner:
 
     def forward(self, inputs: ForwardInputs) -> mx.array:
         """Logits [B, V] at each row's last real position (and, if asked, `inputs.hidden`)."""
-        self.pool.layout = inputs.layout
-        rows = mx.arange(inputs.tokens.shape[0])
+        self.pool.begin(inputs.layout)
         with fused_ops(self.pool.kernels):
             try:
-                if self._inner is not None and self._can_split_head():
-                    h = self._inner(inputs.tokens, cache=self.caches)
-                    if inputs.keep_hidden:
-                        inputs.hidden = h
-                    # decode: [B, 1, D] -> [B, D] is a view; prefill rows need their own last positions
-                    last = h[:, 0, :] if h.shape[1] == 1 else h[rows, inputs.last_index]
-                    return self._head(last)
-                logits: mx.array = self.model(inputs.tokens, cache=self.caches)
+                logits, hidden = self.head.forward(inputs.tokens, self.caches, inputs.last_index)
                 if inputs.keep_hidden:
-                    inputs.hidden = logits
-                return logits[rows, inputs.last_index]
+                    inputs.hidden = hidden
+                return logits
             finally:
-                self.pool.layout = None
+                self.pool.end()
 
     def position_logits(self, hidden: mx.array) -> mx.array:
-        """Logits of hidden states that `forward` left in `ForwardInputs.hidden`."""
-        return self._head(hidden) if self._inner is not None and self._can_split_head() else hidden
-
-    def _can_split_head(self) -> bool:
-        return hasattr(self.model, "lm_head") or hasattr(self._inner, "embed_tokens")
-
-    def _head(self, h: mx.array) -> mx.array:
-        # mlx-lm applies lm_head to every position; a prefill chunk only needs the last one.
-        if hasattr(self.model, "lm_head"):
-            out: mx.array = self.model.lm_head(h)
-        else:
-            out = self._inner.embed_tokens.as_linear(h)
-        return out
+        """Logits of hidden states that `forward` left in `ForwardInputs.hidden`: the model's own tail."""
+        return self.head.logits(hidden)
 
     def launch(self, batch: ScheduledBatch, rows: RowsFn, check_abort: Callable[[], None] | None = None, *,
                after: Launch | None = None) -> Launch:

@@ -31,7 +31,7 @@ import numpy as np
 
 from trillm.engine.config import EngineConfig
 from trillm.engine.distributed import TensorParallelError, TensorParallelGroup
-from trillm.engine.kv_cache import BatchLayout, KVPool
+from trillm.engine.kv_cache import BatchLayout, KVLayout, KVPool
 from trillm.engine.llm_engine import LLMEngine, make_kv_pool
 from trillm.engine.loader import LoadedModel, load_model
 from trillm.engine.model_runner import ForwardInputs, ModelRunner
@@ -348,7 +348,9 @@ class TensorParallelEngine:
                 self.channel.gather([num_blocks, max_model_len])
             except RuntimeError as exc:
                 raise self.tp.error(exc) from exc
-            self._pool = make_kv_pool(lm, self.config, num_blocks, max_model_len)
+            # Every rank's layout from its shard's facts: asking the model would run its collectives alone.
+            layout = KVLayout.uniform(lm.num_layers, lm.num_kv_heads, lm.head_dim)
+            self._pool = make_kv_pool(lm, self.config, num_blocks, max_model_len, layout)
         sampler = Sampler(self.config.seed, vocab_size=lm.tokenizer.vocab_size)  # never an id past the vocabulary
         return TensorParallelRunner(lm.model, self._pool, sampler, self.channel)
 

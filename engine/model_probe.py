@@ -1,0 +1,132 @@
+"""Never silently wrong: at load, the engine's paged forward is compared with mlx-lm's own forward of the same
+model object with its own caches.
+
+A few prompts of ragged lengths (one longer than every sliding window, up to a cap) run through the engine
+itself: batched, with prompt logprobs and a few greedy tokens each, then the first one again alone (a prefix
+cache hit). mlx-lm's forward, teacher-forced on the same tokens, gives the reference log-probabilities of every
+prompt token and every generated one. A model whose paged forward disagrees is refused (`UnverifiedModel`) in
+one line naming the first disagreement, unless the operator allows it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from dataclasses import asdict, dataclass
+from typing import TYPE_CHECKING, Any
+
+import mlx.core as mx
+import numpy as np
+
+from trillm.engine.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from trillm.engine.llm_engine import LLMEngine
+
+PROBE_SALT = "trillm-load-probe"  # keeps the probe's blocks apart from every request's prefix-cache entries
+DECODE_TOKENS = 6
+MAX_PROBE_LEN = 1100  # covers Gemma 3's 1024-token window; longer windows are checked up to here only
+# |logprob difference| allowed, by compute dtype: kernels and fused ops reorder sums, nothing more.
+TOLERANCE = {mx.float32: 2e-2, mx.float16: 0.25, mx.bfloat16: 0.35}
+
+
+@dataclass(frozen=True, slots=True)
+class ProbeResult:
+    """What `/health` reports of the load-time probe."""
+
+    verified: bool
+    detail: str  # one line: what was compared, or the first disagreement
+    max_logprob_diff: float
+    tokens_compared: int
+    prompt_lengths: tuple[int, ...]
+    seconds: float
+    allowed_anyway: bool = False
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def probe_prompts(engine: LLMEngine) -> list[list[int]]:
+    """Deterministic prompts of ordinary (non-special) token ids: short, past two blocks, past every window."""
+    tok = engine.tokenizer
+    special = set(engine.eos_token_ids) | set(getattr(tok, "all_special_ids", ()) or ())
+    ids = np.random.default_rng(1234).permutation(min(tok.vocab_size, engine.limits.vocab_size))
+    ordinary = [int(i) for i in ids if int(i) not in special][:4096]
+    bs = engine.config.block_size
+    windows = [w for w in (engine.kv_layout.windows if engine.kv_layout else ()) if w]
+    cap = min(MAX_PROBE_LEN, engine.max_model_len - DECODE_TOKENS - 1)
+    lengths = [min(5, cap), min(2 * bs + 3, cap)]
+    if windows:
+        lengths.append(min(max(windows) + bs + 3, cap))
+    return [[ordinary[(7 * n + 13 * j) % len(ordinary)] for j in range(n)] for n in lengths]
+
+
+def reference_logprobs(model: Any, prompt: list[int], generated: list[int], vocab_size: int | None = None) -> np.ndarray:
+    """mlx-lm's own forward with its own caches: log-probabilities [len(prompt) + len(generated) - 1, V], row i
+    after token i (the prompt in one call, then each generated token alone, as its generate does), over the
+    first `vocab_size` logits when given, as trillm's sampler sees them (padded embedding rows are never
+    sampled; prompt logprobs score every row)."""
+    from mlx_lm.models.cache import make_prompt_cache
+
+    cache = make_prompt_cache(model)
+    rows = [model(mx.array([prompt]), cache=cache)[0]]
+    for t in generated[:-1]:
+        rows.append(model(mx.array([[t]]), cache=cache)[0])
+    logits = mx.concatenate(rows, axis=0)[:, :vocab_size].astype(mx.float32)  # [:, :None] is all of it
+    out = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+    return np.array(out)
+
+
+def probe(engine: LLMEngine) -> ProbeResult:
+    t0 = time.perf_counter()
+    prompts = probe_prompts(engine)
+    from trillm.engine.loader import LoadedModel
+
+    lm = engine.loaded
+    assert isinstance(lm, LoadedModel), "the probe compares a real model"
+    tol = TOLERANCE.get(lm.dtype, 0.35)
+    params = SamplingParams(max_tokens=DECODE_TOKENS, temperature=0.0, ignore_eos=True, logprobs=True,
+                            prompt_logprobs=0, skip_special_tokens=False, cache_salt=PROBE_SALT)
+    batched = engine.generate(prompts, params)
+    # Alone, its full blocks from the prefix cache (which prompt logprobs bypass).
+    alone = engine.generate(prompts[:1], dataclasses.replace(params, prompt_logprobs=None))
+    worst, compared, failure = 0.0, 0, ""
+    for label, prompt, out in [("batched", p, o) for p, o in zip(prompts, batched)] + [("cached", prompts[0], alone[0])]:
+        if out.error:
+            return _result(False, f"the paged forward failed ({label}, {len(prompt)} tokens): {out.error}", worst,
+                           compared, prompts, t0)
+        generated = list(out.new_token_ids)
+        full = reference_logprobs(lm.model, prompt, generated)
+        sampled = reference_logprobs(lm.model, prompt, generated, engine.tokenizer.vocab_size)
+        # row i - 1 of ref predicts prompt token i; row n - 1 + j predicts generated token j
+        n = len(prompt)
+        pairs: list[tuple[str, int, float, int, np.ndarray]] = []  # (what, token, trillm's logprob, row, reference)
+        for i, lp in enumerate(out.prompt_logprobs or ()):
+            if lp is not None:
+                pairs.append((f"prompt token {i}", lp.token_id, lp.logprob, i - 1, full))
+        for j, lp in enumerate(out.logprobs or ()):
+            pairs.append((f"generated token {j}", lp.token_id, lp.logprob, n - 1 + j, sampled))
+        for what, token, got, row, ref in pairs:
+            if row < 0 or row >= ref.shape[0]:
+                continue
+            want = float(ref[row, token])
+            diff = abs(got - want)
+            compared += 1
+            if diff > worst:
+                worst = diff
+            if diff > tol and not failure:
+                failure = (f"{label} prompt of {len(prompt)} tokens, {what}: logprob {got:.4f} vs mlx-lm's "
+                           f"{want:.4f}")
+            if what.startswith("generated") and not failure:
+                best = int(ref[row].argmax())
+                if best != token and float(ref[row, best]) - want > tol:
+                    failure = (f"{label} prompt of {len(prompt)} tokens, {what}: greedy picked {token}, "
+                               f"mlx-lm's forward ranks {best} first by {float(ref[row, best]) - want:.3f}")
+    if failure:
+        return _result(False, failure, worst, compared, prompts, t0)
+    return _result(True, f"{compared} logprobs within {tol:g} of mlx-lm's own forward", worst, compared, prompts, t0)
+
+
+def _result(ok: bool, detail: str, worst: float, compared: int, prompts: list[list[int]], t0: float) -> ProbeResult:
+    return ProbeResult(ok, detail, round(worst, 6), compared, tuple(len(p) for p in prompts),
+                       round(time.perf_counter() - t0, 3))

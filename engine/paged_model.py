@@ -1,0 +1,156 @@
+"""What the engine needs of a real mlx-lm model, asked of the model itself rather than re-implemented per family.
+
+- `kv_layout(model)`: the caches the model makes (`make_cache`, as mlx-lm's generate uses) and the K/V shape
+  each holds per token, read off one token run through the model with its own caches. Cache kinds the paged
+  pool cannot stand in for (recurrent state, chunked or quantized caches) refuse the model in one line.
+- `ModelHead`: runs the model's own `__call__` with its decoder stack (the module holding `layers`) wrapped,
+  so that only the positions the engine needs reach the model's own tail: whatever head it has (`lm_head`,
+  `output`, a tied embedding) and whatever it applies to the final logits (soft-capping, logit scaling).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from trillm.engine.errors import UnsupportedModel
+from trillm.engine.kv_cache import KVLayout, LayerKV
+
+# Where mlx-lm's Model classes keep their decoder stack (Gemma 3's multimodal wrapper nests a text Model).
+_STACK_NAMES = ("model", "language_model", "transformer", "backbone")
+
+
+@dataclass(frozen=True, slots=True)
+class DecoderStack:
+    parent: nn.Module
+    key: str
+    stack: nn.Module
+
+
+def decoder_stack(model: nn.Module) -> DecoderStack | None:
+    """The module holding the decoder `layers` that `model.__call__` runs, and where it hangs."""
+    parent = model
+    for _ in range(3):
+        child = next((parent[k] for k in _STACK_NAMES if isinstance(parent.get(k), nn.Module)), None)
+        if child is None:
+            return None
+        key = next(k for k in _STACK_NAMES if parent.get(k) is child)
+        if "layers" in child:
+            return DecoderStack(parent, key, child)
+        parent = child
+    return None
+
+
+class _StackProxy(nn.Module):
+    """Stands in for the decoder stack during one call of the model: runs it (or returns given hidden states)
+    and hands the model's tail only the positions asked for. Attributes fall through to the real stack (a tied
+    head reads `embed_tokens`)."""
+
+    def __init__(self, stack: nn.Module, select: Any = None, given: mx.array | None = None) -> None:
+        super().__init__()
+        object.__setattr__(self, "_stack", stack)
+        object.__setattr__(self, "_select", select)  # callable h -> h at the positions the engine needs
+        object.__setattr__(self, "_given", given)
+        object.__setattr__(self, "hidden", None)  # the stack's whole output, after the call
+
+    def __getattr__(self, key: str) -> Any:
+        return getattr(object.__getattribute__(self, "_stack"), key)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        given = object.__getattribute__(self, "_given")
+        h = given if given is not None else object.__getattribute__(self, "_stack")(*args, **kwargs)
+        object.__setattr__(self, "hidden", h)
+        select = object.__getattribute__(self, "_select")
+        return select(h) if select is not None and isinstance(h, mx.array) else h
+
+
+class ModelHead:
+    """The model's forward with its own tail applied to selected positions only (see the module docstring)."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.model = model
+        self.stack = decoder_stack(model)
+
+    def forward(self, tokens: mx.array, caches: list[Any], last_index: mx.array | None) -> tuple[mx.array, mx.array | None]:
+        """(logits [B, V] at each row's `last_index` (decode: the only position), and what `logits` turns into
+        every position's logits: the stack's whole output [B, L, D], or, for a model whose stack the engine cannot
+        find, those logits [B, L, V] themselves)."""
+        B, L = tokens.shape
+        rows = mx.arange(B)
+
+        def last(h: mx.array) -> mx.array:
+            return h if h.shape[1] == 1 else h[rows, last_index][:, None]
+
+        if self.stack is not None:
+            proxy = _StackProxy(self.stack.stack, select=last)
+            out = self._call(proxy, tokens, caches)
+            if proxy.hidden is not None:
+                return out.reshape(B, out.shape[-1]), proxy.hidden
+            self.stack = None  # the model's call never went through the stack's attribute: logits of every position
+        else:
+            out = self.model(tokens, cache=caches)
+        return (out[:, -1] if L == 1 else out[rows, last_index]), out
+
+    def logits(self, hidden: mx.array) -> mx.array:
+        """The model's tail on hidden states the stack produced ([..., L, D] -> [..., L, V])."""
+        if self.stack is None:
+            return hidden  # a model without a separable stack left its logits there (see `forward`)
+        shape = hidden.shape
+        h = hidden.reshape(-1, shape[-2], shape[-1])
+        proxy = _StackProxy(self.stack.stack, given=h)
+        out = self._call(proxy, mx.zeros(h.shape[:2], mx.int32), None)
+        return out.reshape(*shape[:-1], out.shape[-1])
+
+    def _call(self, proxy: _StackProxy, tokens: mx.array, caches: list[Any] | None) -> mx.array:
+        parent, key = self.stack.parent, self.stack.key  # type: ignore[union-attr]
+        real = parent[key]
+        parent[key] = proxy
+        try:
+            out: mx.array = self.model(tokens, cache=caches)
+        finally:
+            parent[key] = real
+        return out
+
+
+# ---- the KV layout -------------------------------------------------------------------------------------------
+
+_PAGEABLE = ("KVCache", "RotatingKVCache")
+_WHY = {
+    "ArraysCache": "recurrent layers (linear attention / state-space state)",
+    "MambaCache": "recurrent layers (state-space state)",
+    "ChunkedKVCache": "chunked attention (Llama 4 style)",
+    "QuantizedKVCache": "a quantized KV cache",
+    "CacheList": "layers with several caches each (hybrid or compressed attention)",
+}
+
+
+def make_model_cache(model: nn.Module) -> list[Any]:
+    from mlx_lm.models.cache import make_prompt_cache
+
+    return list(make_prompt_cache(model))
+
+
+def kv_layout(model: nn.Module, name: str = "model") -> KVLayout:
+    """One `LayerKV` per cache the model makes, from one token run with the model's own caches."""
+    caches = make_model_cache(model)
+    for i, c in enumerate(caches):
+        kind = type(c).__name__
+        if kind not in _PAGEABLE:
+            why = _WHY.get(kind, f"its {kind} caches")
+            raise UnsupportedModel(f"{name}: not supported yet: layer {i} uses {why}, which the paged engine does "
+                                   f"not serve")
+        if kind == "RotatingKVCache" and (getattr(c, "keep", None) or 0) > 0:
+            raise UnsupportedModel(f"{name}: not supported yet: layer {i} keeps {c.keep} sink tokens in a rotating "
+                                   f"cache")
+    model(mx.zeros((1, 1), mx.int32), cache=caches)
+    layers = []
+    for i, c in enumerate(caches):
+        if c.keys is None:
+            raise UnsupportedModel(f"{name}: not supported yet: cache {i} is never written")
+        _, h, _, dk = c.keys.shape
+        window = int(c.max_size) if type(c).__name__ == "RotatingKVCache" else None
+        layers.append(LayerKV(int(h), int(dk), int(c.values.shape[-1]), window))
+    return KVLayout(tuple(layers))
