@@ -24,6 +24,7 @@ from trillm.bench.results import int_list, new_results_dir, write_meta
 from trillm.kernels.backend import kernel_backend
 from trillm.kernels.kv_gather import kv_gather, kv_gather_ref
 from trillm.kernels.kv_write import kv_write_ref
+from trillm.kernels.layout import ModelShapes
 from trillm.kernels.paged_attention import KERNELS as ATTENTION_KERNELS
 from trillm.kernels.paged_attention import paged_attention_ref
 
@@ -66,6 +67,27 @@ def device_peak(override: float | None) -> tuple[str, float]:
     return "cpu (measured read, all cores)", memory_bandwidth_gbs()
 
 
+def memory_budget_bytes() -> int | None:
+    """Half the GPU's memory as MLX reports it (Metal: the recommended working set; CUDA: free, else total
+    memory), or None off the GPU / when MLX says nothing. The defaults' largest point (B=64 x 32k, llama8b
+    f16: 8 GiB of K/V, ~4x that with the gathered copies) would not fit a 16-24 GB Mac."""
+    if mx.default_device() != mx.gpu or not hasattr(mx, "device_info"):
+        return None
+    info = mx.device_info()
+    for key in ("max_recommended_working_set_size", "free_memory", "total_memory", "memory_size"):
+        if isinstance(value := info.get(key), int) and value > 0:
+            return value // 2
+    return None
+
+
+def point_bytes(batch: int, ctx: int, shape: tuple[int, int, int, int], bs: int, dtype: mx.Dtype) -> int:
+    """Peak bytes of one attention point: the K/V pool, the gathered K/V kept for SDPA, and the gather that
+    gather_plus_sdpa makes while those are alive (3 copies of K+V) plus slack for the outputs."""
+    _, hkv, d, _ = shape
+    kv = 2 * batch * (-(-ctx // bs) * bs) * hkv * d * dtype.size
+    return 4 * kv
+
+
 def make_pool(batch: int, ctx: int, hq: int, hkv: int, d: int, bs: int, dtype: mx.Dtype) -> dict[str, Any]:
     """A pool holding `batch` rows of `ctx` tokens in shuffled blocks, plus a decode query."""
     blocks = -(-ctx // bs)
@@ -88,7 +110,8 @@ def bench_attention(
     kv_bytes = 2 * batch * ctx * hkv * d * dtype.size
     row: dict[str, Any] = dict(batch=batch, context=ctx, kv_mb=round(kv_bytes / 2**20, 2))
     timings = {"reference": lambda: paged_attention_ref(*args, scale=d**-0.5)}
-    if (kernel := ATTENTION_KERNELS.get(kernel_backend() or "")) is not None:
+    kernel = ATTENTION_KERNELS.get(kernel_backend() or "")
+    if kernel is not None and kernel.supports(ModelShapes(hq, hkv, d, bs, dtype)) is None:
         timings["kernel"] = lambda: kernel.fn(*args, scale=d**-0.5)
     keys = kv_gather_ref(p["k_pool"], p["block_tables"], ctx)
     values = kv_gather_ref(p["v_pool"], p["block_tables"], ctx)
@@ -167,6 +190,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--iters", type=int, default=10 if gpu else 5)
     parser.add_argument("--peak-gbs", type=float, default=None, help="override the peak memory bandwidth")
     parser.add_argument("--results", type=Path, default=Path("results"), help="results root folder")
+    parser.add_argument("--no-decode-step", action="store_true", help="CPU: skip the references' decode-step cost")
+    parser.add_argument("--max-bytes", type=int, default=None,
+                        help="skip points needing more memory than this (default: half the GPU's, see memory_budget_bytes)")
     args = parser.parse_args(argv)
     if args.full:
         args.contexts, args.batches = [512, 1024, 2048, 4096, 8192, 16384, 32768], [1, 4, 8, 16, 32, 64]
@@ -179,9 +205,16 @@ def main(argv: list[str] | None = None) -> int:
     result: dict[str, Any] = dict(device=device, peak_gbs=peak, backend=kernel_backend(), shape=args.shape,
                                   dtype=args.dtype, block_size=args.block_size, attention=[])  # fmt: skip
     print(f"{'B':>3} {'ctx':>6} {'KV MB':>8} | " + " | ".join(f"{n:>24}" for n in ("reference", "kernel", "sdpa_on_gathered", "gather_plus_sdpa")))
+    budget = args.max_bytes or memory_budget_bytes()
+    result["memory_budget_bytes"] = budget
+    result["skipped_for_memory"] = []
     for ctx in args.contexts:
         for batch in args.batches:
             if batch * ctx > args.max_tokens:
+                continue
+            if budget is not None and (need := point_bytes(batch, ctx, shape, args.block_size, dtype)) > budget:
+                print(f"{batch:>3} {ctx:>6} skipped: needs ~{need / 2**30:.1f} GiB, the budget is {budget / 2**30:.1f} GiB")
+                result["skipped_for_memory"].append(dict(batch=batch, context=ctx, bytes=need))
                 continue
             row = bench_attention(batch, ctx, shape, args.block_size, dtype, args.iters, peak)
             result["attention"].append(row)
@@ -194,7 +227,7 @@ def main(argv: list[str] | None = None) -> int:
     result["kv_write"] = bench_kv_write(50, hkv, d, args.block_size, 64, args.iters)
     print(f"kv_write 64 tokens into a 50 MB pool: in place {result['kv_write']['in_place_ms']} ms, "
           f"with a live reference (copy) {result['kv_write']['with_live_reference_ms']} ms")
-    if not gpu:
+    if not gpu and not args.no_decode_step:
         result["decode_step"] = [
             bench_decode_step(SHAPES["smollm2"], args.block_size, b, c, max(2, args.iters // 2))
             for b, c in ((1, 512), (8, 512), (8, 2048), (32, 1024))
