@@ -16,7 +16,7 @@ from trillm.web import anthropic_api, responses_api
 from trillm.web.anthropic_schema import CountTokensRequest, MessagesRequest
 from trillm.web.config import ServerConfig
 from trillm.web.generation import ModelRegistry, prepare_generation, start_generation
-from trillm.web.http import event_stream_response, json_body, json_response, started
+from trillm.web.http import body_work, event_stream_response, json_body, json_response, large_body, started
 from trillm.web.responses_schema import ResponsesRequest
 from trillm.web.sse import event_stream
 from trillm.web.stream import GenerationHandle
@@ -55,7 +55,8 @@ def register_agent_apis(app: QuartTrio, registry: ModelRegistry, config: ServerC
         body = await json_body(MessagesRequest)
         service = registry.select(body.model)
         fit = FitMaxTokens(body.max_tokens)
-        req, handle, _ = await start_generation(service, anthropic_api.chat_body(body), config, adjust=fit)
+        chat = await body_work(lambda: anthropic_api.chat_body(body))
+        req, handle, _ = await start_generation(service, chat, config, adjust=fit, large=await large_body())
         translator = anthropic_api.MessageTranslator(
             model=req.model, prompt_tokens=len(req.prompt_token_ids), stop_sequences=body.stop_sequences,
             context_limited=fit.context_limited(req, config.limits.max_tokens_limit))
@@ -70,7 +71,8 @@ def register_agent_apis(app: QuartTrio, registry: ModelRegistry, config: ServerC
     async def count_tokens() -> Response:
         body = await json_body(CountTokensRequest)
         service = registry.select(body.model)
-        req, _ = await prepare_generation(service, anthropic_api.chat_body(body), config)
+        chat = await body_work(lambda: anthropic_api.chat_body(body))
+        req, _ = await prepare_generation(service, chat, config, large=await large_body())
         return json_response({"input_tokens": len(req.prompt_token_ids)})
 
     @app.post("/v1/responses")
@@ -78,7 +80,8 @@ def register_agent_apis(app: QuartTrio, registry: ModelRegistry, config: ServerC
         body = await json_body(ResponsesRequest)
         service = registry.select(body.model)
         fit = FitMaxTokens(body.max_output_tokens)
-        req, handle, _ = await start_generation(service, responses_api.chat_body(body), config, adjust=fit)
+        chat = await body_work(lambda: responses_api.chat_body(body))
+        req, handle, _ = await start_generation(service, chat, config, adjust=fit, large=await large_body())
         translator = responses_api.ResponseTranslator(body, model=req.model, prompt_tokens=len(req.prompt_token_ids))
         parser = ChoiceParser(req.parsing)
         if body.stream:

@@ -19,7 +19,7 @@ from trillm.web.agent_routes import AGENT_ROUTES, anthropic_path, register_agent
 from trillm.web.anthropic_api import anthropic_error
 from trillm.web.config import ServerConfig
 from trillm.web.errors import APIError, to_api_error
-from trillm.web.http import event_stream_response, json_body, json_response, started
+from trillm.web.http import event_stream_response, json_body, json_response, large_body, started
 from trillm.web.generation import ModelRegistry, any_tokenizer, off_thread, start_generation
 from trillm.web.metrics import render_kernel_metrics, render_metrics
 from trillm.web.playground import register_playground
@@ -132,7 +132,7 @@ def create_app(services: Sequence[EngineService], config: ServerConfig = ServerC
         body: ChatCompletionRequest | CompletionRequest = (
             await json_body(ChatCompletionRequest) if kind == "chat" else await json_body(CompletionRequest))
         service = registry.select(body.model)
-        req, handle, tokenizer = await start_generation(service, body, config)
+        req, handle, tokenizer = await start_generation(service, body, config, large=await large_body())
         builder = ResponseBuilder(req, handle.request_ids, tokenizer)
         if req.stream:
             return event_stream_response(await started(sse_stream(handle, builder, keepalive_s=config.sse_keepalive_s)))

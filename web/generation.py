@@ -84,10 +84,11 @@ async def off_thread(fn: Callable[[], T]) -> T:
 
 async def prepare_generation(
     service: EngineService, body: ChatCompletionRequest | CompletionRequest, config: ServerConfig, *,
-    adjust: Callable[[GenerationRequest], GenerationRequest] | None = None,
+    adjust: Callable[[GenerationRequest], GenerationRequest] | None = None, large: bool = False,
 ) -> tuple[GenerationRequest, TokenizerLike]:
     """Load the model if need be, then parse `body` for it; `adjust` may change the parsed request (once its
-    prompt length is known)."""
+    prompt length is known). `large`: the body was large (its size guard, template and tokenizer run off the
+    event loop whatever it turns out to hold)."""
     await service.ensure_loaded()
     tokenizer = ready_tokenizer(service)
     limits = service.limits
@@ -99,18 +100,19 @@ async def prepare_generation(
         return req if adjust is None else adjust(req)
 
     # Compiling a grammar takes milliseconds (the first one for a tokenizer, about a second): off the loop.
-    slow = prompt_bytes(body) > OFF_THREAD_PROMPT_BYTES or needs_grammar(body)
+    # (needs_grammar first: with tools, counting their schemas' bytes is itself work for the thread.)
+    slow = large or needs_grammar(body) or prompt_bytes(body) > OFF_THREAD_PROMPT_BYTES
     req = await off_thread(parse) if slow else parse()
     return req, tokenizer
 
 
 async def start_generation(
     service: EngineService, body: ChatCompletionRequest | CompletionRequest, config: ServerConfig, *,
-    adjust: Callable[[GenerationRequest], GenerationRequest] | None = None,
+    adjust: Callable[[GenerationRequest], GenerationRequest] | None = None, large: bool = False,
 ) -> tuple[GenerationRequest, GenerationHandle, TokenizerLike]:
     """Parse and submit; typed errors (admission included) become 4xx/5xx before any byte is sent."""
     try:
-        req, tokenizer = await prepare_generation(service, body, config, adjust=adjust)
+        req, tokenizer = await prepare_generation(service, body, config, adjust=adjust, large=large)
         handle = service.submit_prompts(req.prompts, req.params, priority=req.priority)
     except (InvalidRequest, Overloaded, EngineUnavailable):
         service.metrics.on_outcome("rejected")

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any, TypeVar
+
+import trio
 
 from pydantic import BaseModel
 from quart import Response, request
@@ -20,13 +22,31 @@ def json_response(obj: dict[str, Any], status: int = 200, headers: dict[str, str
                     content_type="application/json")
 
 
+# Bodies this large are parsed (and translated, templated, tokenized) on a worker thread, so the event loop
+# keeps serving other streams.
+OFF_LOOP_BODY_BYTES = 16 << 10
+
+T = TypeVar("T")
+
+
 async def json_body(model: type[M]) -> M:
     """The request body validated against `model`. Only application/json is read: a browser can send a
     text/plain POST to any site without asking first (blind CSRF), never an application/json one."""
     if request.mimetype != "application/json":
         raise APIError(415, "the request body must be JSON (Content-Type: application/json)",
                        code="unsupported_media_type")
-    return parse_body(model, await request.get_data())
+    data = await request.get_data()
+    return await body_work(lambda: parse_body(model, data))
+
+
+async def large_body() -> bool:
+    """Whether this request's body is large enough that work on it belongs off the event loop."""
+    return len(await request.get_data()) > OFF_LOOP_BODY_BYTES
+
+
+async def body_work(fn: Callable[[], T]) -> T:
+    """Work proportional to the request body (parsing, translating): on a worker thread when it is large."""
+    return await trio.to_thread.run_sync(fn) if await large_body() else fn()
 
 
 async def started(gen: AsyncIterator[bytes]) -> AsyncIterator[bytes]:

@@ -116,10 +116,29 @@ def _json_or_text(text: str) -> Any:
         return text
 
 
+def _utf8_len(text: str | None) -> int:
+    return len(text.encode()) if text else 0
+
+
+def _json_len(value: Any) -> int:
+    return len(json.dumps(value, ensure_ascii=False).encode()) if value else 0
+
+
 def prompt_bytes(body: ChatCompletionRequest | CompletionRequest) -> int:
-    """How much text a body asks the server to template and tokenize."""
+    """How much text a body asks the server to template and tokenize: every message's content (system
+    prompts and tool results included), name and tool calls (their arguments), the tools' definitions and
+    the template's extra arguments. The Messages and Responses APIs arrive here translated (tool_use.input,
+    function_call.arguments and their outputs are tool calls and tool messages), so this counts theirs too."""
     if isinstance(body, ChatCompletionRequest):
-        return sum(len(m.text.encode()) for m in body.messages)
+        size = _json_len(body.chat_template_kwargs)
+        for m in body.messages:
+            size += _utf8_len(m.text) + _utf8_len(m.name) + _utf8_len(m.tool_call_id)
+            for call in m.tool_calls or ():
+                size += _utf8_len(call.id) + _utf8_len(call.function.name) + _utf8_len(call.function.arguments)
+        for tool in body.tools or ():
+            f = tool.function
+            size += _utf8_len(f.name) + _utf8_len(f.description) + _json_len(f.parameters)
+        return size
     prompt = body.prompt
     if isinstance(prompt, str):
         return len(prompt.encode())

@@ -153,3 +153,115 @@ async def test_the_engine_thread_never_compiles_a_grammar_evicted_after_validati
         assert r.status_code == 200, r.text
     assert len(compiled_on) >= 3  # each was compiled (at validation)...
     assert not set(compiled_on) & set(factory.threads)  # ...and never on the engine thread
+
+
+# ---- every API's text counts toward --max-prompt-bytes, and large bodies are worked on off the event loop ----
+
+def _big_bodies(size: int) -> dict[str, list[tuple[str, dict[str, Any]]]]:
+    """Bodies of about `size` bytes whose bulk is not message content: tool arguments, tool results, tool
+    schemas (OpenAI chat, Anthropic's Messages, OpenAI's Responses)."""
+    blob = "x" * size
+    obj = {f"k{i}": "v" * 24 for i in range(size // 40)}  # a deep-ish object: costly to parse and re-encode
+    call = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": json.dumps({"a": blob})}}
+    chat = [
+        {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "tool_calls": [call]},
+                      {"role": "tool", "tool_call_id": "c1", "content": "ok"}, {"role": "user", "content": "go"}]},
+        {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "tool_calls": [{**call, "function": {
+            "name": "f", "arguments": "{}"}}]}, {"role": "tool", "tool_call_id": "c1", "content": blob}]},
+        {"messages": MESSAGES, "tools": [{"type": "function", "function": {
+            "name": "f", "parameters": {"type": "object", "properties": obj}}}]},
+    ]
+    messages = [
+        {"messages": [{"role": "user", "content": "hi"},
+                      {"role": "assistant", "content": [{"type": "tool_use", "id": "t1", "name": "f", "input": obj}]},
+                      {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t1", "content": "ok"}]}]},
+        {"messages": [{"role": "user", "content": "hi"},
+                      {"role": "assistant", "content": [{"type": "tool_use", "id": "t1", "name": "f", "input": {}}]},
+                      {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t1", "content": blob}]}]},
+        {"messages": MESSAGES, "tools": [{"name": "f", "input_schema": {"type": "object", "properties": obj}}]},
+    ]
+    responses = [
+        {"input": [{"role": "user", "content": "hi"},
+                   {"type": "function_call", "call_id": "c1", "name": "f", "arguments": json.dumps({"a": blob})},
+                   {"type": "function_call_output", "call_id": "c1", "output": "ok"}]},
+        {"input": [{"role": "user", "content": "hi"},
+                   {"type": "function_call", "call_id": "c1", "name": "f", "arguments": "{}"},
+                   {"type": "function_call_output", "call_id": "c1", "output": blob}]},
+        {"input": "hi", "tools": [{"type": "function", "name": "f", "parameters": {"type": "object",
+                                                                                      "properties": obj}}]},
+    ]
+    return {"/v1/chat/completions": [("chat", {"max_tokens": 4, **b}) for b in chat],
+            "/v1/messages": [("messages", {"model": "mock-model", "max_tokens": 4, **b}) for b in messages],
+            "/v1/responses": [("responses", {"model": "mock-model", "max_output_tokens": 4, **b}) for b in responses]}
+
+
+async def test_oversized_bodies_of_every_api_get_their_400_while_a_stream_keeps_flowing() -> None:
+    import time
+
+    import trio
+
+    size = 3_900_000  # under --max-request-bytes (4 MiB), far over --max-prompt-bytes (1 MiB)
+    bodies = _big_bodies(size)
+    async with live_client(MockFactory(step_delay=0.005)) as client:
+        arrivals: list[float] = []
+        flowing, done = trio.Event(), trio.Event()
+
+        async def stream() -> None:
+            async with client.stream("POST", "/v1/completions", json={
+                    "prompt": "a b c", "max_tokens": 2000, "stream": True, "ignore_eos": True}) as r:
+                assert r.status_code == 200
+                async for line in r.aiter_lines():
+                    if line.startswith("data: {"):
+                        arrivals.append(time.perf_counter())
+                        flowing.set()
+                    if done.is_set():
+                        return
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(stream)
+            await flowing.wait()
+            start = time.perf_counter()
+            for path, cases in bodies.items():
+                for api, body in cases:
+                    data = json.dumps(body).encode()
+                    assert 3_000_000 < len(data) <= 4 << 20
+                    r = await client.post(path, content=data, headers={"Content-Type": "application/json"})
+                    assert r.status_code == 400, (api, r.text[:300])
+                    message = r.json()["error"]["message"]
+                    assert "bytes" in message and "at most" in message, (api, message)
+            end = time.perf_counter()
+            done.set()
+        during = [t for t in arrivals if start <= t <= end]
+        gaps = [b - a for a, b in zip(during, during[1:])]
+        assert len(during) > 20 and max(gaps) < 0.5, (len(during), max(gaps, default=None))
+
+
+async def test_large_bodies_are_parsed_translated_and_templated_off_the_event_loop(monkeypatch: Any) -> None:
+    import threading
+
+    from trillm.web import anthropic_api, generation, http, responses_api
+
+    where: dict[str, set[int]] = {}
+
+    def recorded(name: str, fn: Any) -> Any:
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            where.setdefault(name, set()).add(threading.get_ident())
+            return fn(*args, **kwargs)
+        return wrapper
+
+    monkeypatch.setattr(http, "parse_body", recorded("parse", http.parse_body))
+    monkeypatch.setattr(anthropic_api, "chat_body", recorded("translate", anthropic_api.chat_body))
+    monkeypatch.setattr(responses_api, "chat_body", recorded("translate", responses_api.chat_body))
+    monkeypatch.setattr(generation, "parse_generation", recorded("template", generation.parse_generation))
+    loop_thread = threading.get_ident()
+    async with live_client(MockFactory()) as client:
+        for path, cases in _big_bodies(100_000).items():  # well under every limit: these are served
+            for api, body in cases[:2]:
+                r = await client.post(path, json=body)
+                assert r.status_code == 200, (api, r.text[:300])
+        assert set(where) == {"parse", "translate", "template"}
+        assert loop_thread not in set().union(*where.values()), where
+        # small bodies stay on the loop (a thread hop per request would cost more than the work)
+        where.clear()
+        r = await client.post("/v1/chat/completions", json={"messages": MESSAGES, "max_tokens": 2})
+        assert r.status_code == 200 and where["parse"] == where["template"] == {loop_thread}
