@@ -11,15 +11,24 @@ from __future__ import annotations
 from trillm.engine.tokenizer import TokenizerLike
 
 _CONTEXT_TOKENS = 5  # prompt tokens decoded as context (SentencePiece drops a leading space otherwise)
+# Tokens held back for an incomplete character. A character is at most 4 bytes, so once more tokens than
+# this are held and the text still ends in U+FFFD, the held bytes are invalid (lone continuation bytes), not a
+# character in progress: the decided part is released (`_release`), which keeps the window bounded.
+_MAX_HELD = 8
 
 
 class IncrementalDetokenizer:
+    """Decodes a window of at most about 2 * _MAX_HELD tokens per token, whatever the stream: a token that
+    decodes to nothing (a skipped special token) never enters the window, and invalid bytes are released past
+    _MAX_HELD tokens, so the cost per token stays flat (never the whole output decoded at each step)."""
+
     def __init__(self, tokenizer: TokenizerLike, prompt_token_ids: list[int], *, skip_special_tokens: bool = True) -> None:
         self._tok = tokenizer
         self._skip = skip_special_tokens
         self._ids = [t for t in prompt_token_ids[-_CONTEXT_TOKENS:] if 0 <= t < tokenizer.vocab_size]
-        self._prefix = 0
-        self._read = len(self._ids)
+        self._prefix = 0  # ids[prefix:read]: the last text emitted, decoded again as context
+        self._read = len(self._ids)  # ids[read:]: held back (an incomplete character)
+        self._held_text = ""  # the text of ids[prefix:] while some are held
 
     def _decode(self, ids: list[int]) -> str:
         return self._tok.decode(ids, skip_special_tokens=self._skip)
@@ -27,20 +36,48 @@ class IncrementalDetokenizer:
     def add(self, token_id: int) -> str:
         if not 0 <= token_id < self._tok.vocab_size:
             return ""  # an id past the tokenizer's vocabulary (a padded embedding row) has no text
+        before_held = self._read < len(self._ids)
         self._ids.append(token_id)
         prefix_text = self._decode(self._ids[self._prefix : self._read])
         new_text = self._decode(self._ids[self._prefix :])
+        if new_text == (self._held_text if before_held else prefix_text) and self._decode([token_id]) == "":
+            # It decodes to nothing, alone and here (a skipped special token): keep it out of the window.
+            # (A continuation byte may also leave the text unchanged, but alone it decodes to U+FFFD.)
+            self._ids.pop()
+            return ""
         if len(new_text) > len(prefix_text) and not new_text.endswith("\ufffd"):
-            delta = new_text[len(prefix_text) :]
-            self._prefix, self._read = self._read, len(self._ids)
-            return delta
+            self._advance(len(self._ids))
+            return new_text[len(prefix_text) :]
+        if len(self._ids) - self._read > _MAX_HELD:
+            return self._release(prefix_text, new_text)
+        self._held_text = new_text
         return ""
+
+    def _advance(self, read: int) -> None:
+        """ids[read_before:read] were emitted: they become the context; drop what is older."""
+        del self._ids[: self._read]
+        self._prefix, self._read = 0, read - self._read
+        self._held_text = self._decode(self._ids) if self._read < len(self._ids) else ""
+
+    def _release(self, prefix_text: str, new_text: str) -> str:
+        """Too many tokens held: emit the longest run of them whose text is already decided, that is a token
+        boundary whose text is a prefix of the window's and stops before its last (incomplete) character."""
+        for j in range(len(self._ids) - 1, self._read, -1):
+            text = self._decode(self._ids[self._prefix : j])
+            if len(prefix_text) < len(text) < len(new_text) and new_text.startswith(text):
+                self._advance(j)
+                return text[len(prefix_text) :]
+        if len(self._ids) - self._read <= 4 * _MAX_HELD:
+            self._held_text = new_text
+            return ""
+        self._advance(len(self._ids))  # never found (a tokenizer this cannot reason about): bound it anyway
+        return new_text[len(prefix_text) :]
 
     def flush(self) -> str:
         """Whatever is still held back (an incomplete character at the very end)."""
         prefix_text = self._decode(self._ids[self._prefix : self._read])
         new_text = self._decode(self._ids[self._prefix :])
-        self._prefix = self._read = len(self._ids)
+        self._advance(len(self._ids))
         return new_text[len(prefix_text) :] if len(new_text) > len(prefix_text) else ""
 
 
