@@ -28,6 +28,12 @@ HELP = "serve an OpenAI-compatible HTTP/SSE and websocket API"
 _LIMIT_FLAGS = tuple(f.name for f in fields(Limits))  # what one request may ask: web/protocol.py Limits
 _SERVER_FLAGS = ("max_request_bytes", "max_ws_message_bytes", "max_ws_generations", "max_ws_requests")
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+_LIMIT_HELP = {
+    "max_prompt_bytes": "all the text one request carries (messages, tool calls and results, tool definitions); ",
+    "max_engine_requests": "generations one request may start (its prompts x n); ",
+    "max_response_bytes": "a non-streamed response's worst case (n x max_tokens x (1 + top_logprobs), echo, "
+                          "prompt_logprobs), refused up front; streamed responses are not capped; ",
+}
 
 
 def configure(p: argparse.ArgumentParser) -> None:
@@ -45,7 +51,8 @@ def configure(p: argparse.ArgumentParser) -> None:
     limits = p.add_argument_group("limits on one request (defaults in README)")
     for name in _LIMIT_FLAGS:
         default = getattr(Limits(), name)
-        limits.add_argument("--" + name.replace("_", "-"), type=int, default=default, help=f"default: {default}")
+        limits.add_argument("--" + name.replace("_", "-"), type=int, default=default,
+                            help=f"{_LIMIT_HELP.get(name, '')}default: {default}")
     for name in _SERVER_FLAGS:
         default = getattr(ServerConfig(), name)
         limits.add_argument("--" + name.replace("_", "-"), type=int, default=default, help=f"default: {default}")

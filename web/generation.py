@@ -12,7 +12,9 @@ from trillm.engine.errors import InvalidRequest, Overloaded
 from trillm.web.config import ServerConfig
 from trillm.web.errors import APIError
 from trillm.web.openai_schema import ChatCompletionRequest, CompletionRequest
-from trillm.web.protocol import GenerationRequest, needs_grammar, parse_generation, prompt_bytes
+from trillm.web.protocol import (
+    GenerationRequest, check_response_size, needs_grammar, parse_generation, prompt_bytes,
+)
 from trillm.engine.tokenizer import TokenizerLike
 from trillm.web.service import EngineService, EngineUnavailable, ServiceState
 from trillm.web.stream import GenerationHandle
@@ -97,7 +99,9 @@ async def prepare_generation(
 
     def parse() -> GenerationRequest:
         req = parse_generation(body, name, tokenizer, limits, config.limits, config.chat_options)
-        return req if adjust is None else adjust(req)
+        req = req if adjust is None else adjust(req)
+        check_response_size(req, config.limits)  # once max_tokens is final
+        return req
 
     # Compiling a grammar takes milliseconds (the first one for a tokenizer, about a second): off the loop.
     # (needs_grammar first: with tools, counting their schemas' bytes is itself work for the thread.)

@@ -44,6 +44,8 @@ class Limits:
     max_logit_bias: int = 1024
     max_prompt_bytes: int = 1 << 20  # text to template and tokenize, checked before doing either
     max_prompts: int = 256  # prompts in one /v1/completions batch
+    max_engine_requests: int = 256  # generations one request may start: its prompts x n
+    max_response_bytes: int = 32 << 20  # a non-streamed response's worst-case size (see response_bytes)
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -341,17 +343,21 @@ def parse_generation(body: ChatCompletionRequest | CompletionRequest, model_name
     kind: Kind = "chat" if isinstance(body, ChatCompletionRequest) else "completion"
     size = prompt_bytes(body)
     if size > limits.max_prompt_bytes:
-        raise _bad(f"the prompt has {size} bytes; this server allows at most {limits.max_prompt_bytes}")
+        raise _bad(f"the prompt has {size} bytes (messages, tool calls and results, tool definitions); this "
+                   f"server allows at most {limits.max_prompt_bytes} (--max-prompt-bytes)")
     answer = answer_spec(body)
     tools = tool_request(body) if isinstance(body, ChatCompletionRequest) else None
     echo_texts: tuple[str, ...] = ()
-    if isinstance(body, CompletionRequest):
-        given = completion_prompts(body)
-        if len(given) > limits.max_prompts:
-            raise _bad(f"'prompt' has {len(given)} prompts; this server allows at most {limits.max_prompts}")
-        if body.echo:  # a text prompt echoes as given; token ids as they decode
-            echo_texts = tuple(p if isinstance(p, str) else tokenizer.decode(p, skip_special_tokens=False)
-                               for p in given)
+    given = completion_prompts(body) if isinstance(body, CompletionRequest) else []
+    if len(given) > limits.max_prompts:
+        raise _bad(f"'prompt' has {len(given)} prompts; this server allows at most {limits.max_prompts}")
+    # Before any prompt is tokenized: what the request would put in the engine's queue.
+    fan_out = body.n * max(1, len(given))
+    if fan_out > limits.max_engine_requests:
+        raise _bad(f"the request asks for {fan_out} generations (prompts x n); this server runs at most "
+                   f"{limits.max_engine_requests} for one request (--max-engine-requests)")
+    if isinstance(body, CompletionRequest) and body.echo:  # a text prompt echoes as given; token ids as they decode
+        echo_texts = tuple(p if isinstance(p, str) else tokenizer.decode(p, skip_special_tokens=False) for p in given)
     prompts = generation_prompt_ids(body, tokenizer, tools, options)
     for i, ids in enumerate(prompts):
         which = f"prompt {i}" if len(prompts) > 1 else "the prompt"
@@ -380,6 +386,40 @@ def parse_generation(body: ChatCompletionRequest | CompletionRequest, model_name
         parsing=parsing, echo_texts=echo_texts, top_logprobs=params[0].top_logprobs,
         prompt_logprobs=body.prompt_logprobs,
     )
+
+
+# What one token costs in a non-streamed response, as an upper estimate: its text in the JSON, and one
+# logprob entry (the token, its logprob and bytes; each top alternative is another entry).
+TOKEN_TEXT_BYTES = 16
+LOGPROB_ENTRY_BYTES = 96
+
+
+def response_bytes(req: GenerationRequest) -> int:
+    """The worst-case size of `req`'s whole response when it is not streamed: every choice at max_tokens,
+    with its logprobs and top alternatives, plus the echoed prompt and the prompt's logprobs."""
+    n = len(req.params)
+    p = req.params[0]
+    per_token = TOKEN_TEXT_BYTES + (LOGPROB_ENTRY_BYTES * (1 + req.top_logprobs) if req.logprobs else 0)
+    total = 0
+    for ids in req.prompts:
+        total += n * p.max_tokens * per_token
+        if req.echo:
+            total += n * len(ids) * per_token
+        if req.prompt_logprobs is not None:  # per choice on completions, once on chat
+            copies = n if req.kind == "completion" else 1
+            total += copies * len(ids) * LOGPROB_ENTRY_BYTES * (1 + req.prompt_logprobs)
+    return total
+
+
+def check_response_size(req: GenerationRequest, limits: Limits) -> None:
+    """A non-streamed response is built whole in memory: refuse up front one that could exceed the cap."""
+    if req.stream:
+        return
+    size = response_bytes(req)
+    if size > limits.max_response_bytes:
+        raise _bad(f"the response could reach {size} bytes (n x max_tokens x (1 + top_logprobs), with echo and "
+                   f"prompt_logprobs); this server builds at most {limits.max_response_bytes} bytes in memory "
+                   "(--max-response-bytes): use \"stream\": true, or lower n, max_tokens or top_logprobs")
 
 
 def needs_grammar(body: ChatCompletionRequest | CompletionRequest) -> bool:

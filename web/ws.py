@@ -120,7 +120,8 @@ class _Session:
             await self.send({"type": "cancelled", "id": gid})
 
     async def _generate(self, gid: str | int, msg: dict[str, Any]) -> None:
-        fields = {k: v for k, v in msg.items() if k not in ("type", "id")}
+        # Always streamed (so no cap on a whole response applies): deltas go out as they come.
+        fields = {k: v for k, v in msg.items() if k not in ("type", "id")} | {"stream": True}
         endpoint = fields.pop("endpoint", None)
         chat = endpoint == "chat" or (endpoint is None and "messages" in fields)
         body: ChatCompletionRequest | CompletionRequest = (

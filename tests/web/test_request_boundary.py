@@ -265,3 +265,60 @@ async def test_large_bodies_are_parsed_translated_and_templated_off_the_event_lo
         where.clear()
         r = await client.post("/v1/chat/completions", json={"messages": MESSAGES, "max_tokens": 2})
         assert r.status_code == 200 and where["parse"] == where["template"] == {loop_thread}
+
+
+# ---- what one request may cost: its fan-out, and its whole response when not streamed ----
+
+async def test_fan_out_past_the_cap_is_a_400_naming_it_before_any_prompt_is_tokenized() -> None:
+    import openai
+
+    from trillm.web.protocol import Limits
+
+    factory = MockFactory()
+    async with running_server(factory, limits=Limits(max_engine_requests=16)) as serving:
+        client = openai.AsyncOpenAI(base_url=serving.url + "/v1", api_key="k", max_retries=0)
+        try:
+            await client.completions.create(model="mock-model", prompt=["a b"] * 5, n=4, max_tokens=2)
+        except openai.BadRequestError as exc:
+            assert "20 generations" in exc.message and "--max-engine-requests" in exc.message, exc.message
+        else:
+            raise AssertionError("5 prompts x n 4 past a cap of 16 must be refused")
+        assert factory.engine.statistics().num_steps == 0
+        done = await client.completions.create(model="mock-model", prompt=["a b"] * 4, n=4, max_tokens=2)
+        assert len(done.choices) == 16  # at the cap: served
+    async with live_client(MockFactory()) as http:  # the defaults: the 256 prompts x n 4
+        r = await http.post("/v1/completions", json={"prompt": [[5, 6]] * 256, "n": 4, "max_tokens": 4000})
+        assert r.status_code == 400 and "--max-engine-requests" in r.json()["error"]["message"], r.text
+
+
+async def test_a_non_streamed_response_that_could_be_huge_is_refused_up_front_and_streaming_is_not() -> None:
+    import openai
+
+    factory = MockFactory()
+    async with running_server(factory) as serving:  # default limits
+        client = openai.AsyncOpenAI(base_url=serving.url + "/v1", api_key="k", max_retries=0)
+        ask: dict[str, Any] = dict(model="mock-model", messages=MESSAGES, n=16, max_tokens=2000, logprobs=True,
+                                   top_logprobs=20)
+        try:
+            await client.chat.completions.create(**ask)
+        except openai.BadRequestError as exc:
+            assert "--max-response-bytes" in exc.message and '"stream": true' in exc.message, exc.message
+        else:
+            raise AssertionError("16 x 2000 tokens x 21 logprobs must not be built in memory")
+        # the same request streamed is served (its output leaves as it comes)
+        stream = await client.chat.completions.create(**{**ask, "n": 2, "max_tokens": 5}, stream=True)
+        chunks = [c async for c in stream]
+        assert any(c.choices and c.choices[0].logprobs for c in chunks)
+        # echo and prompt_logprobs count too: a batch of long prompts, each scored with 20 alternatives
+        try:
+            await client.completions.create(model="mock-model", prompt=[[5] * 1500] * 32, max_tokens=1, echo=True,
+                                            logprobs=5, extra_body={"prompt_logprobs": 20})
+        except openai.BadRequestError as exc:
+            assert "--max-response-bytes" in exc.message, exc.message
+        else:
+            raise AssertionError("32 echoed prompts of 1500 tokens with 20 alternatives each must be refused")
+        # ordinary requests are far under the default cap
+        done = await client.chat.completions.create(model="mock-model", messages=MESSAGES, n=4, max_tokens=50,
+                                                    logprobs=True, top_logprobs=5)
+        assert len(done.choices) == 4
+    assert factory.engine.statistics().num_steps > 0
