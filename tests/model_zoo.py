@@ -35,8 +35,9 @@ WINDOW = 8  # every sliding layer's window: a 40+ token prompt crosses it severa
 SEEDS = 8  # weight seeds tried before the builder gives up on a margin
 MARGIN = 0.05  # smallest top-1 minus top-2 logit gap accepted on the builder's probe (fp32 noise is ~1e-5)
 DOCS = Path(__file__).resolve().parent.parent / "docs" / "supported_models.md"
-CHECKS = ("single", "batched (ragged)", "long prompt (blocks, windows, chunked prefill)", "preemption",
-          "prefix-cache hit", "prompt logprobs")
+CHECKS = ("single", "batched (ragged)", "long prompt (across blocks and windows)",
+          "chunked prefill mixed with decodes", "preemption", "prefix-cache hit (full and partial)",
+          "prompt logprobs")
 
 
 @dataclass(frozen=True)
@@ -48,6 +49,7 @@ class Family:
     expect: str = "identical"  # "identical" to mlx-lm, or "refused" at load in one line
     base: bool = True
     windowed: bool = False  # has sliding-window layers (the matrix checks the window is exercised)
+    window_key: str = "sliding_window"  # the config key of its window (Llama 4: attention_chunk_size)
     prefix_caching: bool = True  # a repeated prompt must hit the prefix cache (False: must not)
     notes: str = ""
     text_config: Mapping[str, Any] | None = field(default=None)  # nested text config (mistral3 wrapper)
@@ -107,6 +109,13 @@ FAMILIES: tuple[Family, ...] = (
         "rope_parameters": {
             "full_attention": {"rope_type": "proportional", "rope_theta": 1000000.0, "partial_rotary_factor": 0.25},
             "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}}}, windowed=True),
+    Family("gemma4_text_moe", "gemma4_text", "per-layer head dim + KV sharing + K=V full layers, " + _SW_FULL
+           + ", MoE", {
+        "num_hidden_layers": 4, "global_head_dim": 32, "num_kv_shared_layers": 2, "sliding_window": WINDOW,
+        "sliding_window_pattern": 2, "hidden_size_per_layer_input": 16, "num_key_value_heads": 2,
+        "attention_k_eq_v": True, "num_global_key_value_heads": 1, "enable_moe_block": True, "num_experts": 4,
+        "top_k_experts": 2, "moe_intermediate_size": 32, "final_logit_softcapping": 30.0,
+        "use_double_wide_mlp": False, "tie_word_embeddings": True}, windowed=True),
     Family("phi3", "phi3", "full (fused QKV)", {"num_key_value_heads": 4}),
     Family("phi3_longrope", "phi3", "full (longrope)", {
         "num_key_value_heads": 4, "original_max_position_embeddings": 32,
@@ -132,6 +141,13 @@ FAMILIES: tuple[Family, ...] = (
         "layer_types": _alt(4), "intermediate_size": 64}, windowed=True),
     Family("llama4_text", "llama4_text", "full, no-RoPE layers, QK norm, separate `output` head", {
         "num_hidden_layers": 4, "intermediate_size_mlp": 128, "no_rope_layers": [1, 0, 1, 0], "use_qk_norm": True}),
+    # The engine declares Llama 4's chunked attention unsupported for now (issue 23 asks for it: flip to identical).
+    Family("llama4", "llama4", "chunked attention (8-token chunks) + full no-RoPE layers, MoE", {}, base=False,
+           windowed=True, window_key="attention_chunk_size", expect="refused", text_config={
+               "model_type": "llama4_text", "num_hidden_layers": 4, "attention_bias": False,
+               "attention_chunk_size": WINDOW, "interleave_moe_layer_step": 2, "intermediate_size_mlp": 128,
+               "num_experts_per_tok": 1, "num_local_experts": 4, "rope_scaling": None, "use_qk_norm": True,
+               "attn_temperature_tuning": True, "floor_scale": 16, "attn_scale": 0.1}),
     Family("deepseek_v3", "deepseek_v3", "MLA, MoE", {
         "moe_intermediate_size": 32, "num_key_value_heads": 4, "n_shared_experts": 1, "n_routed_experts": 4,
         "num_experts_per_tok": 2, "kv_lora_rank": 32, "q_lora_rank": 48, "qk_rope_head_dim": 8, "v_head_dim": 16,
@@ -248,6 +264,7 @@ def _head_key(params: Mapping[str, mx.array]) -> str:
 
 
 PROMPT_LENGTHS = {"short": 5, "medium": 12, "ragged": 23, "long": 57}  # long: 8 blocks of 8, 7 windows
+BRANCH = 44  # "branch": the long prompt's first BRANCH tokens, then other ones (a partial prefix-cache hit)
 NEW_TOKENS = 16  # generated per request in the matrix
 _PROMPT_TEXT = ("Once upon a time, there was a small model that learned to count: 1, 2, 3, 4, 5. "
                 "The quick brown fox jumps over the lazy dog. def add(a, b): return a + b. Hello world! ")
@@ -264,6 +281,7 @@ def matrix_prompts() -> dict[str, tuple[int, ...]]:
     for name, n in PROMPT_LENGTHS.items():
         out[name] = tuple(ids[start : start + n])
         start += 7  # each prompt starts elsewhere, so no two share a prefix
+    out["branch"] = out["long"][:BRANCH] + tuple(ids[100 : 100 + 9])
     return out
 
 
