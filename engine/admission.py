@@ -17,7 +17,7 @@ class RequestLimits:
     max_model_len: int  # prompt + generated tokens
     block_size: int
     num_usable_blocks: int  # the whole KV pool but the reserved padding block
-    vocab_size: int
+    vocab_size: int  # valid token ids: the smaller of the tokenizer's size and the LM head's rows
     max_waiting: int  # waiting-queue bound (Overloaded past it)
 
     @property
@@ -48,11 +48,17 @@ class RequestLimits:
             raise InvalidRequest(
                 f"prompt ({num_prompt_tokens} tokens) + max_tokens ({max_tokens}) exceeds the context length "
                 f"{self.max_model_len}; lower max_tokens to at most {self.max_model_len - num_prompt_tokens}")
+        # Token-valued parameters index the logits (logit_bias) or are compared with sampled ids.
+        if any(not 0 <= t < self.vocab_size for t, _ in params.logit_bias) or any(
+                not 0 <= t < self.vocab_size for t in params.stop_token_ids):
+            raise InvalidRequest(f"token ids in logit_bias and stop_token_ids must be in [0, {self.vocab_size})")
         need = self.blocks_needed(num_prompt_tokens + max_tokens)
         if need > self.num_usable_blocks:
             raise InvalidRequest(
                 f"the request needs {need} KV blocks but the cache has only {self.num_usable_blocks}")
 
     def check_token_ids(self, token_ids: list[int]) -> None:
-        if any(not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < self.vocab_size for t in token_ids):
-            raise InvalidRequest(f"token ids must be integers in [0, {self.vocab_size})")
+        for t in token_ids:
+            if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < self.vocab_size:
+                raise InvalidRequest(f"token ids must be integers in [0, {self.vocab_size}) (the model's vocabulary), "
+                                     f"got {t!r}")

@@ -149,8 +149,11 @@ class LLMEngine:
             num_blocks = max(2, min(budget, useful))
         self.block_manager = BlockManager(num_blocks, bs, model_id=lm.model_id,
                                           enable_prefix_caching=config.enable_prefix_caching)
+        # Token ids must index both the tokenizer and the logits: a tokenizer with added tokens and no resize
+        # of the embedding has more ids than the LM head has rows.
+        rows = getattr(lm, "vocab_size", 0) or self.tokenizer.vocab_size
         self.limits = RequestLimits(self.max_model_len, bs, self.block_manager.num_usable_blocks,
-                                    self.tokenizer.vocab_size, config.max_waiting)
+                                    min(self.tokenizer.vocab_size, rows), config.max_waiting)
         self.scheduler = Scheduler(config, self.block_manager, self.limits, self.eos_token_ids)
         self.grammars = grammar_compiler(self.tokenizer)  # llguidance's view of the tokenizer is built on first use
         self.kernel_report: KernelReport | None = None  # which implementation each kernel op runs (MLX runner)

@@ -45,6 +45,7 @@ class LoadedModel:
     head_dim: int
     dtype: mx.Dtype
     num_attention_heads: int
+    vocab_size: int = 0  # rows of the logits (the LM head); 0: unknown (the tokenizer's size is used)
 
     @property
     def num_parameters(self) -> int:
@@ -212,6 +213,7 @@ def _loaded(
         head_dim=int(head_dim),
         dtype=dtype,
         num_attention_heads=int(heads),
+        vocab_size=int(get("vocab_size") or 0),
     )
 
 

@@ -429,6 +429,7 @@ class EngineService:
         if self.state is not ServiceState.READY or self.limits is None:
             raise self.unavailable()
         for prompt in prompts:
+            self.limits.check_token_ids(prompt)  # a 400 here, not a refusal on the engine thread
             for p in params:
                 self.limits.check(len(prompt), p)
         total = len(prompts) * len(params)
