@@ -1,12 +1,18 @@
-"""Load llama-family GGUF files into mlx-lm's llama model, with a tokenizer rebuilt from the metadata.
+"""Load GGUF files (llama, mistral, qwen2, qwen3, gemma2, gemma3, phi3) into mlx-lm's own model classes,
+with a tokenizer rebuilt from the metadata.
 
-mx.load reads GGUF natively (Q4_0/Q4_1/Q8_0 arrive as MLX affine-quantized weight/scales/biases triples,
-other quantizations as float16), but it trusts the file: a truncated file can crash the process. So the
-header and every tensor's extent are first checked in pure Python (`validate_gguf`).
+The file is read in pure Python and numpy, never trusting it: the header and every tensor's extent are
+checked first (`validate_gguf`), so a truncated or corrupt file is a CorruptModelFile, not a crash.
+Tensors take one of two paths:
+- Q4_0, Q4_1, Q8_0 and Q4_K are affine formats MLX holds natively (groups of 32): their blocks are repacked
+  exactly into MLX weight/scales/biases triples (kept quantized on the GPU, dequantized exactly on the CPU);
+- every other type (Q5_K and Q6_K, the rest of Q4_K_M/Q5_K_M/Q6_K files; Q5_0, Q2_K, IQ*, ...) is
+  dequantized to float32 by the `gguf` package's numpy code, which is llama.cpp's own reference.
 """
 
 from __future__ import annotations
 
+import importlib
 import mmap
 import os
 import re
@@ -14,39 +20,51 @@ import struct
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, cast
+from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
+import numpy as np
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+from gguf.quants import dequantize as gguf_dequantize
 
 from trillm.engine.errors import CorruptModelFile
 from trillm.engine.gguf_tokenizer import build_gguf_tokenizer
 from trillm.engine.tokenizer import Tokenizer
 
-# ggml tensor type -> (name, elements per block, bytes per block); from ggml.h / gguf docs.
+# ggml tensor type -> (name, elements per block, bytes per block), from the gguf package (llama.cpp's).
 GGML_TYPES: dict[int, tuple[str, int, int]] = {
-    0: ("F32", 1, 4), 1: ("F16", 1, 2), 2: ("Q4_0", 32, 18), 3: ("Q4_1", 32, 20),
-    6: ("Q5_0", 32, 22), 7: ("Q5_1", 32, 24), 8: ("Q8_0", 32, 34), 9: ("Q8_1", 32, 36),
-    10: ("Q2_K", 256, 84), 11: ("Q3_K", 256, 110), 12: ("Q4_K", 256, 144), 13: ("Q5_K", 256, 176),
-    14: ("Q6_K", 256, 210), 15: ("Q8_K", 256, 292), 24: ("I8", 1, 1), 25: ("I16", 1, 2),
-    26: ("I32", 1, 4), 27: ("I64", 1, 8), 28: ("F64", 1, 8), 30: ("BF16", 1, 2),
+    int(t): (t.name, *GGML_QUANT_SIZES[t]) for t in GGMLQuantizationType if t in GGML_QUANT_SIZES
 }
+_F32, _F16, _Q4_0, _Q4_1, _Q8_0, _Q4_K, _BF16, _F64 = 0, 1, 2, 3, 8, 12, 30, 28
+_INTEGER_TYPES = {24, 25, 26, 27}  # I8..I64: no model weight uses them
 # GGUF metadata value type -> struct format of one scalar (8: string, 9: array are variable).
 _SCALAR_FORMATS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
 _MAX_COUNT = 1 << 32  # far above any real tensor/key count; guards against garbage headers
 
-SUPPORTED_ARCHITECTURES = ("llama",)
+SUPPORTED_ARCHITECTURES = ("llama", "mistral3", "qwen2", "qwen3", "gemma2", "gemma3", "phi3")
 
 
 @dataclass(frozen=True, slots=True)
 class GGUFHeader:
-    """What validate_gguf learned from the header (metadata values are not decoded)."""
+    """What validate_gguf learned from the header."""
 
     version: int
     num_tensors: int
     num_metadata: int
     data_offset: int
     tensor_types: frozenset[str]
+
+
+@dataclass(frozen=True, slots=True)
+class TensorInfo:
+    """One tensor's header entry. shape is numpy order (ggml's ne reversed: the last axis is contiguous)."""
+
+    name: str
+    shape: tuple[int, ...]
+    ggml_type: int
+    offset: int  # absolute, in the file
+    nbytes: int
 
 
 class _Reader:
@@ -68,27 +86,24 @@ class _Reader:
         start = self.take(n)
         return bytes(self.buf[start : start + n]).decode("utf-8", errors="replace")
 
-    def skip_value(self, vtype: int) -> None:
+    def value(self, vtype: int) -> Any:
         if vtype in _SCALAR_FORMATS:
-            self.take(struct.calcsize(_SCALAR_FORMATS[vtype]))
-        elif vtype == 8:
-            self.take(self.unpack("<Q"))
-        elif vtype == 9:
+            return self.unpack(_SCALAR_FORMATS[vtype])
+        if vtype == 8:
+            return self.string()
+        if vtype == 9:
             item_type, count = self.unpack("<I"), self.unpack("<Q")
             if item_type in _SCALAR_FORMATS:
-                self.take(count * struct.calcsize(_SCALAR_FORMATS[item_type]))
-            elif item_type in (8, 9) and count <= len(self.buf):
-                for _ in range(count):
-                    self.skip_value(item_type)
-            else:
-                raise CorruptModelFile(f"{self.path}: bad GGUF metadata array (type {item_type}, count {count})")
-        else:
-            raise CorruptModelFile(f"{self.path}: unknown GGUF metadata value type {vtype}")
+                fmt = _SCALAR_FORMATS[item_type]
+                start = self.take(count * struct.calcsize(fmt))  # bounds-checked before unpacking
+                return list(struct.unpack_from(f"<{count}{fmt[1:]}", self.buf, start))
+            if item_type in (8, 9) and count <= len(self.buf):
+                return [self.value(item_type) for _ in range(count)]
+            raise CorruptModelFile(f"{self.path}: bad GGUF metadata array (type {item_type}, count {count})")
+        raise CorruptModelFile(f"{self.path}: unknown GGUF metadata value type {vtype}")
 
 
-def validate_gguf(path: str | os.PathLike[str]) -> GGUFHeader:
-    """Check magic, version, metadata and that every tensor lies inside the file. CorruptModelFile if not."""
-    path = Path(path)
+def _parse(path: Path, *, decode: bool) -> tuple[GGUFHeader, dict[str, Any], list[TensorInfo]]:
     size = path.stat().st_size
     if size < 24:
         raise CorruptModelFile(f"{path}: too small to be a GGUF file ({size} bytes)")
@@ -103,17 +118,16 @@ def validate_gguf(path: str | os.PathLike[str]) -> GGUFHeader:
         num_tensors, num_kv = r.unpack("<Q"), r.unpack("<Q")
         if num_tensors > _MAX_COUNT or num_kv > _MAX_COUNT:
             raise CorruptModelFile(f"{path}: corrupt GGUF header ({num_tensors} tensors, {num_kv} keys)")
-        alignment = 32
+        meta: dict[str, Any] = {}
         for _ in range(num_kv):
             key, vtype = r.string(), r.unpack("<I")
-            if key == "general.alignment" and vtype == 4:
-                alignment = r.unpack("<I")
-            else:
-                r.skip_value(vtype)
-        if alignment <= 0 or alignment & (alignment - 1):
+            value = r.value(vtype)
+            if decode or key == "general.alignment":
+                meta[key] = value
+        alignment = meta.get("general.alignment", 32)
+        if not isinstance(alignment, int) or alignment <= 0 or alignment & (alignment - 1):
             raise CorruptModelFile(f"{path}: bad GGUF alignment {alignment}")
-        extents: list[tuple[str, int, int]] = []
-        types: set[str] = set()
+        raw: list[tuple[str, list[int], int, int, int]] = []
         for _ in range(num_tensors):
             name, ndim = r.string(), r.unpack("<I")
             if ndim > 8:
@@ -122,124 +136,414 @@ def validate_gguf(path: str | os.PathLike[str]) -> GGUFHeader:
             ttype, offset = r.unpack("<I"), r.unpack("<Q")
             if ttype not in GGML_TYPES:
                 raise CorruptModelFile(f"{path}: tensor {name!r} has unsupported ggml type {ttype}")
-            tname, block, block_bytes = GGML_TYPES[ttype]
+            _, block, block_bytes = GGML_TYPES[ttype]
+            if dims and dims[0] % block:  # blocks never straddle rows
+                raise CorruptModelFile(f"{path}: tensor {name!r} row of {dims[0]} is not a multiple of {block}")
             numel = 1
             for d in dims:
                 numel *= d
-            if numel % block:
-                raise CorruptModelFile(f"{path}: tensor {name!r} size {numel} is not a multiple of {block}")
-            types.add(tname)
-            extents.append((name, offset, numel // block * block_bytes))
+            raw.append((name, dims, ttype, offset, numel // block * block_bytes))
         data_offset = -(-r.pos // alignment) * alignment
-        for name, offset, nbytes in extents:
-            if data_offset + offset + nbytes > size:
-                raise CorruptModelFile(
-                    f"{path}: truncated GGUF file: tensor {name!r} ends at byte {data_offset + offset + nbytes}, "
-                    f"the file has {size}"
-                )
-    return GGUFHeader(version, num_tensors, num_kv, data_offset, frozenset(types))
+    infos: list[TensorInfo] = []
+    for name, dims, ttype, offset, nbytes in raw:
+        if data_offset + offset + nbytes > size:
+            raise CorruptModelFile(
+                f"{path}: truncated GGUF file: tensor {name!r} ends at byte {data_offset + offset + nbytes}, "
+                f"the file has {size}"
+            )
+        infos.append(TensorInfo(name, tuple(reversed(dims)), ttype, data_offset + offset, nbytes))
+    header = GGUFHeader(version, num_tensors, num_kv, data_offset, frozenset(GGML_TYPES[t.ggml_type][0] for t in infos))
+    return header, meta, infos
+
+
+def validate_gguf(path: str | os.PathLike[str]) -> GGUFHeader:
+    """Check magic, version, metadata and that every tensor lies inside the file. CorruptModelFile if not."""
+    return _parse(Path(path), decode=False)[0]
+
+
+def read_gguf_metadata(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """The validated file's metadata (scalars as Python values, arrays as lists); no tensor is read."""
+    return _parse(Path(path), decode=True)[1]
 
 
 def read_gguf(path: str | os.PathLike[str]) -> tuple[dict[str, mx.array], dict[str, Any]]:
-    """Validated tensors and metadata (scalars as Python values, token types as a list)."""
-    validate_gguf(path)
-    try:
-        loaded = mx.load(str(path), return_metadata=True)
-    except Exception as exc:  # mlx raises plain RuntimeError/ValueError for unreadable files
-        raise CorruptModelFile(f"{path}: cannot read GGUF file: {exc}") from exc
-    weights, raw = cast("tuple[dict[str, mx.array], dict[str, Any]]", loaded)
-    return weights, {k: _pyvalue(v) for k, v in raw.items()}
+    """Validated tensors and metadata. Q4_0/Q4_1/Q8_0/Q4_K tensors arrive as MLX affine triples (`x.weight`,
+    `x.scales`, `x.biases`), other quantized types dequantized to float32."""
+    path = Path(path)
+    _, meta, infos = _parse(path, decode=True)
+    data = np.memmap(path, dtype=np.uint8, mode="r")
+    weights: dict[str, mx.array] = {}
+    for info in infos:
+        try:
+            weights.update(read_tensor(data[info.offset : info.offset + info.nbytes], info))
+        except CorruptModelFile:
+            raise
+        except Exception as exc:  # numpy reshape/view errors: the header's shape does not fit the bytes
+            raise CorruptModelFile(f"{path}: cannot read tensor {info.name!r}: {exc}") from exc
+    return weights, meta
 
 
-def _pyvalue(value: Any) -> Any:
-    if isinstance(value, mx.array):
-        return value.item() if value.ndim == 0 else value.tolist()
-    return value
+def read_tensor(raw: np.ndarray, info: TensorInfo) -> dict[str, mx.array]:
+    """One tensor from its raw bytes: {name: array}, or the MLX affine triple for Q4_0/Q4_1/Q8_0/Q4_K."""
+    t, shape = info.ggml_type, info.shape
+    if t == _F32:
+        return {info.name: mx.array(raw.view(np.float32).reshape(shape))}
+    if t == _F16:
+        return {info.name: mx.array(raw.view(np.float16).reshape(shape))}
+    if t == _BF16:
+        return {info.name: mx.array(raw.view(np.uint16).reshape(shape)).view(mx.bfloat16)}
+    if t == _F64:
+        return {info.name: mx.array(raw.view(np.float64).astype(np.float32).reshape(shape))}
+    if t in _INTEGER_TYPES:
+        raise CorruptModelFile(f"tensor {info.name!r} has integer type {GGML_TYPES[t][0]}, which no weight uses")
+    if t in (_Q4_0, _Q4_1, _Q8_0) and len(shape) >= 1:
+        return _affine_triple(raw, info)
+    if t == _Q4_K and len(shape) >= 1:
+        return _q4_k_triple(raw, info)
+    qtype = GGMLQuantizationType(t)
+    values = gguf_dequantize(raw.reshape(*shape[:-1], -1), qtype)
+    return {info.name: mx.array(np.ascontiguousarray(values, dtype=np.float32).reshape(shape))}
+
+
+def _affine_triple(raw: np.ndarray, info: TensorInfo) -> dict[str, mx.array]:
+    """Q4_0 (x = d*(q-8)), Q4_1 (x = d*q + m) and Q8_0 (x = d*q) blocks of 32 as MLX's affine quantization
+    (x = scale*q + bias, group 32): the same numbers, with q packed little-endian into uint32 words."""
+    t, shape = info.ggml_type, info.shape
+    _, _, block_bytes = GGML_TYPES[t]
+    blocks = raw.reshape(-1, block_bytes)
+    d = np.ascontiguousarray(blocks[:, :2]).view(np.float16)
+    if t == _Q8_0:
+        q = (blocks[:, 2:].view(np.int8).astype(np.int16) + 128).astype(np.uint8)  # MLX's q is unsigned
+        packed, scales, biases = q, d, d * np.float16(-128)
+    else:
+        qs = blocks[:, 2:] if t == _Q4_0 else blocks[:, 4:]
+        # ggml: element j < 16 is the low nibble of byte j, element 16 + j its high nibble; MLX: byte k
+        # holds elements 2k (low) and 2k + 1 (high).
+        even, odd = qs[:, 0::2], qs[:, 1::2]
+        packed = np.concatenate([(even & 0x0F) | (odd << 4), (even >> 4) | (odd & 0xF0)], axis=1)
+        scales = d
+        biases = d * np.float16(-8) if t == _Q4_0 else np.ascontiguousarray(blocks[:, 2:4]).view(np.float16)
+    rows = shape[:-1]
+    base = info.name.removesuffix(".weight")
+    return {
+        info.name: mx.array(np.ascontiguousarray(packed).reshape(*rows, -1).view(np.uint32)),
+        f"{base}.scales": mx.array(scales.reshape(*rows, -1)),
+        f"{base}.biases": mx.array(biases.reshape(*rows, -1)),
+    }
+
+
+def _q4_k_triple(raw: np.ndarray, info: TensorInfo) -> dict[str, mx.array]:
+    """Q4_K super-blocks of 256 as MLX affine 4-bit groups of 32, exactly: ggml's x = (d*sc)*q - dmin*m per
+    sub-block is scale*q + bias with float32 scale = d*sc and bias = -(dmin*m) (both products are exact in
+    float32: 11-bit half times a 6-bit integer)."""
+    from gguf.quants import Q4_K
+
+    blocks = raw.reshape(-1, GGML_TYPES[_Q4_K][2])
+    nb = blocks.shape[0]
+    d = np.ascontiguousarray(blocks[:, 0:2]).view(np.float16).astype(np.float32)
+    dmin = np.ascontiguousarray(blocks[:, 2:4]).view(np.float16).astype(np.float32)
+    sc, m = Q4_K.get_scale_min(blocks[:, 4:16])  # the gguf package's (llama.cpp's) 6-bit unpacking
+    # Sub-block 2j holds the low nibbles of bytes 32j..32j+31, sub-block 2j + 1 their high nibbles.
+    qs = blocks[:, 16:].reshape(nb, 4, 1, 32)
+    q = np.concatenate([qs & 0x0F, qs >> 4], axis=2).reshape(nb, 256)
+    packed = q[:, 0::2] | (q[:, 1::2] << 4)
+    rows = info.shape[:-1]
+    base = info.name.removesuffix(".weight")
+    return {
+        info.name: mx.array(np.ascontiguousarray(packed).reshape(*rows, -1).view(np.uint32)),
+        f"{base}.scales": mx.array((d * sc.astype(np.float32)).reshape(*rows, -1)),
+        f"{base}.biases": mx.array((-(dmin * m.astype(np.float32))).reshape(*rows, -1)),
+    }
 
 
 # --- config -------------------------------------------------------------------------------------------
 
 
-def gguf_model_config(meta: dict[str, Any], weights: dict[str, mx.array], path: str = "") -> dict[str, Any]:
-    """An mlx-lm llama config dict built from the `<arch>.*` metadata."""
-    arch = meta.get("general.architecture")
-    if arch not in SUPPORTED_ARCHITECTURES:
-        raise CorruptModelFile(f"{path}: unsupported GGUF architecture {arch!r} (supported: {SUPPORTED_ARCHITECTURES})")
+class _Meta:
+    """`<arch>.*` metadata lookups that refuse what the model classes cannot represent, in one line."""
 
-    def get(key: str, default: Any = None) -> Any:
-        value = meta.get(f"{arch}.{key}", default)
-        if isinstance(value, list):  # per-layer values: llama needs them uniform
-            if len(set(value)) != 1:
-                raise CorruptModelFile(f"{path}: per-layer {key} {value[:4]}... is not supported")
+    def __init__(self, meta: dict[str, Any], arch: str, path: str) -> None:
+        self.meta, self.arch, self.path = meta, arch, path
+
+    def get(self, key: str, default: Any = None, *, required: bool = False) -> Any:
+        value = self.meta.get(f"{self.arch}.{key}", default)
+        if isinstance(value, list) and key != "attention.sliding_window_pattern":
+            if not value or len(set(value)) != 1:  # per-layer values: the model classes need them uniform
+                raise CorruptModelFile(f"{self.path}: per-layer {self.arch}.{key} {value[:4]}... is not supported")
             value = value[0]
-        if value is None:
-            raise CorruptModelFile(f"{path}: GGUF metadata lacks {arch}.{key}")
+        if value is None and required:
+            raise CorruptModelFile(f"{self.path}: GGUF metadata lacks {self.arch}.{key}")
         return value
 
-    heads = int(get("attention.head_count"))
-    hidden = int(get("embedding_length"))
-    tokens = meta.get("tokenizer.ggml.tokens")
-    vocab = meta.get(f"{arch}.vocab_size") or (len(tokens) if tokens else weights["token_embd.weight"].shape[0])
-    config: dict[str, Any] = {
-        "model_type": "llama",
+    def refuse(self, what: str) -> CorruptModelFile:
+        return CorruptModelFile(f"{self.path}: unsupported {self.arch} GGUF: {what}")
+
+
+def _base_config(g: _Meta, weights: dict[str, mx.array], model_type: str) -> dict[str, Any]:
+    heads = int(g.get("attention.head_count", required=True))
+    hidden = int(g.get("embedding_length", required=True))
+    head_dim = int(g.get("attention.key_length", hidden // heads))
+    if int(g.get("attention.value_length", head_dim)) != head_dim:
+        raise g.refuse("different key and value head sizes")
+    rope_dims = g.get("rope.dimension_count")
+    if rope_dims is not None and int(rope_dims) != head_dim and g.arch != "phi3":
+        raise g.refuse(f"partial RoPE ({rope_dims} of {head_dim} head dimensions)")
+    embed = weights.get("token_embd.weight")
+    tokens = g.meta.get("tokenizer.ggml.tokens")
+    vocab = embed.shape[0] if embed is not None else g.get("vocab_size") or len(tokens or ())
+    return {
+        "model_type": model_type,
         "hidden_size": hidden,
-        "num_hidden_layers": int(get("block_count")),
-        "intermediate_size": int(get("feed_forward_length")),
+        "num_hidden_layers": int(g.get("block_count", required=True)),
+        "intermediate_size": int(g.get("feed_forward_length", required=True)),
         "num_attention_heads": heads,
-        "num_key_value_heads": int(get("attention.head_count_kv", heads)),
-        "head_dim": int(get("attention.key_length", hidden // heads)),
-        "rms_norm_eps": float(get("attention.layer_norm_rms_epsilon", 1e-5)),
-        "rope_theta": float(get("rope.freq_base", 10000.0)),
-        "max_position_embeddings": int(get("context_length", 4096)),
+        "num_key_value_heads": int(g.get("attention.head_count_kv", heads)),
+        "head_dim": head_dim,
+        "rms_norm_eps": float(g.get("attention.layer_norm_rms_epsilon", 1e-5)),
+        "rope_theta": float(g.get("rope.freq_base", 10000.0)),  # llama.cpp's default when the key is absent
+        "max_position_embeddings": int(g.get("context_length", 4096)),
         "vocab_size": int(vocab),
-        "attention_bias": "blk.0.attn_q.bias" in weights,
-        "mlp_bias": "blk.0.ffn_up.bias" in weights,
         "tie_word_embeddings": "output.weight" not in weights,
-        # GGUF stores Q/K rows permuted for interleaved (GPT-J style) RoPE.
-        "rope_traditional": True,
     }
-    scaling = meta.get(f"{arch}.rope.scaling.type", "none")
-    factor = float(meta.get(f"{arch}.rope.scaling.factor", 1.0) or 1.0)
+
+
+def _rope_scaling(g: _Meta) -> dict[str, Any] | None:
+    scaling = g.get("rope.scaling.type", "none")
+    factor = float(g.get("rope.scaling.factor", 1.0) or 1.0)
     if scaling == "linear" and factor != 1.0:
-        config["rope_scaling"] = {"type": "linear", "factor": factor}
-    elif scaling == "yarn":
-        config["rope_scaling"] = {
+        return {"type": "linear", "factor": factor}
+    if scaling == "yarn":
+        out: dict[str, Any] = {
             "type": "yarn",
             "factor": factor,
-            "original_max_position_embeddings": int(meta.get(f"{arch}.rope.scaling.original_context_length", 4096)),
+            "original_max_position_embeddings": int(g.get("rope.scaling.original_context_length", 4096)),
         }
-    elif scaling not in ("none", "linear"):
-        raise CorruptModelFile(f"{path}: unsupported RoPE scaling {scaling!r}")
+        for key, name in (("rope.scaling.yarn_beta_fast", "beta_fast"), ("rope.scaling.yarn_beta_slow", "beta_slow")):
+            if g.get(key) is not None:
+                out[name] = float(g.get(key))
+        return out
+    if scaling not in ("none", "linear"):
+        raise g.refuse(f"RoPE scaling {scaling!r}")
+    return None
+
+
+def _llama_config(g: _Meta, weights: dict[str, mx.array]) -> dict[str, Any]:
+    config = _base_config(g, weights, "llama")
+    config.update(
+        attention_bias="blk.0.attn_q.bias" in weights,
+        mlp_bias="blk.0.ffn_up.bias" in weights,
+        # llama-arch GGUFs store Q/K rows permuted for interleaved (GPT-J style) RoPE.
+        rope_traditional=True,
+    )
+    if (scaling := _rope_scaling(g)) is not None:
+        config["rope_scaling"] = scaling
     return config
+
+
+def _mistral3_config(g: _Meta, weights: dict[str, mx.array]) -> dict[str, Any]:
+    # Mistral Small 3.x text is llama-shaped (llama.cpp runs MISTRAL3 as llama with permuted Q/K); Ministral 3
+    # adds Llama-4 style attention temperature scaling, which the llama class has no place for.
+    if g.get("attention.temperature_scale") is not None:
+        raise g.refuse("attention temperature scaling (Ministral 3)")
+    return _llama_config(g, weights)
+
+
+def _qwen_config(g: _Meta, weights: dict[str, mx.array]) -> dict[str, Any]:
+    config = _base_config(g, weights, g.arch)
+    if g.arch == "qwen2":
+        if config["head_dim"] * config["num_attention_heads"] != config["hidden_size"]:
+            raise g.refuse("head size other than embedding_length / head_count")
+        if "blk.0.attn_q.bias" not in weights:
+            raise g.refuse("no Q/K/V biases (the qwen2 class always has them)")
+    if (scaling := _rope_scaling(g)) is not None:
+        config["rope_scaling"] = scaling
+    return config
+
+
+def _query_pre_attn_scalar(g: _Meta, config: dict[str, Any]) -> int:
+    # GGUF has no key for it: llama.cpp (after gemma_pytorch) uses hidden/heads for the 27B models
+    # (46 layers for Gemma 2, 62 for Gemma 3) and the head size otherwise.
+    big = config["num_hidden_layers"] == (46 if g.arch == "gemma2" else 62)
+    return int(config["hidden_size"] // config["num_attention_heads"] if big else config["head_dim"])
+
+
+def _gemma2_config(g: _Meta, weights: dict[str, mx.array]) -> dict[str, Any]:
+    config = _base_config(g, weights, "gemma2")
+    window = int(g.get("attention.sliding_window", 4096))  # llama.cpp's Gemma 2 default
+    config.update(
+        tie_word_embeddings=True,  # llama.cpp always uses token_embd as the output for Gemma 2
+        rms_norm_eps=float(g.get("attention.layer_norm_rms_epsilon", 1e-6)),
+        attn_logit_softcapping=float(g.get("attn_logit_softcapping", 50.0)),
+        final_logit_softcapping=float(g.get("final_logit_softcapping", 30.0)),
+        query_pre_attn_scalar=_query_pre_attn_scalar(g, config),
+        sliding_window=window,
+        # Even layers slide, as in HF's Gemma 2 and llama.cpp's set_swa_pattern(2).
+        layer_types=["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(config["num_hidden_layers"])],
+    )
+    if config["attn_logit_softcapping"] <= 0 or config["final_logit_softcapping"] <= 0:
+        raise g.refuse("soft-capping disabled (the gemma2 class always caps)")
+    if g.get("rope.freq_base_swa") not in (None, config["rope_theta"]):
+        raise g.refuse("a separate RoPE base for sliding layers")
+    if _rope_scaling(g) is not None:
+        raise g.refuse("RoPE scaling")
+    return config
+
+
+def _swa_pattern(g: _Meta, layers: int, default: int) -> int:
+    """The period p of llama.cpp's pattern (layer i slides unless i % p == p - 1) that the file describes."""
+    pattern = g.get("attention.sliding_window_pattern", default)
+    if not isinstance(pattern, list):
+        return int(pattern)
+    flags = [bool(x) for x in pattern][:layers]
+    for p in range(1, layers + 1):
+        if flags == [i % p < p - 1 for i in range(layers)]:
+            return p
+    raise g.refuse(f"sliding-window layer pattern {flags} is not periodic")
+
+
+def _gemma3_config(g: _Meta, weights: dict[str, mx.array]) -> dict[str, Any]:
+    config = _base_config(g, weights, "gemma3_text")
+    window = int(g.get("attention.sliding_window", 0) or 0)
+    layers = config["num_hidden_layers"]
+    pattern = _swa_pattern(g, layers, 6) if window > 0 else 1  # pattern 1: every layer global
+    config.update(
+        rms_norm_eps=float(g.get("attention.layer_norm_rms_epsilon", 1e-6)),
+        rope_local_base_freq=float(g.get("rope.freq_base_swa", 10000.0)),  # llama.cpp's default
+        query_pre_attn_scalar=_query_pre_attn_scalar(g, config),
+        sliding_window=window if window > 0 else config["max_position_embeddings"],
+        sliding_window_pattern=pattern,
+        layer_types=["full_attention" if i % pattern == pattern - 1 else "sliding_attention" for i in range(layers)],
+    )
+    if float(g.get("final_logit_softcapping", 0.0) or 0.0) != 0.0:
+        raise g.refuse("final logit soft-capping (the gemma3_text class has none)")
+    if (scaling := _rope_scaling(g)) is not None:
+        if scaling["type"] != "linear":
+            raise g.refuse(f"RoPE scaling {scaling['type']!r}")
+        config["rope_scaling"] = scaling  # applied to the global layers only, as in HF and llama.cpp
+    return config
+
+
+def _phi3_config(g: _Meta, weights: dict[str, mx.array]) -> dict[str, Any]:
+    config = _base_config(g, weights, "phi3")
+    heads, hidden = config["num_attention_heads"], config["hidden_size"]
+    if config["head_dim"] * heads != hidden:
+        raise g.refuse("head size other than embedding_length / head_count")
+    rope_dims = int(g.get("rope.dimension_count", config["head_dim"]))
+    config.update(
+        partial_rotary_factor=rope_dims / config["head_dim"],
+        original_max_position_embeddings=int(
+            g.get("rope.scaling.original_context_length", config["max_position_embeddings"])
+        ),
+    )
+    if window := int(g.get("attention.sliding_window", 0) or 0):  # 0 marks "none" (Phi-4)
+        config["sliding_window"] = window
+    long, short = weights.get("rope_factors_long.weight"), weights.get("rope_factors_short.weight")
+    if long is not None and short is not None:
+        config["rope_scaling"] = {
+            "type": "longrope",
+            "long_factor": long.astype(mx.float32).tolist(),
+            "short_factor": short.astype(mx.float32).tolist(),
+        }
+    elif long is not None or short is not None:
+        raise g.refuse("only one of rope_factors_long / rope_factors_short")
+    elif (scaling := _rope_scaling(g)) is not None:
+        if scaling["type"] != "linear":
+            raise g.refuse(f"RoPE scaling {scaling['type']!r}")
+        config["rope_scaling"] = scaling
+    return config
+
+
+_CONFIGS: dict[str, Callable[[_Meta, dict[str, mx.array]], dict[str, Any]]] = {
+    "llama": _llama_config,
+    "mistral3": _mistral3_config,
+    "qwen2": _qwen_config,
+    "qwen3": _qwen_config,
+    "gemma2": _gemma2_config,
+    "gemma3": _gemma3_config,
+    "phi3": _phi3_config,
+}
+
+
+def gguf_model_config(meta: dict[str, Any], weights: dict[str, mx.array], path: str = "") -> dict[str, Any]:
+    """An mlx-lm config dict (HF key names; model_type names the mlx-lm module) from the `<arch>.*` metadata."""
+    arch = meta.get("general.architecture")
+    if arch not in _CONFIGS:
+        raise CorruptModelFile(f"{path}: unsupported GGUF architecture {arch!r} (supported: {SUPPORTED_ARCHITECTURES})")
+    return _CONFIGS[arch](_Meta(meta, str(arch), path), weights)
 
 
 # --- weights ------------------------------------------------------------------------------------------
 
-_LAYER_NAMES = {
+_ATTN = {
     "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
-    "ffn_down": "mlp.down_proj", "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
+    "attn_output": "self_attn.o_proj",
 }
+_MLP = {"ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj"}
+_QK_NORM = {"attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm"}
+_LLAMA_NORMS = {"attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm"}
+# Gemma 2/3's four norms per layer, as llama.cpp names them (gguf tensor_mapping: ATTN_POST_NORM, FFN_NORM,
+# FFN_POST_NORM).
+_GEMMA_NORMS = {
+    "attn_norm": "input_layernorm", "post_attention_norm": "post_attention_layernorm",
+    "ffn_norm": "pre_feedforward_layernorm", "post_ffw_norm": "post_feedforward_layernorm",
+}
+# Phi-3 keeps HF's fused projections: attn_qkv is qkv_proj, and ffn_up is gate_up_proj (gate rows first).
+_PHI3 = {
+    **_ATTN, "attn_qkv": "self_attn.qkv_proj", "attn_output": "self_attn.o_proj",
+    "ffn_up": "mlp.gate_up_proj", "ffn_down": "mlp.down_proj", **_LLAMA_NORMS,
+}
+_LAYER_NAMES: dict[str, dict[str, str]] = {
+    "llama": {**_ATTN, **_MLP, **_LLAMA_NORMS},
+    "qwen2": {**_ATTN, **_MLP, **_LLAMA_NORMS},
+    "qwen3": {**_ATTN, **_MLP, **_LLAMA_NORMS, **_QK_NORM},
+    "gemma2": {**_ATTN, **_MLP, **_GEMMA_NORMS},
+    "gemma3": {**_ATTN, **_MLP, **_GEMMA_NORMS, **_QK_NORM},
+    "phi3": _PHI3,
+}
+_LAYER_NAMES["mistral3"] = _LAYER_NAMES["llama"]
 _TOP_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+# Top-level tensors that configure the model instead of holding weights, per architecture.
+_CONFIG_TENSORS = {
+    "llama": ("rope_freqs",), "mistral3": ("rope_freqs",), "phi3": ("rope_factors_long", "rope_factors_short"),
+}
+_NORM_SHIFTED = ("gemma2", "gemma3")  # the converter stores Gemma's RMSNorm weights as 1 + w
 _NAME = re.compile(r"^(?:blk\.(\d+)\.)?(\w+)\.(weight|bias|scales|biases)$")
 
 
-def gguf_to_mlx_names(weights: dict[str, mx.array], path: str = "") -> tuple[dict[str, mx.array], mx.array | None]:
-    """Rename GGUF tensors to mlx-lm llama names. Returns (weights, rope_freqs factors or None)."""
+def gguf_to_mlx_names(
+    weights: dict[str, mx.array], path: str = "", arch: str = "llama"
+) -> tuple[dict[str, mx.array], mx.array | None]:
+    """Rename GGUF tensors to mlx-lm names for `arch` (undoing the converter's per-family changes).
+    Returns (weights, llama-3 rope_freqs factors or None)."""
     out: dict[str, mx.array] = {}
     rope_freqs = None
+    layer_names = _LAYER_NAMES[arch]
     for name, value in weights.items():
-        if name == "rope_freqs.weight":  # llama-3 style per-dimension RoPE frequency factors
-            rope_freqs = value
-            continue
         m = _NAME.match(name)
-        table = _LAYER_NAMES if m and m.group(1) is not None else _TOP_NAMES
+        if m and m.group(1) is None and m.group(2) in _CONFIG_TENSORS.get(arch, ()):
+            if m.group(2) == "rope_freqs":
+                rope_freqs = value
+            continue  # the others went into the config
+        table = layer_names if m and m.group(1) is not None else _TOP_NAMES
         if m is None or m.group(2) not in table:
-            raise CorruptModelFile(f"{path}: unexpected tensor {name!r} for a llama GGUF")
+            raise CorruptModelFile(f"{path}: unexpected tensor {name!r} for a {arch} GGUF")
         layer, base, suffix = m.groups()
+        if arch == "gemma2" and base == "output":
+            continue  # llama.cpp ignores it too: Gemma 2's head is always the embedding
+        if arch in _NORM_SHIFTED and base.endswith("norm") and suffix == "weight":
+            value = value.astype(mx.float32) - 1.0  # exact in fp32 for every stored 1 + w >= 0.5
         prefix = f"model.layers.{layer}.{table[base]}" if layer is not None else table[base]
         out[f"{prefix}.{suffix}"] = value
+    if arch == "phi3":
+        _fuse_phi3_qkv(out)
     return out, rope_freqs
+
+
+def _fuse_phi3_qkv(weights: dict[str, mx.array]) -> None:
+    """A Phi-3 file with separate attn_q/k/v (llama.cpp accepts both) becomes the class's fused qkv_proj."""
+    for key in [k for k in weights if ".self_attn.q_proj." in k]:
+        parts = [weights.pop(key.replace(".q_proj.", f".{p}_proj.")) for p in "qkv"]
+        weights[key.replace(".q_proj.", ".qkv_proj.")] = mx.concatenate(parts, axis=0)
 
 
 class FreqFactorRoPE(nn.Module):
@@ -297,8 +601,9 @@ def prepare_weights(
         for p in prefixes:
             w, scales, biases = weights.pop(f"{p}.weight"), weights.pop(f"{p}.scales"), weights.pop(f"{p}.biases")
             group_size, bits = _quant_params(modules[p], w, scales)
-            # Dequantize in the target precision, not in the fp16 of the scales.
-            weights[f"{p}.weight"] = mx.dequantize(w, scales.astype(dtype), biases.astype(dtype), group_size, bits)
+            # Dequantize in float32 (exact for every GGUF type mapped to a triple), then round once to dtype.
+            f32 = mx.float32
+            weights[f"{p}.weight"] = mx.dequantize(w, scales.astype(f32), biases.astype(f32), group_size, bits)
     return {
         k: v.astype(dtype) if mx.issubdtype(v.dtype, mx.floating) else v for k, v in weights.items()
     }
@@ -325,7 +630,7 @@ def load_gguf(
     dtype: mx.Dtype | None = mx.float32,
     on_progress: Callable[[str, float], None] | None = None,
 ) -> GGUFModel:
-    """Build mlx-lm's llama model from a GGUF file. Weights are dequantized to `dtype` unless keep_quantized;
+    """Build the mlx-lm model of a GGUF file's architecture. Weights are dequantized to `dtype` unless keep_quantized;
     dtype None takes the checkpoint's own float dtype."""
     report = on_progress or (lambda stage, fraction: None)
     path = str(path)
@@ -336,7 +641,7 @@ def load_gguf(
     except CorruptModelFile:
         raise
     except Exception as exc:  # any failure to interpret the file's contents means the file is bad
-        raise CorruptModelFile(f"{path}: invalid llama GGUF contents: {type(exc).__name__}: {exc}") from exc
+        raise CorruptModelFile(f"{path}: invalid GGUF contents: {type(exc).__name__}: {exc}") from exc
 
 
 def _build(
@@ -348,22 +653,24 @@ def _build(
     dtype: mx.Dtype | None,
     report: Callable[[str, float], None],
 ) -> GGUFModel:
-    from mlx_lm.models import llama
-
     config = gguf_model_config(meta, weights, path)
-    weights, rope_freqs = gguf_to_mlx_names(weights, path)
+    arch = str(meta["general.architecture"])
+    weights, rope_freqs = gguf_to_mlx_names(weights, path, arch)
     report("tokenizer", 0.15)
     tokenizer = build_gguf_tokenizer(meta, path)
-    model = llama.Model(llama.ModelArgs.from_dict(config))
+    module = importlib.import_module(f"mlx_lm.models.{config['model_type']}")
+    model = module.Model(module.ModelArgs.from_dict(config))
     if rope_freqs is not None:
         for layer in model.model.layers:
             attn = layer.self_attn
             attn.rope = FreqFactorRoPE(attn.head_dim, config["rope_theta"], rope_freqs, traditional=True)
+    if hasattr(model, "sanitize"):  # as mlx-lm's own load does: drops a tied head, marks Gemma 3 as tied
+        weights = model.sanitize(weights)
     dtype = dtype or checkpoint_dtype(weights)
     weights = prepare_weights(model, weights, keep_quantized=keep_quantized, dtype=dtype)
     model.eval()
     try:
         model.load_weights(list(weights.items()), strict=True)
     except ValueError as exc:
-        raise CorruptModelFile(f"{path}: GGUF tensors do not match a llama model: {exc}") from exc
+        raise CorruptModelFile(f"{path}: GGUF tensors do not match a {arch} model: {exc}") from exc
     return GGUFModel(model, tokenizer, config, meta, dtype)

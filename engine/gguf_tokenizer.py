@@ -2,9 +2,11 @@
 
 Two GGUF tokenizer models are supported:
 - "gpt2": byte-level BPE from tokens + merges, with the pre-tokenizer named by `tokenizer.ggml.pre`
-  (gpt2, smollm, llama-bpe, qwen2). Lossless: every byte string has exactly one spelling.
-- "llama": SentencePiece BPE (Llama 2, Mistral, TinyLlama) from tokens + scores; merges are derived from
-  the scores as transformers' GGUF converter does, with byte fallback (`<0xXX>` tokens) for unseen bytes.
+  (gpt2, smollm, llama-bpe, qwen2 (also Qwen 3), tekken (Mistral Nemo / Small), gpt-4o (Phi-4)).
+  Lossless: every byte string has exactly one spelling.
+- "llama": SentencePiece BPE (Llama 2, Mistral, TinyLlama, Gemma, Phi-3) from tokens + scores; merges are
+  derived from the scores as transformers' GGUF converter does, with byte fallback (`<0xXX>` tokens) for
+  unseen bytes.
 """
 
 from __future__ import annotations
@@ -19,6 +21,17 @@ _LLAMA3_SPLIT = (
     r"\s+(?!\S)|\s+"
 )
 _QWEN2_SPLIT = _LLAMA3_SPLIT.replace(r"\p{N}{1,3}", r"\p{N}")
+# Mistral's Tekken (Nemo, Small 3) and GPT-4o's (Phi-4): the tokenizer.json regexes llama-vocab.cpp cites.
+_CASED_WORDS = (
+    r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+{c}|"
+    r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*{c}|"
+)
+_TAIL = r" ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+_TEKKEN_SPLIT = _CASED_WORDS.replace("{c}", "") + r"\p{N}|" + _TAIL
+_GPT4O_SPLIT = _CASED_WORDS.replace("{c}", r"(?i:'s|'t|'re|'ve|'m|'ll|'d)?") + r"\p{N}{1,3}|" + _TAIL
+_SPLITS = {"llama-bpe": _LLAMA3_SPLIT, "llama3": _LLAMA3_SPLIT, "qwen2": _QWEN2_SPLIT, "tekken": _TEKKEN_SPLIT,
+           "gpt-4o": _GPT4O_SPLIT}
+_IGNORE_MERGES = ("llama-bpe", "llama3", "tekken")  # llama-vocab.cpp: whole-word vocabulary hits skip merges
 # llama.cpp token types
 _TOKEN_NORMAL, _TOKEN_UNKNOWN, _TOKEN_CONTROL, _TOKEN_USER_DEFINED = 1, 2, 3, 4
 _SPACE = "\u2581"  # SentencePiece's visible space
@@ -32,15 +45,14 @@ def _pre_tokenizer(pre: str, path: str) -> Any:
         return byte_level
     if pre == "smollm":  # SmolLM/StarCoder: every digit alone, then GPT-2's byte-level split
         return pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level])
-    if pre in ("llama-bpe", "llama3", "qwen2"):
-        pattern = _QWEN2_SPLIT if pre == "qwen2" else _LLAMA3_SPLIT
+    if pre in _SPLITS:
         return pre_tokenizers.Sequence(
             [
-                pre_tokenizers.Split(Regex(pattern), behavior="isolated", invert=False),
+                pre_tokenizers.Split(Regex(_SPLITS[pre]), behavior="isolated", invert=False),
                 pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
             ]
         )
-    raise CorruptModelFile(f"{path}: unsupported GGUF pre-tokenizer {pre!r} (supported: gpt2, smollm, llama-bpe, qwen2)")
+    raise CorruptModelFile(f"{path}: unsupported GGUF pre-tokenizer {pre!r} (supported: gpt2, smollm, {', '.join(_SPLITS)})")
 
 
 def gguf_eos_ids(meta: dict[str, Any]) -> frozenset[int]:
@@ -73,7 +85,7 @@ def _byte_level_model(meta: dict[str, Any], tokens: list[str], path: str) -> Any
         merges=[tuple(m.split(" ", 1)) for m in meta.get("tokenizer.ggml.merges", [])],
         fuse_unk=False,
         byte_fallback=False,
-        ignore_merges=pre in ("llama-bpe", "llama3"),
+        ignore_merges=pre in _IGNORE_MERGES,
     )
     tok = RustTokenizer(bpe)
     tok.pre_tokenizer = _pre_tokenizer(pre, path)
@@ -133,7 +145,8 @@ def build_gguf_tokenizer(meta: dict[str, Any], path: str = "") -> Tokenizer:
         [AddedToken(tokens[i], special=False, normalized=False) for i, t in enumerate(types) if t == _TOKEN_USER_DEFINED]
     )
     bos = token("bos")
-    add_bos = meta.get("tokenizer.ggml.add_bos_token", kind == "llama")  # llama.cpp's default per model
+    # llama.cpp's default per model when the key is absent (SentencePiece and Tekken add BOS)
+    add_bos = meta.get("tokenizer.ggml.add_bos_token", kind == "llama" or meta.get("tokenizer.ggml.pre") == "tekken")
     if add_bos and bos is not None:
         bos_id = tokens.index(bos)
         tok.post_processor = processors.TemplateProcessing(

@@ -17,7 +17,7 @@ import mlx.nn as nn
 from mlx.utils import tree_flatten
 
 from trillm.engine.errors import CorruptModelFile, ModelNotFound
-from trillm.engine.gguf import load_gguf, read_gguf
+from trillm.engine.gguf import load_gguf, read_gguf_metadata
 from trillm.engine.gguf_tokenizer import build_gguf_tokenizer
 from trillm.engine.tokenizer import Tokenizer
 
@@ -179,7 +179,7 @@ def load_tokenizer(spec: str | None = None) -> tuple[Tokenizer, str]:
     the model_id `load_model` would give it: enough to tokenize prompts exactly as its engine does."""
     path = Path(default_model_path() if spec is None else os.path.expanduser(spec))
     if path.is_file():
-        _, meta = read_gguf(path)  # the tensors are dropped unread
+        meta = read_gguf_metadata(path)  # no tensor is read
         return build_gguf_tokenizer(meta, str(path)), model_id_of(path)
     if path.is_dir() and (path / "config.json").is_file():
         return _folder_tokenizer(path), model_id_of(path)
