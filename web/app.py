@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import hmac
+import ipaddress
 import logging
 import os
 from urllib.parse import urlsplit
@@ -69,24 +70,78 @@ def is_protected(path: str) -> bool:
     return path.startswith(("/v1/", "/internal/")) or path in ("/tokenize", "/detokenize", "/tokenizer_info")
 
 
-def same_or_allowed_origin(headers: Any, allowed_origins: Sequence[str]) -> bool:
+def _loopback_host(host: str) -> bool:
+    """localhost, *.localhost (browsers resolve both to loopback, never through DNS) or a loopback address."""
+    host = host.lower().rstrip(".")
+    if host == "localhost" or host.endswith(".localhost"):
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
+def _ip_literal(host: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address | None:
+    try:
+        return ipaddress.ip_address(host.strip("[]"))
+    except ValueError:
+        return None
+
+
+def _default_port(scheme: str) -> int:
+    return 443 if scheme in ("https", "wss") else 80
+
+
+def same_or_allowed_origin(headers: Any, allowed_origins: Sequence[str], bind_host: str = "127.0.0.1") -> bool:
     """A web page on any site can open a websocket to 127.0.0.1 (browsers send no CORS preflight for them),
-    so a browser's Origin must be this server's own, or one the operator allowed."""
+    so a browser's Origin must be one of this server's own pages, or one the operator allowed.
+
+    The Host header cannot say which pages are this server's own: under DNS rebinding an attacker's name
+    (evil.test) resolves to this server, and the browser sends `Host: evil.test:8000` with
+    `Origin: http://evil.test:8000`. So an Origin is this server's own only when its host is one no DNS answer
+    can make up: a loopback name or address while the server listens on loopback (a wildcard bind does too),
+    or an IP address the server listens on. Its port must be the port the request came to. Anything else
+    needs --allowed-origin."""
     origin: str | None = headers.get("Origin")
     if origin is None:
         return True  # not a browser
-    if origin in allowed_origins:
+    if origin.rstrip("/") in allowed_origins or origin in allowed_origins:
         return True
-    host: str = headers.get("Host", "")
-    return urlsplit(origin).netloc.lower() == host.lower()
+    try:
+        page = urlsplit(origin)
+        here = urlsplit("//" + headers.get("Host", ""))
+        page_port = page.port or _default_port(page.scheme)
+        here_port = here.port or _default_port(page.scheme)
+    except ValueError:  # a malformed port
+        return False
+    if page.scheme not in ("http", "https") or not page.hostname or page_port != here_port:
+        return False
+    address, bound = _ip_literal(page.hostname), _ip_literal(bind_host)
+    wildcard = bound is not None and bound.is_unspecified  # 0.0.0.0 or ::, loopback included
+    if (_loopback_host(bind_host) or wildcard) and _loopback_host(page.hostname):
+        return True
+    if address is None or bound is None:
+        return False
+    # The page came from one of our addresses: the one bound, or (a wildcard bind) the one this request came to.
+    return address == bound or (wildcard and page.hostname.lower() == (here.hostname or "").lower())
 
 
-def install_guards(app: QuartTrio, api_key: str | None, allowed_origins: Sequence[str]) -> None:
+def install_guards(app: QuartTrio, api_key: str | None, allowed_origins: Sequence[str],
+                   bind_host: str = "127.0.0.1") -> None:
     """The checks every trillm front makes (a server and the router alike): the API key on protected paths,
-    a websocket's Origin and key, and HTTP errors in the shape of the API at that path."""
+    a browser's Origin on the websockets and /internal/*, and HTTP errors in the shape of the API at that path.
+    `bind_host`: the address the server listens on (what an Origin is judged against)."""
+
+    def origin_refused() -> Response:
+        return error_response(APIError(403, "cross-origin request refused: this page's origin may not use this "
+                                            "server (see --allowed-origin)", "permission_error",
+                                       "origin_not_allowed"))
 
     @app.before_request
     async def check_auth() -> Response | None:
+        if request.path.startswith("/internal/") and not same_or_allowed_origin(
+                request.headers, allowed_origins, bind_host):
+            return origin_refused()
         if is_protected(request.path) and not is_authorized(api_key, request.headers):
             return error_response(APIError(401, "missing or wrong API key (Authorization: Bearer ... or x-api-key)",
                                            "authentication_error", "invalid_api_key"), request.path)
@@ -94,9 +149,8 @@ def install_guards(app: QuartTrio, api_key: str | None, allowed_origins: Sequenc
 
     @app.before_websocket
     async def check_ws_auth() -> Response | None:
-        if not same_or_allowed_origin(websocket.headers, allowed_origins):
-            return error_response(APIError(403, "cross-origin websocket refused (see --allowed-origin)",
-                                           "permission_error", "origin_not_allowed"))
+        if not same_or_allowed_origin(websocket.headers, allowed_origins, bind_host):
+            return origin_refused()
         if not is_authorized(api_key, websocket.headers, subprotocol_api_key(websocket.requested_subprotocols)):
             return error_response(APIError(401, "missing or wrong API key", "authentication_error",
                                            "invalid_api_key"))
@@ -119,7 +173,7 @@ def create_app(services: Sequence[EngineService], config: ServerConfig = ServerC
     registry = ModelRegistry(services, config.model_aliases)
     app.extensions["trillm.registry"] = registry
 
-    install_guards(app, config.api_key, config.allowed_origins)
+    install_guards(app, config.api_key, config.allowed_origins, config.host)
 
     @app.errorhandler(Exception)
     async def any_error(exc: Exception) -> Response:

@@ -322,3 +322,72 @@ async def test_a_non_streamed_response_that_could_be_huge_is_refused_up_front_an
                                                     logprobs=True, top_logprobs=5)
         assert len(done.choices) == 4
     assert factory.engine.statistics().num_steps > 0
+
+
+# ---- a browser's Origin is judged against the address the server listens on, never the Host header alone ----
+
+async def _upgrade_status(url: str, path: str, headers: dict[str, str]) -> int:
+    """The status of a websocket upgrade sent by hand (so Host and Origin are exactly what a browser under DNS
+    rebinding would send)."""
+    import trio
+
+    hostport = url.split("//", 1)[1]
+    host, port = hostport.rsplit(":", 1)
+    lines = [f"GET {path} HTTP/1.1", "Upgrade: websocket", "Connection: Upgrade", "Sec-WebSocket-Version: 13",
+             "Sec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==", *(f"{k}: {v}" for k, v in headers.items())]
+    stream = await trio.open_tcp_stream(host, int(port))
+    async with stream:
+        await stream.send_all(("\r\n".join(lines) + "\r\n\r\n").encode())
+        data = b""
+        with trio.fail_after(10):
+            while b"\r\n" not in data:
+                chunk = await stream.receive_some(4096)
+                if not chunk:
+                    break
+                data += chunk
+    return int(data.split(b" ", 2)[1])
+
+
+async def test_dns_rebinding_origins_are_refused_on_the_websockets_and_internal_paths() -> None:
+    async with running_server(MockFactory(), allowed_origins=("https://app.example",)) as serving:
+        port = serving.url.rsplit(":", 1)[1]
+        rebinding = {"Host": f"evil.test:{port}", "Origin": f"http://evil.test:{port}"}
+        for path in ("/v1/ws", "/internal/kv-events"):
+            assert await _upgrade_status(serving.url, path, rebinding) == 403, path
+            assert await _upgrade_status(serving.url, path, {"Host": f"127.0.0.1:{port}",
+                                                             "Origin": f"http://evil.test:{port}"}) == 403
+            for origin in (f"http://127.0.0.1:{port}", f"http://localhost:{port}", "https://app.example"):
+                host = f"localhost:{port}" if "app.example" not in origin else f"127.0.0.1:{port}"
+                assert await _upgrade_status(serving.url, path, {"Host": host, "Origin": origin}) == 101, origin
+            assert await _upgrade_status(serving.url, path, {"Host": f"127.0.0.1:{port}"}) == 101  # no browser
+            # a loopback page on another port is another local site, not this server's
+            assert await _upgrade_status(serving.url, path, {"Host": f"127.0.0.1:{port}",
+                                                             "Origin": "http://127.0.0.1:1"}) == 403
+        async with httpx.AsyncClient(base_url=serving.url) as client:
+            r = await client.get("/internal/kv-events", headers=rebinding)
+            assert r.status_code == 403 and r.json()["error"]["code"] == "origin_not_allowed", r.text
+
+
+def test_origins_are_judged_against_the_bound_address() -> None:
+    from trillm.web.app import same_or_allowed_origin as ok
+
+    def h(host: str, origin: str) -> dict[str, str]:
+        return {"Host": host, "Origin": origin}
+
+    # loopback bind: loopback pages on this port; never a name DNS answers for, whatever Host says
+    assert ok(h("127.0.0.1:8000", "http://localhost:8000"), (), "127.0.0.1")
+    assert ok(h("[::1]:8000", "http://[::1]:8000"), (), "::1")
+    assert not ok(h("evil.test:8000", "http://evil.test:8000"), (), "127.0.0.1")
+    assert not ok(h("192.168.1.5:8000", "http://192.168.1.5:8000"), (), "127.0.0.1")
+    # a specific address: pages from that address; names only through --allowed-origin
+    assert ok(h("192.168.1.5:8000", "http://192.168.1.5:8000"), (), "192.168.1.5")
+    assert not ok(h("10.0.0.9:8000", "http://10.0.0.9:8000"), (), "192.168.1.5")
+    assert not ok(h("box.lan:8000", "http://box.lan:8000"), (), "192.168.1.5")
+    assert ok(h("box.lan:8000", "http://box.lan:8000"), ("http://box.lan:8000",), "192.168.1.5")
+    # a wildcard bind: loopback pages, and a page from the address this request came to
+    assert ok(h("10.0.0.9:8000", "http://10.0.0.9:8000"), (), "0.0.0.0")
+    assert ok(h("localhost:8000", "http://localhost:8000"), (), "0.0.0.0")
+    assert not ok(h("evil.test:8000", "http://evil.test:8000"), (), "0.0.0.0")
+    assert not ok(h("10.0.0.9:8000", "http://10.0.0.8:8000"), (), "0.0.0.0")
+    assert not ok(h("127.0.0.1:8000", "null"), (), "127.0.0.1")
+    assert ok({"Host": "evil.test:8000"}, (), "127.0.0.1")  # no Origin: not a browser
