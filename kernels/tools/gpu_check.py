@@ -11,7 +11,7 @@ with its children at its limit, so nothing is left holding the GPU), its output 
   compile         macOS only: metal_compile check (xcrun on MLX's own generated source of every variant);
                   CUDA's compile check (nvcc) is CPU-only work and runs on the CPU machine, not here
   selfcheck       every preset x dtype: each kernel variant against its reference on this device
-  tests           tests/kernels/test_kernels_vs_ref.py (never when this check runs inside pytest)
+  tests           tests/kernels/test_kernels_vs_ref.py, float16 cases (never when this check runs inside pytest)
   planted-compile a planted compile error must raise a catchable Python error and fall back
   planted-wrong   a planted wrong result must fail the check and fall back
   bench           trillm bench kernels --contexts 512,4096 --batches 1,64
@@ -176,8 +176,11 @@ def plan(py: str, out: Path, *, full: bool, stub: bool, in_pytest: bool, system:
     elif not full:
         bench += ["--contexts", "512,4096", "--batches", "1,64"]
     tests_path = "tests/kernels" if full else "tests/kernels/test_kernels_vs_ref.py"
-    tests = (*m, "pytest", "--noconftest", "-q", "-rs", "-p", "no:cacheprovider", tests_path,
+    # --noconftest: tests/conftest.py loads the engine (mlx-lm, transformers), which this grid never needs.
+    tests: tuple[str, ...] = (*m, "pytest", "--noconftest", "-q", "-rs", "--durations=5", "-p", "no:cacheprovider", tests_path,
              "--ignore=tests/kernels/test_gpu_check.py")  # fmt: skip
+    if not full:  # float16 only (130 of 390 cases: each case is a new variant to compile); --full: all dtypes
+        tests += ("-k", "f16 and not bf16")
     why_no_tests = None
     if in_pytest:
         why_no_tests = "inside pytest (or another GPU check): the suite never runs itself"

@@ -94,6 +94,7 @@ def test_the_quick_plan_fits_the_deadline_and_does_no_cpu_only_work(tmp_path: Pa
             assert sum(s.cap_s for s in steps) <= gc.QUICK_DEADLINE_S
     steps = {s.name: s for s in gc.plan("py", tmp_path, full=False, stub=False, in_pytest=False, system="Linux")}
     assert "tests/kernels/test_kernels_vs_ref.py" in steps["tests"].cmd and steps["tests"].why_not is None
+    assert "--noconftest" in steps["tests"].cmd  # the root conftest would load the engine and mlx-lm
     bench = steps["bench"].cmd
     assert bench[bench.index("--contexts") + 1] == "512,4096" and bench[bench.index("--batches") + 1] == "1,64"
     nested = {s.name: s for s in gc.plan("py", tmp_path, full=True, stub=False, in_pytest=True, system="Linux")}
