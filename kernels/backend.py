@@ -223,6 +223,10 @@ def always(_: ModelShapes) -> str | None:
     return None
 
 
+def every_model(_: ModelShapes) -> bool:
+    return True
+
+
 def cpu_extension_supports(shapes: ModelShapes, dtypes: tuple[mx.Dtype, ...]) -> str | None:
     """Why a primitive of trillm's CPU extension cannot run `shapes` (or None). Asking loads, or first
     builds, the extension."""
@@ -270,7 +274,8 @@ class KernelOp:
     `check_cases` covers every kernel variant serving will launch for these shapes (it compiles them);
     `timing_cases` are the calls timed against the reference (decode at batch 1 and at the largest batch,
     one prefill chunk). Results must match the reference exactly when `exact`, else be finite and within
-    `tolerances[dtype]` = (atol, rtol).
+    `tolerances[dtype]` = (atol, rtol). `applies` says whether a model with these shapes uses the op at all
+    (MLA attention only for MLA models); the self-check neither checks nor times an op that does not apply.
     """
 
     name: str
@@ -280,6 +285,7 @@ class KernelOp:
     timing_cases: Callable[[ModelShapes], list[Case]]
     exact: bool = False
     tolerances: Mapping[mx.Dtype, tuple[float, float]] = field(default_factory=dict)
+    applies: Callable[[ModelShapes], bool] = every_model
 
     def kernel_for(self, backend: str | None, shapes: ModelShapes) -> Kernel | None:
         """The implementation to run on `backend` for `shapes`, or None for the reference."""

@@ -36,6 +36,14 @@ the start-up self-check builds its cases from):
                           self-check compiles and checks each distinct window's variant)
     sinks: [Hq] | None    attention sinks (gpt-oss): one extra logit per head in the softmax, with no value
                           (ModelShapes.sinks)
+
+MLA layers (DeepSeek V2/V3 and kin; `trillm.kernels.mla_attention`) keep the same two pools per layer with
+one "KV head" each: the K pool holds the compressed latent and the V pool the RoPE part k_pe,
+
+    latent_pool: [num_blocks, block_size, 1, kv_lora_rank]       pe_pool: [num_blocks, block_size, 1, qk_rope_head_dim]
+
+written through the same slot_mapping and read through the same block_tables / context_lens (ModelShapes:
+kv_lora_rank and qk_rope_head_dim > 0; the self-check then checks MLA attention instead of paged attention).
 """
 
 from __future__ import annotations

@@ -659,7 +659,12 @@ def _timing_cases(shapes: ModelShapes) -> list[Case]:
     ]
 
 
+def _applies(shapes: ModelShapes) -> bool:
+    # mlx-lm's MLA models attend through MLA only (or linear attention): no softmax layer of the pool's K/V.
+    return not shapes.mla
+
+
 OP = KernelOp(
     name="paged_attention", reference=paged_attention_ref, kernels=KERNELS,
-    check_cases=_check_cases, timing_cases=_timing_cases, tolerances=TOLERANCES,
+    check_cases=_check_cases, timing_cases=_timing_cases, tolerances=TOLERANCES, applies=_applies,
 )  # fmt: skip

@@ -1,6 +1,7 @@
 """Start-up self-check: each kernel the engine will use, run against its reference on the model's shapes.
 
-For every op (`ENGINE_OPS`) whose back-end has a kernel for the model's shapes, `select_kernels`:
+For every op (`ENGINE_OPS`) the model uses (`KernelOp.applies`: paged attention for softmax-attention models,
+MLA attention for MLA ones) whose back-end has a kernel for the model's shapes, `select_kernels`:
   1. runs the op's check cases (B in {1, 9}, query lengths {1, 3, chunk}, contexts that split decode into
      partitions), so every kernel variant serving will launch is compiled here rather than mid-serving;
      results must be finite and within the op's documented tolerances, or exactly equal where the op says
@@ -44,6 +45,8 @@ from trillm.kernels.kv_gather import OP as KV_GATHER
 from trillm.kernels.kv_gather import KvGatherFn, kv_gather, kv_gather_ref
 from trillm.kernels.layout import ModelShapes
 from trillm.kernels import linear as linear_op
+from trillm.kernels import mla_attention as mla_op
+from trillm.kernels.mla_attention import MlaAttentionFn
 from trillm.kernels import rms_norm as rms_norm_op
 from trillm.kernels import rope as rope_op
 from trillm.kernels import silu_mul as silu_mul_op
@@ -55,7 +58,8 @@ CACHE_ENV = "TRILLM_KERNEL_CACHE"
 # Timings within this fraction of the reference's go to the kernel: on a shared machine two runs of the same
 # case differ by more, and a fallback decision is cached, so a coin toss would stick for every later start.
 TIE_MARGIN = 0.05
-ENGINE_OPS: tuple[KernelOp, ...] = (PAGED_ATTENTION, KV_GATHER, rms_norm_op.OP, rope_op.OP, silu_mul_op.OP, linear_op.OP)
+ENGINE_OPS: tuple[KernelOp, ...] = (PAGED_ATTENTION, KV_GATHER, rms_norm_op.OP, rope_op.OP, silu_mul_op.OP, linear_op.OP,
+                                    mla_op.OP)  # fmt: skip
 REFERENCE = "reference"
 MLX_VERSION = str(getattr(mx, "__version__", "unknown"))  # (mlx's stubs omit __version__)
 _PACKAGE_DIR = Path(__file__).resolve().parent
@@ -115,6 +119,7 @@ class KernelSelection:
     rope: Callable[..., mx.array] = rope_op.rope
     silu_mul: Callable[[mx.array, mx.array], mx.array] = silu_mul_op.silu_mul
     linear: Callable[[mx.array, mx.array], mx.array] = linear_op.linear
+    mla_attention: MlaAttentionFn = mla_op.mla_attention  # MLA models' attention (trillm.kernels.mla_attention)
 
 
 def unchecked() -> KernelSelection:
@@ -158,6 +163,7 @@ def select_kernels(
         rope=chosen.get(rope_op.OP.name, rope_op.rope_ref),
         silu_mul=chosen.get(silu_mul_op.OP.name, silu_mul_op.silu_mul_ref),
         linear=chosen.get(linear_op.OP.name, linear_op.linear_ref),
+        mla_attention=chosen.get(mla_op.OP.name, mla_op.mla_attention_ref),
     )  # fmt: skip
 
 
@@ -165,6 +171,8 @@ def _select_op(
     op: KernelOp, shapes: ModelShapes, backend: str | None, mode: str, iters: int
 ) -> tuple[OpReport, Callable[..., Any]]:
     ref = op.reference
+    if not op.applies(shapes):
+        return OpReport(op.name, REFERENCE, backend, "not used by this model"), ref
     if backend is None:
         why = "TRILLM_KERNELS=ref" if forced_reference() else "kernels mode ref"
         return OpReport(op.name, REFERENCE, None, f"references forced ({why})"), ref
@@ -308,6 +316,9 @@ PRESETS: dict[str, ModelShapes] = {
     "qwen2.5-0.5b": ModelShapes(14, 2, 64, 16, mx.float32),
     "llama-3-8b": ModelShapes(32, 8, 128, 16, mx.float32),
     "sinks-window": ModelShapes(64, 8, 64, 16, mx.float32, window=128, sinks=True),
+    "gemma-2-2b": ModelShapes(8, 4, 256, 16, mx.float32, softcap=50.0, layer_windows=(4096, None)),
+    # MLA: the latent pool is one 512-wide head (kv_lora_rank), k_pe 64 wide; 16 query heads
+    "deepseek-v2-lite": ModelShapes(16, 1, 512, 16, mx.float32, kv_lora_rank=512, qk_rope_head_dim=64),
 }
 
 

@@ -15,6 +15,15 @@ NB_MODULE(_trillm_cpu, m) {
   m.def("paged_attention", &trillm_cpu::paged_attention, "q"_a, "k_pool"_a, "v_pool"_a, "block_tables"_a,
         "context_lens"_a, nb::kw_only(), "scale"_a, "window"_a = 0, "sinks"_a = nb::none(),
         "softcap"_a = 0.0f, "stream"_a = nb::none(), "Paged attention over the KV pool (see trillm.kernels.paged_attention).");
+  m.def("mla_attention", &trillm_cpu::mla_attention, "q_latent"_a, "q_pe"_a, "latent_pool"_a, "pe_pool"_a,
+        "block_tables"_a, "context_lens"_a, nb::kw_only(), "scale"_a, "stream"_a = nb::none(),
+        "Paged MLA attention over the latent cache (see trillm.kernels.mla_attention).");
+  m.def("mla_plan", [](int batch, int num_heads, int num_queries, int max_tokens) {
+          auto p = trillm_cpu::mla_plan(batch, num_heads, num_queries, max_tokens,
+                                        trillm_cpu::ThreadPool::get().size());
+          return nb::make_tuple(p.hpi, p.qt, p.num_parts, p.part_size);
+        }, "batch"_a, "num_heads"_a, "num_queries"_a, "max_tokens"_a,
+        "The MLA primitive's split on this pool: (heads per item, queries per item, partitions, partition size).");
   m.def("rms_norm", &trillm_cpu::rms_norm, "x"_a, "weight"_a, "eps"_a, nb::kw_only(), "stream"_a = nb::none(),
         "RMSNorm over the last axis (as mx.fast.rms_norm).");
   m.def("rope", &trillm_cpu::rope, "x"_a, "dims"_a, nb::kw_only(), "traditional"_a, "base"_a, "scale"_a,

@@ -40,6 +40,36 @@ class PagedAttention : public mx::Primitive {
   float softcap_;
 };
 
+// Paged MLA attention (DeepSeek V2/V3's latent cache; trillm.kernels.mla_attention): q_latent [B, H, L, R]
+// (q_nope through embed_q), q_pe [B, H, L, P]; latent_pool [num_blocks, bs, 1, R], pe_pool [num_blocks, bs, 1,
+// P]; block_tables int32 [B, max_blocks]; context_lens int32 [B]. score = scale * (q_latent . latent + q_pe .
+// k_pe), causal by position as paged_attention -> softmax . latent, [B, H, L, R] in q_latent's dtype.
+// R and P multiples of 16.
+mx::array mla_attention(const mx::array& q_latent, const mx::array& q_pe, const mx::array& latent_pool,
+                        const mx::array& pe_pool, const mx::array& block_tables, const mx::array& context_lens,
+                        float scale, mx::StreamOrDevice s = {});
+
+// How one MLA call splits its work: HPI heads x QT queries per item, the context in num_parts partitions of
+// part_size tokens (a reduction merges them when num_parts > 1).
+struct MlaPlan {
+  int hpi, qt, num_qtiles, num_parts, part_size;
+};
+MlaPlan mla_plan(int batch, int num_heads, int num_queries, int max_tokens, int threads);
+
+class MlaAttention : public mx::Primitive {
+ public:
+  MlaAttention(mx::Stream stream, float scale) : mx::Primitive(stream), scale_(scale) {}
+  void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override;
+  void eval_gpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override;
+  const char* name() const override {
+    return "TrillmMlaAttention";
+  }
+  bool is_equivalent(const mx::Primitive& other) const override;
+
+ private:
+  float scale_;
+};
+
 // RMSNorm over the last axis: x * rsqrt(mean(x^2) + eps) * weight, as mx.fast.rms_norm.
 mx::array rms_norm(const mx::array& x, const mx::array& weight, float eps, mx::StreamOrDevice s = {});
 
