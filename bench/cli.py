@@ -23,6 +23,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "score": ("trillm.bench.bench_score", "prompt-logprob scoring throughput against plain prefill"),
     "tp": ("trillm.bench.bench_tp", "tensor parallelism: 1 vs N ranks on this host, collectives, N-machine estimate"),
     "router": ("trillm.bench.bench_router", "KV-aware routing vs round-robin over mock replicas; the router's overhead"),
+    "window": ("trillm.bench.bench_window", "sliding-window decode at long context: the model's windows vs full attention"),
 }
 
 

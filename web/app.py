@@ -219,6 +219,7 @@ def create_app(services: Sequence[EngineService], config: ServerConfig = ServerC
     async def health() -> Response:
         # The failure's own text is for the log, not for whoever can reach /health.
         states = {s.model_name: {"state": s.state.value, "restarts": s.num_restarts, "kernels": kernels_json(s),
+                                 "model_check": s.model_check.as_dict() if s.model_check else None,
                                  "next_load_in_s": s.next_load_in_s, "error": s.problem}
                   for s in registry.services}
         ok = all(s.healthy for s in registry.services)

@@ -41,6 +41,7 @@ from trillm.engine.llm_engine import LLMEngine
 from trillm.engine.outputs import EngineStatistics
 from trillm.engine.sampling_params import SamplingParams
 from trillm.engine.tokenizer import TokenizerLike
+from trillm.engine.model_probe import ProbeResult
 from trillm.kernels.selfcheck import KernelReport
 from trillm.web.metrics import ModelMetrics
 from trillm.web.stream import GenerationFailed, GenerationHandle
@@ -126,6 +127,7 @@ class EngineService:
         self.kv_cache_spec: KVCacheSpec | None = None  # the latest engine's block naming, for a KV-aware router
         self._stats: EngineStatistics | None = None
         self.kernel_report: KernelReport | None = None  # the running engine's kernel self-check
+        self.model_check: ProbeResult | None = None  # the running engine's load-time check against mlx-lm
         self._inbox: list[Work] = []
         self._unapplied = 0  # submissions in the inbox or in flight: not yet in the engine's waiting count
         self._wakeup = trio.Event()
@@ -348,6 +350,7 @@ class EngineService:
         # A dead or unloaded engine's numbers must not live on in /metrics, /stats or /health.
         self._stats = None
         self.kernel_report = None
+        self.model_check = None
 
     async def drain(self, timeout_s: float) -> None:
         """A graceful shutdown: admit nothing new, let live requests finish for up to `timeout_s`, then end
@@ -465,6 +468,7 @@ class EngineService:
         self.tokenizer = engine.tokenizer
         self.limits = engine.limits
         self.kernel_report = engine.kernel_report
+        self.model_check = engine.probe_result
         self.kv_cache_spec = KVCacheSpec.of(engine.block_manager, engine.loaded.model_id)
         self.model_name = self._served_name or engine.model_name
         self._epoch += 1
