@@ -4,9 +4,10 @@ with a tokenizer rebuilt from the metadata.
 The file is read in pure Python and numpy, never trusting it: the header and every tensor's extent are
 checked first (`validate_gguf`), so a truncated or corrupt file is a CorruptModelFile, not a crash.
 Tensors take one of two paths:
-- Q4_0, Q4_1, Q8_0 and Q4_K are affine formats MLX holds natively (groups of 32): their blocks are repacked
-  exactly into MLX weight/scales/biases triples (kept quantized on the GPU, dequantized exactly on the CPU);
-- every other type (Q5_K and Q6_K, the rest of Q4_K_M/Q5_K_M/Q6_K files; Q5_0, Q2_K, IQ*, ...) is
+- Q4_0, Q4_1, Q8_0, Q4_K and Q5_K are affine formats MLX holds natively (groups of 32): their blocks are
+  repacked exactly into MLX weight/scales/biases triples (kept quantized on the GPU, dequantized exactly on
+  the CPU);
+- every other type (Q6_K, whose 16-element groups MLX cannot hold; Q5_0, Q2_K, Q3_K, IQ*, ...) is
   dequantized to float32 by the `gguf` package's numpy code, which is llama.cpp's own reference.
 """
 
@@ -15,7 +16,6 @@ from __future__ import annotations
 import importlib
 import mmap
 import os
-import re
 import struct
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -29,6 +29,8 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from gguf.quants import dequantize as gguf_dequantize
 
 from trillm.engine.errors import CorruptModelFile
+from trillm.engine.gguf_arch import SUPPORTED_ARCHITECTURES as SUPPORTED_ARCHITECTURES
+from trillm.engine.gguf_arch import gguf_model_config, gguf_to_mlx_names
 from trillm.engine.gguf_tokenizer import build_gguf_tokenizer
 from trillm.engine.tokenizer import Tokenizer
 
@@ -36,14 +38,11 @@ from trillm.engine.tokenizer import Tokenizer
 GGML_TYPES: dict[int, tuple[str, int, int]] = {
     int(t): (t.name, *GGML_QUANT_SIZES[t]) for t in GGMLQuantizationType if t in GGML_QUANT_SIZES
 }
-_F32, _F16, _Q4_0, _Q4_1, _Q8_0, _Q4_K, _BF16, _F64 = 0, 1, 2, 3, 8, 12, 30, 28
+_F32, _F16, _Q4_0, _Q4_1, _Q8_0, _Q4_K, _Q5_K, _BF16, _F64 = 0, 1, 2, 3, 8, 12, 13, 30, 28
 _INTEGER_TYPES = {24, 25, 26, 27}  # I8..I64: no model weight uses them
 # GGUF metadata value type -> struct format of one scalar (8: string, 9: array are variable).
 _SCALAR_FORMATS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
 _MAX_COUNT = 1 << 32  # far above any real tensor/key count; guards against garbage headers
-
-SUPPORTED_ARCHITECTURES = ("llama", "mistral3", "qwen2", "qwen3", "gemma2", "gemma3", "phi3")
-
 
 @dataclass(frozen=True, slots=True)
 class GGUFHeader:
@@ -167,8 +166,8 @@ def read_gguf_metadata(path: str | os.PathLike[str]) -> dict[str, Any]:
 
 
 def read_gguf(path: str | os.PathLike[str]) -> tuple[dict[str, mx.array], dict[str, Any]]:
-    """Validated tensors and metadata. Q4_0/Q4_1/Q8_0/Q4_K tensors arrive as MLX affine triples (`x.weight`,
-    `x.scales`, `x.biases`), other quantized types dequantized to float32."""
+    """Validated tensors and metadata. Q4_0/Q4_1/Q8_0/Q4_K/Q5_K tensors arrive as MLX affine triples
+    (`x.weight`, `x.scales`, `x.biases`), other quantized types dequantized to float32."""
     path = Path(path)
     _, meta, infos = _parse(path, decode=True)
     data = np.memmap(path, dtype=np.uint8, mode="r")
@@ -184,7 +183,7 @@ def read_gguf(path: str | os.PathLike[str]) -> tuple[dict[str, mx.array], dict[s
 
 
 def read_tensor(raw: np.ndarray, info: TensorInfo) -> dict[str, mx.array]:
-    """One tensor from its raw bytes: {name: array}, or the MLX affine triple for Q4_0/Q4_1/Q8_0/Q4_K."""
+    """One tensor from its raw bytes: {name: array}, or the MLX affine triple for Q4_0/Q4_1/Q8_0/Q4_K/Q5_K."""
     t, shape = info.ggml_type, info.shape
     if t == _F32:
         return {info.name: mx.array(raw.view(np.float32).reshape(shape))}
@@ -198,8 +197,8 @@ def read_tensor(raw: np.ndarray, info: TensorInfo) -> dict[str, mx.array]:
         raise CorruptModelFile(f"tensor {info.name!r} has integer type {GGML_TYPES[t][0]}, which no weight uses")
     if t in (_Q4_0, _Q4_1, _Q8_0) and len(shape) >= 1:
         return _affine_triple(raw, info)
-    if t == _Q4_K and len(shape) >= 1:
-        return _q4_k_triple(raw, info)
+    if t in (_Q4_K, _Q5_K) and len(shape) >= 1:
+        return _kquant_triple(raw, info)
     qtype = GGMLQuantizationType(t)
     values = gguf_dequantize(raw.reshape(*shape[:-1], -1), qtype)
     return {info.name: mx.array(np.ascontiguousarray(values, dtype=np.float32).reshape(shape))}
@@ -232,318 +231,42 @@ def _affine_triple(raw: np.ndarray, info: TensorInfo) -> dict[str, mx.array]:
     }
 
 
-def _q4_k_triple(raw: np.ndarray, info: TensorInfo) -> dict[str, mx.array]:
-    """Q4_K super-blocks of 256 as MLX affine 4-bit groups of 32, exactly: ggml's x = (d*sc)*q - dmin*m per
-    sub-block is scale*q + bias with float32 scale = d*sc and bias = -(dmin*m) (both products are exact in
-    float32: 11-bit half times a 6-bit integer)."""
+def _pack(q: np.ndarray, bits: int) -> np.ndarray:
+    """MLX's packing of `bits`-bit values along the last axis: a little-endian bit stream in uint32 words."""
+    groups = q.reshape(-1, 8).astype(np.uint64) << (np.arange(8, dtype=np.uint64) * np.uint64(bits))
+    stream = np.bitwise_or.reduce(groups, axis=1).view(np.uint8).reshape(-1, 8)[:, :bits]  # 8 values: `bits` bytes
+    return np.ascontiguousarray(stream).reshape(*q.shape[:-1], -1).view(np.uint32)
+
+
+def _kquant_triple(raw: np.ndarray, info: TensorInfo) -> dict[str, mx.array]:
+    """Q4_K and Q5_K super-blocks of 256 as MLX affine 4- and 5-bit groups of 32, exactly: ggml's
+    x = (d*sc)*q - dmin*m per sub-block of 32 is scale*q + bias with float32 scale = d*sc and bias = -(dmin*m)
+    (both products exact in float32: an 11-bit half times a 6-bit integer)."""
     from gguf.quants import Q4_K
 
-    blocks = raw.reshape(-1, GGML_TYPES[_Q4_K][2])
+    t = info.ggml_type
+    blocks = raw.reshape(-1, GGML_TYPES[t][2])
     nb = blocks.shape[0]
     d = np.ascontiguousarray(blocks[:, 0:2]).view(np.float16).astype(np.float32)
     dmin = np.ascontiguousarray(blocks[:, 2:4]).view(np.float16).astype(np.float32)
     sc, m = Q4_K.get_scale_min(blocks[:, 4:16])  # the gguf package's (llama.cpp's) 6-bit unpacking
-    # Sub-block 2j holds the low nibbles of bytes 32j..32j+31, sub-block 2j + 1 their high nibbles.
-    qs = blocks[:, 16:].reshape(nb, 4, 1, 32)
-    q = np.concatenate([qs & 0x0F, qs >> 4], axis=2).reshape(nb, 256)
-    packed = q[:, 0::2] | (q[:, 1::2] << 4)
+    # Sub-block 2j holds the low nibbles of qs[32j : 32j + 32], sub-block 2j + 1 their high nibbles; Q5_K
+    # adds bit 2j (or 2j + 1) of qh[l] as the fifth bit of element l of that sub-block.
+    qs = blocks[:, 16:] if t == _Q4_K else blocks[:, 48:]
+    nibbles = qs.reshape(nb, 4, 1, 32)
+    q = np.concatenate([nibbles & 0x0F, nibbles >> 4], axis=2)
+    bits = 4
+    if t == _Q5_K:
+        qh = blocks[:, 16:48].reshape(nb, 1, 32) >> np.arange(8, dtype=np.uint8).reshape(1, 8, 1)
+        q = q | ((qh & 1) << 4).reshape(nb, 4, 2, 32)
+        bits = 5
     rows = info.shape[:-1]
     base = info.name.removesuffix(".weight")
     return {
-        info.name: mx.array(np.ascontiguousarray(packed).reshape(*rows, -1).view(np.uint32)),
+        info.name: mx.array(_pack(q.reshape(*rows, -1), bits)),
         f"{base}.scales": mx.array((d * sc.astype(np.float32)).reshape(*rows, -1)),
         f"{base}.biases": mx.array((-(dmin * m.astype(np.float32))).reshape(*rows, -1)),
     }
-
-
-# --- config -------------------------------------------------------------------------------------------
-
-
-class _Meta:
-    """`<arch>.*` metadata lookups that refuse what the model classes cannot represent, in one line."""
-
-    def __init__(self, meta: dict[str, Any], arch: str, path: str) -> None:
-        self.meta, self.arch, self.path = meta, arch, path
-
-    def get(self, key: str, default: Any = None, *, required: bool = False) -> Any:
-        value = self.meta.get(f"{self.arch}.{key}", default)
-        if isinstance(value, list) and key != "attention.sliding_window_pattern":
-            if not value or len(set(value)) != 1:  # per-layer values: the model classes need them uniform
-                raise CorruptModelFile(f"{self.path}: per-layer {self.arch}.{key} {value[:4]}... is not supported")
-            value = value[0]
-        if value is None and required:
-            raise CorruptModelFile(f"{self.path}: GGUF metadata lacks {self.arch}.{key}")
-        return value
-
-    def refuse(self, what: str) -> CorruptModelFile:
-        return CorruptModelFile(f"{self.path}: unsupported {self.arch} GGUF: {what}")
-
-
-def _base_config(g: _Meta, weights: dict[str, mx.array], model_type: str) -> dict[str, Any]:
-    heads = int(g.get("attention.head_count", required=True))
-    hidden = int(g.get("embedding_length", required=True))
-    head_dim = int(g.get("attention.key_length", hidden // heads))
-    if int(g.get("attention.value_length", head_dim)) != head_dim:
-        raise g.refuse("different key and value head sizes")
-    rope_dims = g.get("rope.dimension_count")
-    if rope_dims is not None and int(rope_dims) != head_dim and g.arch != "phi3":
-        raise g.refuse(f"partial RoPE ({rope_dims} of {head_dim} head dimensions)")
-    embed = weights.get("token_embd.weight")
-    tokens = g.meta.get("tokenizer.ggml.tokens")
-    vocab = embed.shape[0] if embed is not None else g.get("vocab_size") or len(tokens or ())
-    return {
-        "model_type": model_type,
-        "hidden_size": hidden,
-        "num_hidden_layers": int(g.get("block_count", required=True)),
-        "intermediate_size": int(g.get("feed_forward_length", required=True)),
-        "num_attention_heads": heads,
-        "num_key_value_heads": int(g.get("attention.head_count_kv", heads)),
-        "head_dim": head_dim,
-        "rms_norm_eps": float(g.get("attention.layer_norm_rms_epsilon", 1e-5)),
-        "rope_theta": float(g.get("rope.freq_base", 10000.0)),  # llama.cpp's default when the key is absent
-        "max_position_embeddings": int(g.get("context_length", 4096)),
-        "vocab_size": int(vocab),
-        "tie_word_embeddings": "output.weight" not in weights,
-    }
-
-
-def _rope_scaling(g: _Meta) -> dict[str, Any] | None:
-    scaling = g.get("rope.scaling.type", "none")
-    factor = float(g.get("rope.scaling.factor", 1.0) or 1.0)
-    if scaling == "linear" and factor != 1.0:
-        return {"type": "linear", "factor": factor}
-    if scaling == "yarn":
-        out: dict[str, Any] = {
-            "type": "yarn",
-            "factor": factor,
-            "original_max_position_embeddings": int(g.get("rope.scaling.original_context_length", 4096)),
-        }
-        for key, name in (("rope.scaling.yarn_beta_fast", "beta_fast"), ("rope.scaling.yarn_beta_slow", "beta_slow")):
-            if g.get(key) is not None:
-                out[name] = float(g.get(key))
-        return out
-    if scaling not in ("none", "linear"):
-        raise g.refuse(f"RoPE scaling {scaling!r}")
-    return None
-
-
-def _llama_config(g: _Meta, weights: dict[str, mx.array]) -> dict[str, Any]:
-    config = _base_config(g, weights, "llama")
-    config.update(
-        attention_bias="blk.0.attn_q.bias" in weights,
-        mlp_bias="blk.0.ffn_up.bias" in weights,
-        # llama-arch GGUFs store Q/K rows permuted for interleaved (GPT-J style) RoPE.
-        rope_traditional=True,
-    )
-    if (scaling := _rope_scaling(g)) is not None:
-        config["rope_scaling"] = scaling
-    return config
-
-
-def _mistral3_config(g: _Meta, weights: dict[str, mx.array]) -> dict[str, Any]:
-    # Mistral Small 3.x text is llama-shaped (llama.cpp runs MISTRAL3 as llama with permuted Q/K); Ministral 3
-    # adds Llama-4 style attention temperature scaling, which the llama class has no place for.
-    if g.get("attention.temperature_scale") is not None:
-        raise g.refuse("attention temperature scaling (Ministral 3)")
-    return _llama_config(g, weights)
-
-
-def _qwen_config(g: _Meta, weights: dict[str, mx.array]) -> dict[str, Any]:
-    config = _base_config(g, weights, g.arch)
-    if g.arch == "qwen2":
-        if config["head_dim"] * config["num_attention_heads"] != config["hidden_size"]:
-            raise g.refuse("head size other than embedding_length / head_count")
-        if "blk.0.attn_q.bias" not in weights:
-            raise g.refuse("no Q/K/V biases (the qwen2 class always has them)")
-    if (scaling := _rope_scaling(g)) is not None:
-        config["rope_scaling"] = scaling
-    return config
-
-
-def _query_pre_attn_scalar(g: _Meta, config: dict[str, Any]) -> int:
-    # GGUF has no key for it: llama.cpp (after gemma_pytorch) uses hidden/heads for the 27B models
-    # (46 layers for Gemma 2, 62 for Gemma 3) and the head size otherwise.
-    big = config["num_hidden_layers"] == (46 if g.arch == "gemma2" else 62)
-    return int(config["hidden_size"] // config["num_attention_heads"] if big else config["head_dim"])
-
-
-def _gemma2_config(g: _Meta, weights: dict[str, mx.array]) -> dict[str, Any]:
-    config = _base_config(g, weights, "gemma2")
-    window = int(g.get("attention.sliding_window", 4096))  # llama.cpp's Gemma 2 default
-    config.update(
-        tie_word_embeddings=True,  # llama.cpp always uses token_embd as the output for Gemma 2
-        rms_norm_eps=float(g.get("attention.layer_norm_rms_epsilon", 1e-6)),
-        attn_logit_softcapping=float(g.get("attn_logit_softcapping", 50.0)),
-        final_logit_softcapping=float(g.get("final_logit_softcapping", 30.0)),
-        query_pre_attn_scalar=_query_pre_attn_scalar(g, config),
-        sliding_window=window,
-        # Even layers slide, as in HF's Gemma 2 and llama.cpp's set_swa_pattern(2).
-        layer_types=["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(config["num_hidden_layers"])],
-    )
-    if config["attn_logit_softcapping"] <= 0 or config["final_logit_softcapping"] <= 0:
-        raise g.refuse("soft-capping disabled (the gemma2 class always caps)")
-    if g.get("rope.freq_base_swa") not in (None, config["rope_theta"]):
-        raise g.refuse("a separate RoPE base for sliding layers")
-    if _rope_scaling(g) is not None:
-        raise g.refuse("RoPE scaling")
-    return config
-
-
-def _swa_pattern(g: _Meta, layers: int, default: int) -> int:
-    """The period p of llama.cpp's pattern (layer i slides unless i % p == p - 1) that the file describes."""
-    pattern = g.get("attention.sliding_window_pattern", default)
-    if not isinstance(pattern, list):
-        return int(pattern)
-    flags = [bool(x) for x in pattern][:layers]
-    for p in range(1, layers + 1):
-        if flags == [i % p < p - 1 for i in range(layers)]:
-            return p
-    raise g.refuse(f"sliding-window layer pattern {flags} is not periodic")
-
-
-def _gemma3_config(g: _Meta, weights: dict[str, mx.array]) -> dict[str, Any]:
-    config = _base_config(g, weights, "gemma3_text")
-    window = int(g.get("attention.sliding_window", 0) or 0)
-    layers = config["num_hidden_layers"]
-    pattern = _swa_pattern(g, layers, 6) if window > 0 else 1  # pattern 1: every layer global
-    config.update(
-        rms_norm_eps=float(g.get("attention.layer_norm_rms_epsilon", 1e-6)),
-        rope_local_base_freq=float(g.get("rope.freq_base_swa", 10000.0)),  # llama.cpp's default
-        query_pre_attn_scalar=_query_pre_attn_scalar(g, config),
-        sliding_window=window if window > 0 else config["max_position_embeddings"],
-        sliding_window_pattern=pattern,
-        layer_types=["full_attention" if i % pattern == pattern - 1 else "sliding_attention" for i in range(layers)],
-    )
-    if float(g.get("final_logit_softcapping", 0.0) or 0.0) != 0.0:
-        raise g.refuse("final logit soft-capping (the gemma3_text class has none)")
-    if (scaling := _rope_scaling(g)) is not None:
-        if scaling["type"] != "linear":
-            raise g.refuse(f"RoPE scaling {scaling['type']!r}")
-        config["rope_scaling"] = scaling  # applied to the global layers only, as in HF and llama.cpp
-    return config
-
-
-def _phi3_config(g: _Meta, weights: dict[str, mx.array]) -> dict[str, Any]:
-    config = _base_config(g, weights, "phi3")
-    heads, hidden = config["num_attention_heads"], config["hidden_size"]
-    if config["head_dim"] * heads != hidden:
-        raise g.refuse("head size other than embedding_length / head_count")
-    rope_dims = int(g.get("rope.dimension_count", config["head_dim"]))
-    config.update(
-        partial_rotary_factor=rope_dims / config["head_dim"],
-        original_max_position_embeddings=int(
-            g.get("rope.scaling.original_context_length", config["max_position_embeddings"])
-        ),
-    )
-    if window := int(g.get("attention.sliding_window", 0) or 0):  # 0 marks "none" (Phi-4)
-        config["sliding_window"] = window
-    long, short = weights.get("rope_factors_long.weight"), weights.get("rope_factors_short.weight")
-    if long is not None and short is not None:
-        config["rope_scaling"] = {
-            "type": "longrope",
-            "long_factor": long.astype(mx.float32).tolist(),
-            "short_factor": short.astype(mx.float32).tolist(),
-        }
-    elif long is not None or short is not None:
-        raise g.refuse("only one of rope_factors_long / rope_factors_short")
-    elif (scaling := _rope_scaling(g)) is not None:
-        if scaling["type"] != "linear":
-            raise g.refuse(f"RoPE scaling {scaling['type']!r}")
-        config["rope_scaling"] = scaling
-    return config
-
-
-_CONFIGS: dict[str, Callable[[_Meta, dict[str, mx.array]], dict[str, Any]]] = {
-    "llama": _llama_config,
-    "mistral3": _mistral3_config,
-    "qwen2": _qwen_config,
-    "qwen3": _qwen_config,
-    "gemma2": _gemma2_config,
-    "gemma3": _gemma3_config,
-    "phi3": _phi3_config,
-}
-
-
-def gguf_model_config(meta: dict[str, Any], weights: dict[str, mx.array], path: str = "") -> dict[str, Any]:
-    """An mlx-lm config dict (HF key names; model_type names the mlx-lm module) from the `<arch>.*` metadata."""
-    arch = meta.get("general.architecture")
-    if arch not in _CONFIGS:
-        raise CorruptModelFile(f"{path}: unsupported GGUF architecture {arch!r} (supported: {SUPPORTED_ARCHITECTURES})")
-    return _CONFIGS[arch](_Meta(meta, str(arch), path), weights)
-
-
-# --- weights ------------------------------------------------------------------------------------------
-
-_ATTN = {
-    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj",
-}
-_MLP = {"ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj"}
-_QK_NORM = {"attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm"}
-_LLAMA_NORMS = {"attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm"}
-# Gemma 2/3's four norms per layer, as llama.cpp names them (gguf tensor_mapping: ATTN_POST_NORM, FFN_NORM,
-# FFN_POST_NORM).
-_GEMMA_NORMS = {
-    "attn_norm": "input_layernorm", "post_attention_norm": "post_attention_layernorm",
-    "ffn_norm": "pre_feedforward_layernorm", "post_ffw_norm": "post_feedforward_layernorm",
-}
-# Phi-3 keeps HF's fused projections: attn_qkv is qkv_proj, and ffn_up is gate_up_proj (gate rows first).
-_PHI3 = {
-    **_ATTN, "attn_qkv": "self_attn.qkv_proj", "attn_output": "self_attn.o_proj",
-    "ffn_up": "mlp.gate_up_proj", "ffn_down": "mlp.down_proj", **_LLAMA_NORMS,
-}
-_LAYER_NAMES: dict[str, dict[str, str]] = {
-    "llama": {**_ATTN, **_MLP, **_LLAMA_NORMS},
-    "qwen2": {**_ATTN, **_MLP, **_LLAMA_NORMS},
-    "qwen3": {**_ATTN, **_MLP, **_LLAMA_NORMS, **_QK_NORM},
-    "gemma2": {**_ATTN, **_MLP, **_GEMMA_NORMS},
-    "gemma3": {**_ATTN, **_MLP, **_GEMMA_NORMS, **_QK_NORM},
-    "phi3": _PHI3,
-}
-_LAYER_NAMES["mistral3"] = _LAYER_NAMES["llama"]
-_TOP_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
-# Top-level tensors that configure the model instead of holding weights, per architecture.
-_CONFIG_TENSORS = {
-    "llama": ("rope_freqs",), "mistral3": ("rope_freqs",), "phi3": ("rope_factors_long", "rope_factors_short"),
-}
-_NORM_SHIFTED = ("gemma2", "gemma3")  # the converter stores Gemma's RMSNorm weights as 1 + w
-_NAME = re.compile(r"^(?:blk\.(\d+)\.)?(\w+)\.(weight|bias|scales|biases)$")
-
-
-def gguf_to_mlx_names(
-    weights: dict[str, mx.array], path: str = "", arch: str = "llama"
-) -> tuple[dict[str, mx.array], mx.array | None]:
-    """Rename GGUF tensors to mlx-lm names for `arch` (undoing the converter's per-family changes).
-    Returns (weights, llama-3 rope_freqs factors or None)."""
-    out: dict[str, mx.array] = {}
-    rope_freqs = None
-    layer_names = _LAYER_NAMES[arch]
-    for name, value in weights.items():
-        m = _NAME.match(name)
-        if m and m.group(1) is None and m.group(2) in _CONFIG_TENSORS.get(arch, ()):
-            if m.group(2) == "rope_freqs":
-                rope_freqs = value
-            continue  # the others went into the config
-        table = layer_names if m and m.group(1) is not None else _TOP_NAMES
-        if m is None or m.group(2) not in table:
-            raise CorruptModelFile(f"{path}: unexpected tensor {name!r} for a {arch} GGUF")
-        layer, base, suffix = m.groups()
-        if arch == "gemma2" and base == "output":
-            continue  # llama.cpp ignores it too: Gemma 2's head is always the embedding
-        if arch in _NORM_SHIFTED and base.endswith("norm") and suffix == "weight":
-            value = value.astype(mx.float32) - 1.0  # exact in fp32 for every stored 1 + w >= 0.5
-        prefix = f"model.layers.{layer}.{table[base]}" if layer is not None else table[base]
-        out[f"{prefix}.{suffix}"] = value
-    if arch == "phi3":
-        _fuse_phi3_qkv(out)
-    return out, rope_freqs
-
-
-def _fuse_phi3_qkv(weights: dict[str, mx.array]) -> None:
-    """A Phi-3 file with separate attn_q/k/v (llama.cpp accepts both) becomes the class's fused qkv_proj."""
-    for key in [k for k in weights if ".self_attn.q_proj." in k]:
-        parts = [weights.pop(key.replace(".q_proj.", f".{p}_proj.")) for p in "qkv"]
-        weights[key.replace(".q_proj.", ".qkv_proj.")] = mx.concatenate(parts, axis=0)
 
 
 class FreqFactorRoPE(nn.Module):
@@ -630,8 +353,8 @@ def load_gguf(
     dtype: mx.Dtype | None = mx.float32,
     on_progress: Callable[[str, float], None] | None = None,
 ) -> GGUFModel:
-    """Build the mlx-lm model of a GGUF file's architecture. Weights are dequantized to `dtype` unless keep_quantized;
-    dtype None takes the checkpoint's own float dtype."""
+    """Build the mlx-lm model of a GGUF file's architecture (see gguf_arch). Weights are dequantized to
+    `dtype` unless keep_quantized; dtype None takes the checkpoint's own float dtype."""
     report = on_progress or (lambda stage, fraction: None)
     path = str(path)
     report("reading", 0.05)

@@ -52,7 +52,8 @@ def _pre_tokenizer(pre: str, path: str) -> Any:
                 pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
             ]
         )
-    raise CorruptModelFile(f"{path}: unsupported GGUF pre-tokenizer {pre!r} (supported: gpt2, smollm, {', '.join(_SPLITS)})")
+    supported = ", ".join(["gpt2", "smollm", *_SPLITS])
+    raise CorruptModelFile(f"{path}: unsupported GGUF pre-tokenizer {pre!r} (supported: {supported})")
 
 
 def gguf_eos_ids(meta: dict[str, Any]) -> frozenset[int]:

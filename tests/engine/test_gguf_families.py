@@ -101,7 +101,8 @@ def build_folder(
     spec = json.loads(tokenizer_json.read_text())
     vocab = len(spec["model"]["vocab"]) + sum(t["id"] >= len(spec["model"]["vocab"]) for t in spec["added_tokens"])
     config = {**config, "vocab_size": vocab, "torch_dtype": "float32"}
-    module = importlib.import_module(f"mlx_lm.models.{'llama' if config['model_type'] == 'mistral' else config['model_type']}")
+    module_name = "llama" if config["model_type"] == "mistral" else config["model_type"]  # as mlx-lm remaps it
+    module = importlib.import_module(f"mlx_lm.models.{module_name}")
     model = module.Model(module.ModelArgs.from_dict(config))
     rng = np.random.default_rng(seed)
     params: dict[str, np.ndarray] = {}
@@ -172,7 +173,8 @@ def _write_metadata(w: gguf.GGUFWriter, arch: str, c: dict[str, Any], tokenizer_
             w.add_rope_scaling_factor(scaling["factor"])
     if arch == "phi3":  # Phi3MiniModel.set_gguf_parameters
         w.add_rope_scaling_orig_ctx_len(c["original_max_position_embeddings"])
-        w.add_rope_dimension_count(int(c.get("partial_rotary_factor", 1.0) * c["hidden_size"]) // c["num_attention_heads"])
+        rot = c.get("partial_rotary_factor", 1.0)
+        w.add_rope_dimension_count(int(rot * c["hidden_size"]) // c["num_attention_heads"])
         w.add_rope_freq_base(c["rope_theta"])
         w.add_sliding_window(0)
     spec = json.loads(tokenizer_json.read_text())
@@ -366,7 +368,9 @@ def ref_dequantize_q6_k(blocks: np.ndarray) -> np.ndarray:
     sc_all, d = blocks[:, 192:208].view(np.int8), _f16(blocks[:, 208:210])
     y = np.empty((blocks.shape[0], 256), np.float32)
     for n in range(2):  # for (n = 0; n < QK_K; n += 128): ql += 64, qh += 32, sc += 8
-        l_, h_, sc = ql[:, 64 * n : 64 * n + 64].astype(np.int16), qh[:, 32 * n : 32 * n + 32].astype(np.int16), sc_all[:, 8 * n :]
+        l_ = ql[:, 64 * n : 64 * n + 64].astype(np.int16)
+        h_ = qh[:, 32 * n : 32 * n + 32].astype(np.int16)
+        sc = sc_all[:, 8 * n :]
         is_ = np.arange(32) // 16
         q1 = ((l_[:, :32] & 0xF) | (((h_ >> 0) & 3) << 4)) - 32
         q2 = ((l_[:, 32:] & 0xF) | (((h_ >> 2) & 3) << 4)) - 32
@@ -408,10 +412,12 @@ def test_kquant_dequantization_matches_ggml_reference(qtype: Q) -> None:
     assert np.array_equal(gguf.quants.dequantize(blocks, qtype), want)  # the gguf package agrees
     info = TensorInfo("blk.0.ffn_up.weight", (rows, cols), int(qtype), 0, blocks.nbytes)
     got = read_tensor(blocks.reshape(-1), info)  # the loader's path
-    if qtype == Q.Q4_K:  # held as an MLX affine triple (4 bits, groups of 32), which must be exact
+    if qtype in (Q.Q4_K, Q.Q5_K):  # held as an MLX affine triple (4 or 5 bits, groups of 32): must be exact
         assert set(got) == {"blk.0.ffn_up.weight", "blk.0.ffn_up.scales", "blk.0.ffn_up.biases"}
+        bits = 4 if qtype == Q.Q4_K else 5
+        assert got["blk.0.ffn_up.weight"].shape == (rows, cols * bits // 32)
         dense = mx.dequantize(got["blk.0.ffn_up.weight"], got["blk.0.ffn_up.scales"], got["blk.0.ffn_up.biases"],
-                              group_size=32, bits=4)
+                              group_size=32, bits=bits)
     else:  # dequantized at load by gguf.quants
         assert set(got) == {"blk.0.ffn_up.weight"}
         dense = got["blk.0.ffn_up.weight"]
@@ -498,10 +504,10 @@ def test_kquant_mixed_file_equals_folder(family: str, tokenizer_json: Path, tmp_
     ids = g.tokenizer.encode(PROMPT)
     want = _logits(ref, ids)
     assert mx.allclose(_logits(g.model, ids), want, atol=1e-4).item()
-    # The GPU default keeps what MLX holds natively (Q4_K, Q8_0) quantized, computing in float32.
+    # The GPU default keeps what MLX holds natively (Q4_K, Q5_K, Q8_0) quantized, computing in float32.
     kept = load_gguf(path, keep_quantized=True, dtype=None)
     assert kept.dtype == mx.float32
-    native = sum(q in (Q.Q4_K, Q.Q8_0) for name, (q, _) in blocks.items() if name != "token_embd.weight")
+    native = sum(q in (Q.Q4_K, Q.Q5_K, Q.Q8_0) for name, (q, _) in blocks.items() if name != "token_embd.weight")
     assert native >= 5
     assert sum(type(m).__name__ == "QuantizedLinear" for _, m in kept.model.named_modules()) == native
     assert type(kept.model.model.embed_tokens).__name__ == "QuantizedEmbedding"  # Q4_K
