@@ -14,12 +14,10 @@ from __future__ import annotations
 
 import base64
 import binascii
-import json
 import logging
 from collections.abc import Iterable
 from typing import Any
 
-import pydantic_core
 import trio
 from quart import websocket
 from quart_trio import QuartTrio
@@ -32,6 +30,7 @@ from trillm.web.openai_schema import ChatCompletionRequest, CompletionRequest, p
 from trillm.web.protocol import ResponseBuilder, completion_prompts, usage_dict
 from trillm.web.service import EngineService
 from trillm.web.stream import GenerationFailed
+from trillm.web.ws_protocol import BadMessage, encode_message, parse_message
 
 log = logging.getLogger("trillm.web.ws")
 
@@ -64,24 +63,16 @@ class _Session:
         self.num_requests = 0  # engine requests (n per prompt of each generation) running on this socket
 
     async def send(self, msg: dict[str, Any]) -> None:
-        await self.out.send(json.dumps(msg, separators=(",", ":"), ensure_ascii=False))
+        await self.out.send(encode_message(msg))  # APIError past MAX_SEND_BYTES: that generation fails alone
 
     async def error(self, gid: object, exc: BaseException) -> None:
         await self.send({"type": "error", "id": gid, "error": to_api_error(exc).body()["error"]})
 
     async def on_message(self, raw: str | bytes) -> None:
         try:
-            # pydantic's parser, as for HTTP bodies: no lone surrogates, bounded nesting.
-            msg = pydantic_core.from_json(raw)
-        except ValueError as exc:
-            await self.error(None, APIError(400, f"the message is not valid JSON: {exc}"))
-            return
-        if not isinstance(msg, dict):
-            await self.error(None, APIError(400, "a message must be a JSON object"))
-            return
-        gid = msg.get("id")
-        if not isinstance(gid, (str, int)) or isinstance(gid, bool):
-            await self.error(gid, APIError(400, "a message needs an 'id' (string or integer)"))
+            msg, gid = parse_message(raw)  # the envelope, read exactly as the router reads it
+        except BadMessage as exc:
+            await self.error(exc.gid, exc.error)
             return
         key = str(gid)
         kind = msg.get("type")

@@ -21,9 +21,9 @@ from hypercorn.trio import serve as hypercorn_serve
 from quart import Response, request, websocket
 from quart_trio import QuartTrio
 
-from trillm.web.app import error_response, install_guards
+from trillm.web.app import error_response, install_guards, is_authorized, same_or_allowed_origin
 from trillm.web.asgi import ShieldedFinalSend
-from trillm.web.errors import to_api_error
+from trillm.web.errors import APIError, to_api_error
 from trillm.web.http import json_response
 from trillm.web.router.config import RouterConfig
 from trillm.web.router.core import Router
@@ -115,7 +115,15 @@ def create_router_app(config: RouterConfig, router: Router, forwarder: Forwarder
                 "tokenizer": prompts.mode, "tokenizers": prompts.statistics()}
 
     @app.post("/stats/reset")
-    async def reset_stats() -> dict[str, Any]:
+    async def reset_stats() -> Response | dict[str, Any]:
+        # It changes what /stats reports: the API key when one is set, and never from another site's page (a
+        # form POST from any page needs no CORS preflight).
+        if not same_or_allowed_origin(request.headers, config.server.allowed_origins):
+            return error_response(APIError(403, "cross-origin request refused (see --allowed-origin)",
+                                           "permission_error", "origin_not_allowed"))
+        if not is_authorized(api_key, request.headers):
+            return error_response(APIError(401, "missing or wrong API key (Authorization: Bearer ... or x-api-key)",
+                                           "authentication_error", "invalid_api_key"))
         metrics.reset_window()
         return {"reset": True}
 

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import httpx
+import pydantic_core
 import trio
 from quart import Response
 from werkzeug.datastructures import Headers
@@ -25,6 +26,7 @@ from trillm.web.errors import APIError
 from trillm.web.router.core import Assignment, Router
 from trillm.web.router.metrics import RouterMetrics
 from trillm.web.router.prompt import PromptKind
+from trillm.web.router.replica import failure_reason
 from trillm.web.router.tokenizers import PromptSource
 
 log = logging.getLogger("trillm.web.router")
@@ -90,9 +92,11 @@ class Forwarder:
         body: Any = None
         if raw and (kind is not None or method == "POST"):
             try:
-                body = json.loads(raw)
+                # The replicas' parser (pydantic's): bounded nesting and no lone surrogates, where the stdlib's
+                # raises RecursionError or lets through text that cannot be sent on (a 500 either way).
+                body = pydantic_core.from_json(raw)
             except ValueError:
-                body = None  # the replica will say what is wrong with it
+                body = None  # the replica will say what is wrong with it (its 400)
         model = request_model(body)
         tokenize_s = None
         ids = None
@@ -122,7 +126,8 @@ class Forwarder:
                 self.router.release(a)
                 reason = "connect" if isinstance(exc, (httpx.ConnectError, httpx.ConnectTimeout)) else "dropped"
                 if reason == "connect":  # it refuses connections: out of the pool until a health check passes
-                    self.router.on_health(replica, False, trio.current_time(), f"connect: {exc}")
+                    log.warning("replica %s: %s: %r", replica, path, exc)
+                    self.router.on_health(replica, False, trio.current_time(), f"connect: {failure_reason(exc)}")
                 self.metrics.on_retry(reason)
                 self.metrics.on_response(replica, None)
                 continue
@@ -193,7 +198,7 @@ class Forwarder:
                     self.metrics.on_response(a.worker.replica, None)
                     if not is_sse:
                         raise UpstreamBroke(str(exc)) from exc
-                    yield sse_error(f"the replica failed while streaming this response: {exc}")
+                    yield sse_error("the replica failed while streaming this response")
             finally:
                 router.release(a, computed=computed)
                 with trio.CancelScope(shield=True):

@@ -25,6 +25,21 @@ from trillm.web.router.tokenizers import PromptSource
 log = logging.getLogger("trillm.web.router")
 
 
+def failure_reason(exc: BaseException) -> str:
+    """A short fixed phrase for why a replica could not be reached, for /health and /stats; the exception's
+    own text (addresses, OS messages, a replica's error body) goes to the log only."""
+    if isinstance(exc, (trio.TooSlowError, httpx.TimeoutException, trio_websocket.ConnectionTimeout, TimeoutError)):
+        return "timed out"
+    if isinstance(exc, (httpx.ConnectError, ConnectionRefusedError)):
+        return "could not connect"
+    if isinstance(exc, trio_websocket.HandshakeError):
+        return "websocket handshake refused"
+    if isinstance(exc, (trio_websocket.ConnectionClosed, httpx.RemoteProtocolError, httpx.ReadError,
+                        ConnectionError)):
+        return "connection lost"
+    return "unreachable"
+
+
 class ReplicaMonitor:
     def __init__(self, url: str, router: Router, client: httpx.AsyncClient, prompts: PromptSource, *,
                  headers: dict[str, str], interval_s: float, timeout_s: float, max_backoff_s: float) -> None:
@@ -59,12 +74,14 @@ class ReplicaMonitor:
             with trio.fail_after(self.timeout_s):
                 r = await self.client.get(self.url + "/health", headers=self.headers)
             ok, reason = r.status_code == 200, f"/health answered {r.status_code}"
+            detail = reason
         except (httpx.HTTPError, trio.TooSlowError, OSError) as exc:
-            ok, reason = False, f"/health: {type(exc).__name__}: {exc}"
+            ok, reason = False, f"/health: {failure_reason(exc)}"
+            detail = f"/health: {exc!r}"
         rejoined = self.router.on_health(self.url, ok, now, reason)
         if not ok:
             if rejoined:
-                log.warning("replica %s left the pool: %s", self.url, reason)
+                log.warning("replica %s left the pool: %s", self.url, detail)
             return
         if rejoined or not self.router.replicas[self.url].models:
             if await self.discover(nursery):

@@ -1,7 +1,8 @@
 """The /v1/ws websocket through the router: each generation goes to its own best replica.
 
-A client socket multiplexes generations by id (web/ws.py has the protocol). The router reads each message,
-answers malformed ones itself (as a replica would), and sends each `generate` to the replica its prompt
+A client socket multiplexes generations by id (web/ws.py has the protocol). The router reads each message
+with the replicas' own parser (web/ws_protocol.py), answers malformed ones itself (as a replica would, with
+the client's id where it can be read), and sends each `generate` to the replica its prompt
 should go to, over one upstream socket per replica that this client uses; `cancel` follows its generation.
 Replica messages go back verbatim. A generation that has not streamed a delta yet moves to another replica
 when its replica refuses it as overloaded or unavailable, or when the upstream socket dies.
@@ -22,7 +23,9 @@ from trillm.web.router.core import Assignment, Router
 from trillm.web.router.metrics import RouterMetrics
 from trillm.web.router.prompt import ws_request
 from trillm.web.router.proxy import request_model
+from trillm.web.router.replica import failure_reason
 from trillm.web.router.tokenizers import PromptSource
+from trillm.web.ws_protocol import MAX_SEND_BYTES, BadMessage, parse_message
 
 log = logging.getLogger("trillm.web.router")
 
@@ -72,16 +75,11 @@ class WSSession:
 
     async def on_message(self, raw: str | bytes) -> None:
         try:
-            msg = json.loads(raw)
-        except (ValueError, UnicodeDecodeError):
-            await self.error(None, APIError(400, "the message is not valid JSON"))
-            return
-        if not isinstance(msg, dict):
-            await self.error(None, APIError(400, "a message must be a JSON object"))
-            return
-        gid = msg.get("id")
-        if not isinstance(gid, (str, int)) or isinstance(gid, bool):
-            await self.error(gid, APIError(400, "a message needs an 'id' (string or integer)"))
+            # The replicas' own parser: a message they would refuse (a lone surrogate, deep nesting) is refused
+            # here, never forwarded to come back as an error the router cannot match to its generation.
+            msg, gid = parse_message(raw)
+        except BadMessage as exc:
+            await self.error(exc.gid, exc.error)
             return
         key = str(gid)
         kind = msg.get("type")
@@ -142,7 +140,8 @@ class WSSession:
                     trio_websocket.ConnectionTimeout) as exc:
                 self.router.release(a)
                 gen.assignment = None
-                self.router.on_health(url, False, trio.current_time(), f"websocket: {exc!r}")
+                log.warning("replica %s: websocket: %r", url, exc)
+                self.router.on_health(url, False, trio.current_time(), f"websocket: {failure_reason(exc)}")
                 self.metrics.on_retry("connect")
 
     async def _upstream(self, url: str) -> _Upstream:
@@ -156,9 +155,11 @@ class WSSession:
     async def _run_upstream(self, url: str, *, task_status: trio.TaskStatus[_Upstream]) -> None:
         ws_url = "ws" + url[len("http"):] + "/v1/ws"
         # Its own context (and reader task): closing it on the way out must not depend on the session's tasks.
+        # A replica never sends a message over MAX_SEND_BYTES (it fails that generation instead), so no message
+        # can close this socket, which the client's other generations on this replica share.
         async with trio_websocket.open_websocket_url(ws_url, extra_headers=self.headers,
                                                      connect_timeout=self.connect_timeout_s,
-                                                     disconnect_timeout=1.0) as conn:
+                                                     disconnect_timeout=1.0, max_message_size=MAX_SEND_BYTES) as conn:
             upstream = _Upstream(url, conn)
             self._upstreams[url] = upstream
             task_status.started(upstream)
