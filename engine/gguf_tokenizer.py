@@ -56,10 +56,18 @@ def _pre_tokenizer(pre: str, path: str) -> Any:
     raise CorruptModelFile(f"{path}: unsupported GGUF pre-tokenizer {pre!r} (supported: {supported})")
 
 
+# Chat turn enders llama.cpp ends generation on by their text (llama-vocab.cpp), since converters store one
+# eos id: Gemma's <end_of_turn> and Phi-3's <|end|> are in no key. (llama.cpp's list also has document
+# enders such as <|endoftext|>; those stay out, as they do in the HF configs.)
+_TURN_ENDS = frozenset({"<|eot_id|>", "<|eom_id|>", "<|im_end|>", "<|end|>", "<end_of_turn>"})
+
+
 def gguf_eos_ids(meta: dict[str, Any]) -> frozenset[int]:
-    """EOS plus end-of-turn / end-of-message ids named in the metadata."""
+    """EOS plus end-of-turn / end-of-message ids named in the metadata, and the chat turn enders by text."""
     keys = ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id")
-    return frozenset(int(meta[k]) for k in keys if meta.get(k) is not None)
+    named = {int(meta[k]) for k in keys if meta.get(k) is not None}
+    tokens = meta.get("tokenizer.ggml.tokens") or []
+    return frozenset(named | {i for i, t in enumerate(tokens) if t in _TURN_ENDS})
 
 
 def spm_merges(tokens: list[str], scores: list[float]) -> list[tuple[str, str]]:

@@ -598,3 +598,16 @@ def test_tekken_and_gpt4o_pre_tokenizers_split_like_their_regexes() -> None:
     # Tekken: case-split words, single digits; GPT-4o: contractions kept on the word, digits in threes.
     assert split("tekken", "HelloWorld it's 12345") == ["Hello", "World", "Ġit", "'s", "Ġ", "1", "2", "3", "4", "5"]
     assert split("gpt-4o", "HelloWorld it's 12345") == ["Hello", "World", "Ġit's", "Ġ", "123", "45"]
+
+
+def test_chat_turn_enders_stop_generation_as_in_llama_cpp() -> None:
+    """Gemma's <end_of_turn> and Phi-3's <|end|> are in no GGUF key; llama.cpp ends on them by text."""
+    from trillm.engine.gguf_tokenizer import gguf_eos_ids
+
+    gemma = {"tokenizer.ggml.tokens": ["<pad>", "<eos>", "<bos>", "<start_of_turn>", "<end_of_turn>", "a"],
+             "tokenizer.ggml.eos_token_id": 1}
+    assert gguf_eos_ids(gemma) == {1, 4}
+    phi3 = {"tokenizer.ggml.tokens": ["<unk>", "<s>", "</s>", "<|endoftext|>", "<|end|>", "<|user|>"],
+            "tokenizer.ggml.eos_token_id": 3, "tokenizer.ggml.eot_token_id": 4}
+    assert gguf_eos_ids(phi3) == {3, 4}
+    assert gguf_eos_ids({"tokenizer.ggml.tokens": ["<|endoftext|>", "x"]}) == frozenset()
