@@ -166,7 +166,7 @@ def chat_body(body: MessagesRequest | CountTokensRequest) -> ChatCompletionReque
             stream=body.stream, stop=list(body.stop_sequences) or None,
             temperature=DEFAULT_TEMPERATURE if body.temperature is None else body.temperature,
             top_p=DEFAULT_TOP_P if body.top_p is None else body.top_p,
-            top_k=DEFAULT_TOP_K if body.top_k is None else body.top_k,
+            top_k=DEFAULT_TOP_K if body.top_k is None else body.top_k, cache_salt=body.cache_salt,
         )
     try:
         return ChatCompletionRequest(**fields)

@@ -176,6 +176,8 @@ class MessagesRequest(_MessagesBase):
     top_p: Annotated[float, Field(gt=0.0, le=1.0)] | None = None
     top_k: Annotated[int, Field(ge=0, le=2**31 - 1)] | None = None
     metadata: dict[str, Any] | None = None
+    # vLLM's extension, as on chat completions: prompts under different salts never share cached blocks.
+    cache_salt: Annotated[str, Field(min_length=1, max_length=MAX_NAME)] | None = None
 
 
 class CountTokensRequest(_MessagesBase):

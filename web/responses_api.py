@@ -162,7 +162,7 @@ def chat_body(body: ResponsesRequest) -> ChatCompletionRequest:
         fields["chat_template_kwargs"] = {"enable_thinking": effort != "none"}
     try:
         return ChatCompletionRequest(
-            **fields, stream=body.stream,
+            **fields, stream=body.stream, cache_salt=body.cache_salt,
             temperature=DEFAULT_TEMPERATURE if body.temperature is None else body.temperature,
             top_p=DEFAULT_TOP_P if body.top_p is None else body.top_p,
         )

@@ -165,6 +165,8 @@ class ResponsesRequest(_Model):
     truncation: Literal["auto", "disabled"] | None = None
     user: Annotated[str, Field(max_length=MAX_NAME)] | None = None
     top_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
+    # vLLM's extension, as on chat completions: prompts under different salts never share cached blocks.
+    cache_salt: Annotated[str, Field(min_length=1, max_length=MAX_NAME)] | None = None
 
     # What a stateless server cannot do: each is refused with a clear 400 when asked for.
     store: bool | None = None

@@ -391,3 +391,36 @@ def test_origins_are_judged_against_the_bound_address() -> None:
     assert not ok(h("10.0.0.9:8000", "http://10.0.0.8:8000"), (), "0.0.0.0")
     assert not ok(h("127.0.0.1:8000", "null"), (), "127.0.0.1")
     assert ok({"Host": "evil.test:8000"}, (), "127.0.0.1")  # no Origin: not a browser
+
+
+# ---- cache_salt on every API surface ----
+
+async def test_cache_salt_isolates_the_prefix_cache_on_messages_and_responses() -> None:
+    import anthropic
+    import openai
+
+    system = " ".join(f"w{i % 97}" for i in range(600))  # a long shared system prompt: many full blocks
+    async with running_server(MockFactory()) as serving:
+        claude = anthropic.AsyncAnthropic(base_url=serving.url, api_key="k", max_retries=0)
+        oai = openai.AsyncOpenAI(base_url=serving.url + "/v1", api_key="k", max_retries=0)
+
+        async def messages_hit(salt: str | None) -> int:
+            extra = {} if salt is None else {"cache_salt": salt}
+            m = await claude.messages.create(model="mock-model", max_tokens=2, system=system, extra_body=extra,
+                                             messages=[{"role": "user", "content": "hello"}])
+            return m.usage.cache_read_input_tokens or 0
+
+        async def responses_hit(salt: str | None) -> int:
+            extra = {} if salt is None else {"cache_salt": salt}
+            r = await oai.responses.create(model="mock-model", max_output_tokens=2, instructions=system + " r",
+                                           input="hello", extra_body=extra)
+            assert r.usage is not None
+            return r.usage.input_tokens_details.cached_tokens
+
+        for hit, a, b in ((messages_hit, "A", "B"), (responses_hit, "C", "D")):
+            assert await hit(a) == 0
+            assert await hit(a) > 500  # the same salt shares its own cache
+            assert await hit(b) == 0  # another salt never hits its blocks
+            assert await hit(b) > 500
+        assert await messages_hit(None) == 0  # nor does an unsalted request
+        assert await messages_hit(None) > 500
