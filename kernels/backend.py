@@ -286,6 +286,9 @@ class KernelOp:
     exact: bool = False
     tolerances: Mapping[mx.Dtype, tuple[float, float]] = field(default_factory=dict)
     applies: Callable[[ModelShapes], bool] = every_model
+    # The phase of a call ("decode" / "prefill", as the timing cases' labels begin): set, the self-check
+    # decides kernel vs reference per phase, and the selection routes each call by it.
+    phase_of: Callable[..., str] | None = None
 
     def kernel_for(self, backend: str | None, shapes: ModelShapes) -> Kernel | None:
         """The implementation to run on `backend` for `shapes`, or None for the reference."""

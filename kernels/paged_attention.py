@@ -664,7 +664,13 @@ def _applies(shapes: ModelShapes) -> bool:
     return not shapes.mla
 
 
+def _phase(q: mx.array, *_: object, **__: object) -> str:
+    """Decode (one query per row) or prefill: the self-check decides each on its own timing cases."""
+    return "decode" if q.shape[2] == 1 else "prefill"
+
+
 OP = KernelOp(
     name="paged_attention", reference=paged_attention_ref, kernels=KERNELS,
     check_cases=_check_cases, timing_cases=_timing_cases, tolerances=TOLERANCES, applies=_applies,
+    phase_of=_phase,
 )  # fmt: skip

@@ -8,8 +8,9 @@ MLA attention for MLA ones) whose back-end has a kernel for the model's shapes, 
   2. on an exception or a mismatch, falls back to the reference for that op alone, with one warning that
      names the op, the back-end and the error text (mode "strict" raises `KernelCheckError` instead)
   3. times kernel against reference on the op's timing cases (decode at batch 1 and at the largest batch,
-     one prefill chunk) and keeps the faster; within TIE_MARGIN (5%) the kernel, since the timing noise of a
-     shared machine is larger and a fallback is cached
+     one prefill chunk) and keeps the faster, per phase where the op says how to tell a call's phase
+     (`KernelOp.phase_of`: paged attention's decode and prefill are decided apart, each call routed); within
+     TIE_MARGIN (5%) the kernel, since the timing noise of a shared machine is larger and a fallback is cached
 Modes: "auto" (the default, as above), "strict", "ref" (every op runs its reference, nothing is checked;
 TRILLM_KERNELS=ref forces the same). The result is a `KernelSelection`: the chosen implementation of each op,
 and a frozen `KernelReport` saying which runs and why (for /health and /metrics).
@@ -17,7 +18,9 @@ and a frozen `KernelReport` saying which runs and why (for /health and /metrics)
 Decisions are cached on disk, one JSON file per (mlx version, device, back-end, op, shapes, digest of the
 kernel sources) under $TRILLM_KERNEL_CACHE (default ~/.cache/trillm/kernels). A cached "kernel" decision
 still runs the check (it compiles the variants) but skips the timing; a cached fallback skips both, except
-in "strict" mode, which always checks.
+in "strict" mode, which always checks. A failure that raised (maybe transient: out of memory, a device
+fault) expires after FAILURE_TTL_S; a mismatch stays until the sources change. Each check case ends with
+mx.synchronize(), so a fault that surfaces at the next sync is that case's failure.
 
     python -m trillm.kernels.selfcheck [--preset NAME ...] [--dtype ...] [--json FILE]
 """
@@ -58,6 +61,7 @@ CACHE_ENV = "TRILLM_KERNEL_CACHE"
 # Timings within this fraction of the reference's go to the kernel: on a shared machine two runs of the same
 # case differ by more, and a fallback decision is cached, so a coin toss would stick for every later start.
 TIE_MARGIN = 0.05
+FAILURE_TTL_S = 3600.0  # how long a failure that raised stays cached (a mismatch stays until the sources change)
 ENGINE_OPS: tuple[KernelOp, ...] = (PAGED_ATTENTION, KV_GATHER, rms_norm_op.OP, rope_op.OP, silu_mul_op.OP, linear_op.OP,
                                     mla_op.OP)  # fmt: skip
 REFERENCE = "reference"
@@ -85,6 +89,12 @@ class OpReport:
     reference_ms: float | None = None
     cached: bool = False  # decided by an earlier run's cached result
     failed: bool = False  # the kernel raised or mismatched (now, or in the cached run)
+    # Ops decided per phase: (phase, implementation) pairs, e.g. the kernel for decode, the reference for
+    # prefill; None when one implementation serves every call.
+    phases: tuple[tuple[str, str], ...] | None = None
+    # A cached failure that raised (out of memory, a device fault: maybe transient) is re-checked after
+    # this time (time.time()); a mismatch is deterministic for the same sources and device: None, kept.
+    expires_at: float | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -183,32 +193,66 @@ def _select_op(
         return OpReport(op.name, REFERENCE, backend, f"the {backend} kernel does not handle these shapes: {why_not}"), ref
     key = cache_key(op, kernel, backend, shapes)
     cached = _read_cache(key)
+    if cached is not None and cached.failed and cached.expires_at is not None and time.time() > cached.expires_at:
+        cached = None  # a failure that raised, long enough ago: maybe transient, check again
     if cached is not None and cached.implementation == REFERENCE and not (mode == "strict" and cached.failed):
         if cached.failed:
             _warn(op, backend, f"cached result of an earlier start: {cached.reason}")
         return replace(cached, cached=True), ref
-    failure = check_kernel(op, kernel, shapes)
+    failure, deterministic = _check(op, kernel, shapes)
     if failure is None and cached is not None and cached.implementation == backend:
-        return replace(cached, cached=True), kernel.fn  # checked now; timed by an earlier start
+        return replace(cached, cached=True), _routed(op, kernel.fn, cached)  # checked now; timed by an earlier start
+    phases: dict[str, tuple[float, float]] = {}
     if failure is None:
         try:
-            kernel_ms, ref_ms = time_kernel(op, kernel, shapes, iters)
+            timed = time_kernel(op, kernel, shapes, iters)
+            phases = timed if isinstance(timed, dict) else {"all": timed}
         except Exception as exc:  # noqa: BLE001  (any failure of the kernel means: use the reference)
-            failure = f"timing: {_error_text(exc)}"
+            failure, deterministic = f"timing: {_error_text(exc)}", False
     if failure is not None:
         if mode == "strict":
             raise KernelCheckError(f"{op.name}: the {backend} kernel failed its start-up check: {failure}")
         _warn(op, backend, failure)
-        result = OpReport(op.name, REFERENCE, backend, f"check failed: {failure}", failed=True)
+        expires = None if deterministic else time.time() + FAILURE_TTL_S
+        result = OpReport(op.name, REFERENCE, backend, f"check failed: {failure}", failed=True, expires_at=expires)
         _write_cache(key, result)
         return result, ref
-    if kernel_ms <= ref_ms * (1 + TIE_MARGIN):
-        why = "faster than the reference" if kernel_ms <= ref_ms else f"within {TIE_MARGIN:.0%} of the reference"
-        result = OpReport(op.name, backend, backend, f"checked, {why}", kernel_ms, ref_ms)
-    else:
-        result = OpReport(op.name, REFERENCE, backend, "checked, slower than the reference", kernel_ms, ref_ms)
+    result = _decide(op, backend, phases)
     _write_cache(key, result)
-    return result, kernel.fn if result.implementation == backend else ref
+    return result, _routed(op, kernel.fn, result)
+
+
+def _decide(op: KernelOp, backend: str, phases: dict[str, tuple[float, float]]) -> OpReport:
+    """Kernel or reference per phase (within TIE_MARGIN: the kernel); one implementation when all phases agree."""
+    kernel_ms = round(sum(k for k, _ in phases.values()), 4)
+    ref_ms = round(sum(r for _, r in phases.values()), 4)
+    wins = {p: k <= r * (1 + TIE_MARGIN) for p, (k, r) in phases.items()}
+    if all(wins.values()):
+        why = "faster than the reference" if kernel_ms <= ref_ms else f"within {TIE_MARGIN:.0%} of the reference"
+        if len(phases) > 1:
+            why += " in every phase"
+        return OpReport(op.name, backend, backend, f"checked, {why}", kernel_ms, ref_ms)
+    if not any(wins.values()):
+        return OpReport(op.name, REFERENCE, backend, "checked, slower than the reference", kernel_ms, ref_ms)
+    split = tuple((p, backend if w else REFERENCE) for p, w in sorted(wins.items()))
+    detail = ", ".join(f"{p}: {impl} ({phases[p][0]} vs {phases[p][1]} ms)" for p, impl in split)
+    return OpReport(op.name, backend, backend, f"checked per phase, {detail}", kernel_ms, ref_ms, phases=split)
+
+
+def _routed(op: KernelOp, kernel_fn: Callable[..., Any], report: OpReport) -> Callable[..., Any]:
+    """What the selection runs for `report`: the kernel, the reference, or each call's phase's choice."""
+    if report.implementation == REFERENCE:
+        return op.reference
+    if not report.phases or op.phase_of is None:
+        return kernel_fn
+    choice = dict(report.phases)
+    phase_of, ref = op.phase_of, op.reference
+
+    def by_phase(*args: Any, **kwargs: Any) -> Any:
+        fn = kernel_fn if choice.get(phase_of(*args, **kwargs)) == report.implementation else ref
+        return fn(*args, **kwargs)
+
+    return by_phase
 
 
 def _warn(op: KernelOp, backend: str, failure: str) -> None:
@@ -222,17 +266,25 @@ def _error_text(exc: BaseException) -> str:
 
 def check_kernel(op: KernelOp, kernel: Kernel, shapes: ModelShapes) -> str | None:
     """Run every check case on kernel and reference; None when all agree, else what went wrong."""
+    return _check(op, kernel, shapes)[0]
+
+
+def _check(op: KernelOp, kernel: Kernel, shapes: ModelShapes) -> tuple[str | None, bool]:
+    """(what went wrong or None, whether that is deterministic: a mismatch is, an exception may not be)."""
     for case in op.check_cases(shapes):
         try:
             got = kernel.fn(*case.args, **case.kwargs)
             mx.eval(got)
+            # A GPU fault can surface at a later sync, outside this case: wait for the device here.
+            if hasattr(mx, "synchronize"):
+                mx.synchronize()
         except Exception as exc:  # noqa: BLE001  (build errors, launch errors, anything: report it)
-            return f"{case.label}: {_error_text(exc)}"
+            return f"{case.label}: {_error_text(exc)}", False
         want = op.reference(*case.args, **case.kwargs)
         mx.eval(want)
         if (problem := compare(got, want, op.exact, op.tolerances.get(want.dtype, (0.0, 0.0)))) is not None:
-            return f"{case.label}: {problem}"
-    return None
+            return f"{case.label}: {problem}", True
+    return None, True
 
 
 def compare(got: Any, want: mx.array, exact: bool, tolerance: tuple[float, float]) -> str | None:
@@ -253,10 +305,15 @@ def compare(got: Any, want: mx.array, exact: bool, tolerance: tuple[float, float
     return None
 
 
-def time_kernel(op: KernelOp, kernel: Kernel, shapes: ModelShapes, iters: int) -> tuple[float, float]:
-    """(kernel, reference) ms: sum over the timing cases of each one's median, measured interleaved."""
-    totals = [0.0, 0.0]
+def time_kernel(
+    op: KernelOp, kernel: Kernel, shapes: ModelShapes, iters: int
+) -> dict[str, tuple[float, float]] | tuple[float, float]:
+    """Phase -> (kernel, reference) ms: per phase (the first word of a timing case's label when the op has
+    `phase_of`, else one phase "all"), the sum over its cases of each one's median, measured interleaved.
+    (A bare tuple, as mocks return, counts as one phase.)"""
+    sums: dict[str, list[float]] = {}
     for case in op.timing_cases(shapes):
+        totals = sums.setdefault(case.label.split()[0] if op.phase_of is not None else "all", [0.0, 0.0])
         mx.eval([a for a in case.args if isinstance(a, mx.array)])
         fns = (kernel.fn, op.reference)
         samples: list[list[float]] = [[], []]
@@ -268,7 +325,7 @@ def time_kernel(op: KernelOp, kernel: Kernel, shapes: ModelShapes, iters: int) -
                     samples[which].append((time.perf_counter() - t0) * 1e3)
         for which in (0, 1):
             totals[which] += statistics.median(samples[which])
-    return round(totals[0], 4), round(totals[1], 4)
+    return {phase: (round(k, 4), round(r, 4)) for phase, (k, r) in sums.items()}
 
 
 # ---------------------------------------------------------------- decision cache
@@ -294,6 +351,8 @@ def cache_key(op: KernelOp, kernel: Kernel, backend: str, shapes: ModelShapes) -
 def _read_cache(key: str) -> OpReport | None:
     try:
         data = json.loads((cache_dir() / f"{key}.json").read_text())
+        if data.get("phases") is not None:  # JSON has no tuples
+            data["phases"] = tuple((str(p), str(i)) for p, i in data["phases"])
         return OpReport(**data)
     except (OSError, ValueError, TypeError):
         return None
