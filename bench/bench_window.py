@@ -113,8 +113,9 @@ def main(argv: list[str] | None = None) -> int:
     n_params = sum(v.size for _, v in nn.utils.tree_flatten(windowed.parameters()))
     print(f"gemma3_text-shaped, {n_params / 1e6:.0f}M params fp32, {args.layers} layers (5 sliding : 1 global), "
           f"window {args.window}; CPU kernels {isa}; BLAS {BLAS.name}")
-    print(f"attention kernels: windowed {engines['windowed'].kernel_report.implementations()['paged_attention']}, "
-          f"full {engines['full'].kernel_report.implementations()['paged_attention']}")  # type: ignore[union-attr]
+    impls = {name: (e.kernel_report.implementations()["paged_attention"] if e.kernel_report else "?")
+             for name, e in engines.items()}
+    print(f"attention kernels: windowed {impls['windowed']}, full {impls['full']}")
     rows = []
     variant = 0
     for b in batches:

@@ -40,8 +40,41 @@ def _gemma2_attention(base: type) -> type:
     return PagedGemma2Attention
 
 
+def _mla_attention(base: type) -> type:
+    class PagedMLAAttention(base):
+        """DeepSeek V3 style MLA with mlx-lm's latent cache: its code adds the RoPE scores as a mask of its own
+        (which the seam cannot pass to a kernel) and expands the latent per head for prefill. On a paged cache
+        both phases run the paged MLA kernel in latent space: scale * (q_nope W . latent + q_pe . k_pe), the
+        weights times the latent, then `unembed_out`, as mlx-lm's own decode does."""
+
+        def __call__(self, x: mx.array, mask: Any = None, cache: Any = None) -> mx.array:
+            plain, window = cache.known_mask(mask) if isinstance(cache, PagedKVCache) else (False, None)
+            if not plain or window is not None:
+                original: mx.array = super().__call__(x, mask, cache)
+                return original
+            B, L, _ = x.shape
+            q = self.q_proj(x) if self.q_lora_rank is None else self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+            q = q.reshape(B, L, self.num_heads, self.q_head_dim).transpose(0, 2, 1, 3)
+            q_nope, q_pe = mx.split(q, [self.qk_nope_head_dim], axis=-1)
+            compressed_kv, k_pe = mx.split(self.kv_a_proj_with_mqa(x), [self.kv_lora_rank], axis=-1)
+            k_pe = k_pe.reshape(B, L, 1, self.qk_rope_head_dim).transpose(0, 2, 1, 3)
+            kv_latent = mx.expand_dims(self.kv_a_layernorm(compressed_kv), axis=1)
+            q_pe = self.rope(q_pe, cache.offset)
+            k_pe = self.rope(k_pe, cache.offset)
+            cache.update_and_fetch(kv_latent, k_pe)  # writes the pools; the dense view stays unevaluated
+            out = cache.attend_mla(self.embed_q(q_nope), q_pe, scale=self.scale)
+            out = self.unembed_out(out).transpose(0, 2, 1, 3).reshape(B, L, -1)
+            projected: mx.array = self.o_proj(out)
+            return projected
+
+    return PagedMLAAttention
+
+
 # (module, class name) -> the subclass factory
-_VARIANTS = {("mlx_lm.models.gemma2", "Attention"): _gemma2_attention}
+_VARIANTS = {
+    ("mlx_lm.models.gemma2", "Attention"): _gemma2_attention,
+    ("mlx_lm.models.deepseek_v3", "DeepseekV3Attention"): _mla_attention,
+}
 
 
 def install_attention_variants(model: nn.Module) -> list[str]:

@@ -177,6 +177,12 @@ class PagedKVCache:
         fetched = self._fetched
         if fetched is None or keys is not fetched[0] or values is not fetched[1]:
             return False, None
+        if keys.shape[-1] != values.shape[-1]:  # K and V of different widths (MLA without a latent cache)
+            return False, None
+        return self.known_mask(mask)
+
+    def known_mask(self, mask: Any) -> tuple[bool, int | None]:
+        """(is `mask` None or one `make_mask` built this forward, its sliding window)."""
         if mask is None:
             return True, None
         known = self.pool.masks.get(id(mask))
@@ -192,6 +198,13 @@ class PagedKVCache:
         attention = self.pool.layer_kernels[self.layer].paged_attention
         return attention(queries, self.pool.keys[self.layer], self.pool.values[self.layer],
                          lay.block_tables, lay.context_lens, scale=scale, window=window, sinks=sinks, **variant)
+
+    def attend_mla(self, q_latent: mx.array, q_pe: mx.array, *, scale: float) -> mx.array:
+        """MLA attention over this layer's latent (K pool) and RoPE keys (V pool): [B, H, L, kv_lora_rank]."""
+        lay = self._layout
+        attention = self.pool.layer_kernels[self.layer].mla_attention
+        return attention(q_latent, q_pe, self.pool.keys[self.layer], self.pool.values[self.layer],
+                         lay.block_tables, lay.context_lens, scale=scale)
 
     # mlx-lm's cache protocol, for code that inspects caches.
     def is_trimmable(self) -> bool:

@@ -77,6 +77,7 @@ def make_kv_pool(lm: LoadedModel, config: EngineConfig, num_blocks: int, max_mod
     from trillm.engine.paged_model import kv_layout
     from trillm.kernels.layout import ModelShapes
     from trillm.kernels.kv_gather import OP as KV_GATHER
+    from trillm.kernels.mla_attention import OP as MLA_ATTENTION
     from trillm.kernels.paged_attention import OP as PAGED_ATTENTION
     from trillm.kernels.selfcheck import KernelCheckError, KernelSelection, select_kernels
 
@@ -85,6 +86,9 @@ def make_kv_pool(lm: LoadedModel, config: EngineConfig, num_blocks: int, max_mod
     # Gemma 2's attention soft-capping (engine/attention_variants.py): the check runs the kernel's variant too.
     caps = {float(c) for _, m in lm.model.named_modules() if (c := getattr(m, "attn_logit_softcapping", None))}
     softcap = max(caps) if caps else None
+    # MLA with mlx-lm's latent cache (engine/attention_variants.py): the latent's and the RoPE keys' widths.
+    mla_ranks = next(((int(m.kv_lora_rank), int(m.qk_rope_head_dim)) for _, m in lm.model.named_modules()
+                      if type(m).__name__ == "DeepseekV3Attention"), None)
     args = getattr(lm.model, "args", None)  # mlx-lm's ModelArgs; 0: the kernels derive a size
     selections: dict[tuple[int, int, int | None], KernelSelection] = {}
     primary: KernelSelection | None = None
@@ -94,8 +98,10 @@ def make_kv_pool(lm: LoadedModel, config: EngineConfig, num_blocks: int, max_mod
         # kv_cache); they get the dispatchers, checked on layer 0's shapes like the rest.
         key = (layer.num_kv_heads, layer.k_dim, layer.window) if layer.k_dim == layer.v_dim else (0, 0, None)
         if key not in selections:
+            mla = mla_ranks if layer.k_dim != layer.v_dim and mla_ranks else (0, 0)
             shapes = ModelShapes(lm.num_attention_heads, key[0] or lm.num_kv_heads, key[1] or lm.head_dim,
                                  config.block_size, lm.dtype, window=key[2], sinks=sinks, softcap=softcap,
+                                 kv_lora_rank=mla[0], qk_rope_head_dim=mla[1],
                                  max_batch=config.max_num_seqs, chunk=config.max_num_batched_tokens,
                                  max_context=max_model_len, hidden_size=int(getattr(args, "hidden_size", 0) or 0),
                                  intermediate_size=int(getattr(args, "intermediate_size", 0) or 0),
@@ -104,9 +110,9 @@ def make_kv_pool(lm: LoadedModel, config: EngineConfig, num_blocks: int, max_mod
                 if primary is None:
                     selections[key] = primary = select_kernels(shapes, config.kernels)
                 else:  # the ops outside attention are checked once, on the first layer's shapes
-                    attn = select_kernels(shapes, config.kernels, ops=[PAGED_ATTENTION, KV_GATHER])
+                    attn = select_kernels(shapes, config.kernels, ops=[PAGED_ATTENTION, MLA_ATTENTION, KV_GATHER])
                     selections[key] = dataclasses.replace(primary, paged_attention=attn.paged_attention,
-                                                          kv_gather=attn.kv_gather)
+                                                          mla_attention=attn.mla_attention, kv_gather=attn.kv_gather)
             except KernelCheckError as exc:
                 raise ModelLoadError(f"--kernels strict: {exc}") from exc
         per_layer.append(selections[key])
@@ -173,7 +179,11 @@ class LLMEngine:
         result = probe(self)
         self._reset_statistics()  # the probe's requests are nobody's traffic
         if not result.verified:
-            message = f"{self.model_name}: the paged forward disagrees with mlx-lm's own forward: {result.detail}"
+            from trillm.engine.paged_model import describe
+
+            assert self.kv_layout is not None
+            message = (f"{self.model_name} ({describe(self.kv_layout)}): the paged forward disagrees with mlx-lm's "
+                       f"own forward: {result.detail}")
             if not self.config.allow_unverified_model:
                 raise UnverifiedModel(message + " (--allow-unverified-model serves it anyway)")
             result = dataclasses.replace(result, allowed_anyway=True)
@@ -227,6 +237,9 @@ class LLMEngine:
             raise UnknownRequest(f"no live request with id {request_id!r}")
         self.scheduler.finish(req.seq)
         self._settle_if_idle()
+
+    def live_request_ids(self) -> list[str]:
+        return list(self._requests)
 
     def has_unfinished_requests(self) -> bool:
         return bool(self._requests)

@@ -195,6 +195,9 @@ def _loaded(
     def get(key: str) -> Any:
         return getattr(args, key, None) or config.get(key) or text.get(key)
 
+    from trillm.engine.paged_model import check_supported
+
+    check_supported(model, name)  # recurrent and other unpageable layers: refused before the settings below
     heads = get("num_attention_heads")
     hidden = get("hidden_size")
     head_dim = get("head_dim") or (hidden // heads if heads and hidden else None)

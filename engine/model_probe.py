@@ -87,9 +87,15 @@ def probe(engine: LLMEngine) -> ProbeResult:
     tol = TOLERANCE.get(lm.dtype, 0.35)
     params = SamplingParams(max_tokens=DECODE_TOKENS, temperature=0.0, ignore_eos=True, logprobs=True,
                             prompt_logprobs=0, skip_special_tokens=False, cache_salt=PROBE_SALT)
-    batched = engine.generate(prompts, params)
-    # Alone, its full blocks from the prefix cache (which prompt logprobs bypass).
-    alone = engine.generate(prompts[:1], dataclasses.replace(params, prompt_logprobs=None))
+    try:
+        batched = engine.generate(prompts, params)
+        # Alone, its full blocks from the prefix cache (which prompt logprobs bypass).
+        alone = engine.generate(prompts[:1], dataclasses.replace(params, prompt_logprobs=None))
+    except Exception as exc:  # a forward that crashes is refused like one that disagrees
+        for rid in list(engine.live_request_ids()):
+            engine.abort(rid)
+        return _result(False, f"the paged forward raised {type(exc).__name__}: {_one_line(exc)}", 0.0, 0, prompts,
+                       t0)
     worst, compared, failure = 0.0, 0, ""
     for label, prompt, out in [("batched", p, o) for p, o in zip(prompts, batched)] + [("cached", prompts[0], alone[0])]:
         if out.error:
@@ -125,6 +131,11 @@ def probe(engine: LLMEngine) -> ProbeResult:
     if failure:
         return _result(False, failure, worst, compared, prompts, t0)
     return _result(True, f"{compared} logprobs within {tol:g} of mlx-lm's own forward", worst, compared, prompts, t0)
+
+
+def _one_line(exc: BaseException) -> str:
+    text = " ".join(str(exc).split())
+    return text if len(text) <= 240 else text[:237] + "..."
 
 
 def _result(ok: bool, detail: str, worst: float, compared: int, prompts: list[list[int]], t0: float) -> ProbeResult:

@@ -127,24 +127,36 @@ _WHY = {
 }
 
 
-def make_model_cache(model: nn.Module) -> list[Any]:
+def make_model_cache(model: nn.Module, name: str = "model") -> list[Any]:
     from mlx_lm.models.cache import make_prompt_cache
 
-    return list(make_prompt_cache(model))
+    try:
+        return list(make_prompt_cache(model))
+    except Exception as exc:  # no `layers`, a make_cache that needs what the engine cannot give
+        raise UnsupportedModel(f"{name}: not supported: mlx-lm cannot make its caches ({type(exc).__name__}: "
+                               f"{exc})") from exc
+
+
+def check_supported(model: nn.Module, name: str = "model") -> None:
+    """Refuse, in one line, a model whose caches the paged pool cannot stand in for."""
+    _check_caches(make_model_cache(model, name), name)
+
+
+def describe(layout: KVLayout) -> str:
+    """The layers' attention kinds in a few words, for messages: "2 x full attention, 2 x sliding window 8"."""
+    kinds: dict[str, int] = {}
+    for layer in layout.layers:
+        kind = f"sliding window {layer.window}" if layer.window else "full attention"
+        if layer.k_dim != layer.v_dim:
+            kind += f" (K {layer.k_dim} / V {layer.v_dim} wide)"
+        kinds[kind] = kinds.get(kind, 0) + 1
+    return ", ".join(f"{n} x {kind}" for kind, n in kinds.items())
 
 
 def kv_layout(model: nn.Module, name: str = "model") -> KVLayout:
     """One `LayerKV` per cache the model makes, from one token run with the model's own caches."""
-    caches = make_model_cache(model)
-    for i, c in enumerate(caches):
-        kind = type(c).__name__
-        if kind not in _PAGEABLE:
-            why = _WHY.get(kind, f"its {kind} caches")
-            raise UnsupportedModel(f"{name}: not supported yet: layer {i} uses {why}, which the paged engine does "
-                                   f"not serve")
-        if kind == "RotatingKVCache" and (getattr(c, "keep", None) or 0) > 0:
-            raise UnsupportedModel(f"{name}: not supported yet: layer {i} keeps {c.keep} sink tokens in a rotating "
-                                   f"cache")
+    caches = make_model_cache(model, name)
+    _check_caches(caches, name)
     model(mx.zeros((1, 1), mx.int32), cache=caches)
     layers = []
     for i, c in enumerate(caches):
@@ -154,3 +166,17 @@ def kv_layout(model: nn.Module, name: str = "model") -> KVLayout:
         window = int(c.max_size) if type(c).__name__ == "RotatingKVCache" else None
         layers.append(LayerKV(int(h), int(dk), int(c.values.shape[-1]), window))
     return KVLayout(tuple(layers))
+
+
+def _check_caches(caches: list[Any], name: str) -> None:
+    if not caches:
+        raise UnsupportedModel(f"{name}: not supported yet: the model makes no KV cache")
+    for i, c in enumerate(caches):
+        kind = type(c).__name__
+        if kind not in _PAGEABLE:
+            why = _WHY.get(kind, f"its {kind} caches")
+            raise UnsupportedModel(f"{name}: not supported yet: layer {i} uses {why}, which the paged engine does "
+                                   f"not serve")
+        if kind == "RotatingKVCache" and (getattr(c, "keep", None) or 0) > 0:
+            raise UnsupportedModel(f"{name}: not supported yet: layer {i} keeps {c.keep} sink tokens in a rotating "
+                                   f"cache")

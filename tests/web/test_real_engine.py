@@ -237,3 +237,13 @@ async def test_kv_events_and_load_on_a_websocket(tiny_model_path: Path) -> None:
                             stored += e["kind"] == "stored"
             assert stored >= 3  # the prompt's full blocks entered the prefix cache
             assert {"num_running", "num_waiting", "num_blocks_used"} <= loads[0].keys()
+
+
+async def test_health_reports_the_load_time_model_check(tiny_model_path: Path) -> None:
+    async with running_server(RealFactory(tiny_model_path)) as serving:
+        async with httpx.AsyncClient(base_url=serving.url, timeout=30) as client:
+            body = (await client.get("/health")).json()
+    (state,) = body["models"].values()
+    check = state["model_check"]
+    assert check["verified"] is True and check["allowed_anyway"] is False
+    assert check["tokens_compared"] > 0 and check["max_logprob_diff"] < 0.02 and "mlx-lm" in check["detail"]
