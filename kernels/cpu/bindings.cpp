@@ -41,6 +41,12 @@ NB_MODULE(_trillm_cpu, m) {
   m.def("heads_per_group", &trillm_cpu::heads_per_group, "rep"_a, "head_dim"_a);
   m.def("queries_per_tile", &trillm_cpu::queries_per_tile, "num_queries"_a, "hpg"_a);
   m.attr("PARTITION_SIZE") = trillm_cpu::PARTITION_SIZE;
+  m.attr("MAX_PARTIAL_BYTES") = trillm_cpu::MAX_PARTIAL_BYTES;
+  m.def("attention_partitions", [](int batch, int num_q_heads, int num_queries, int head_dim, int max_tokens) {
+          auto [parts, size] = trillm_cpu::attention_partitions(batch, num_q_heads, num_queries, head_dim, max_tokens);
+          return nb::make_tuple(parts, size);
+        }, "batch"_a, "num_q_heads"_a, "num_queries"_a, "head_dim"_a, "max_tokens"_a,
+        "The paged attention primitive's context split: (partitions, tokens per partition).");
 #if defined(__AVX512F__)
   m.attr("SIMD") = "avx512";
 #elif defined(__AVX2__)

@@ -4,6 +4,7 @@
 #include <functional>
 #include <optional>
 #include <string>
+#include <utility>
 
 #include "mlx/ops.h"
 #include "mlx/primitives.h"
@@ -150,6 +151,10 @@ class SiluMul : public mx::Primitive {
 // Work split shared with the GPU kernels (trillm.kernels._attention_kernels): HPG query heads of one KV
 // head x QT queries per work item, context partitions of PARTITION_SIZE tokens merged by a reduction.
 constexpr int PARTITION_SIZE = 512;
+constexpr size_t MAX_PARTIAL_BYTES = size_t{64} << 20;  // the partition outputs' bound per call
+// (partitions, tokens per partition) for a call: PARTITION_SIZE each, fewer where the partial outputs
+// would pass MAX_PARTIAL_BYTES.
+std::pair<int, int> attention_partitions(int batch, int num_q_heads, int num_queries, int head_dim, int max_tokens);
 int heads_per_group(int rep, int head_dim);
 int queries_per_tile(int num_queries, int hpg);
 

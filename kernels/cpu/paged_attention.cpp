@@ -15,6 +15,8 @@
 #include <algorithm>
 #include <climits>
 #include <cmath>
+#include <memory>
+#include <tuple>
 #include <stdexcept>
 #include <type_traits>
 #include <vector>
@@ -35,6 +37,7 @@ constexpr int MAX_ROWS_X_D = 1024;  // the GPU kernels' HPG * D bound, kept so b
 struct AttnArgs {
   int B, HQ, L, D, BS, HKV, MB;  // MB: block table width
   int hpi, qt, num_qtiles, num_parts;  // hpi: query heads per item (HPG, or whole KV heads' worth in decode)
+  int part_size;  // context tokens per partition (attention_partitions)
   float scale;
   int window;  // 0: none
   float softcap;  // 0: none
@@ -206,6 +209,8 @@ void attn_item(const AttnArgs& a, const T* q, const T* kp, const T* vp, int item
       tok_hi = std::max(tok_hi, pos[qi] + 1);
     }
   }
+  // Tokens past the table do not exist: a longer context_len must not read the next row's table.
+  tok_hi = std::min(tok_hi, a.MB * a.BS);
   for (int r = 0; r < R; ++r) {
     const int i = std::min(qtile * a.qt + r / a.hpi, a.L - 1);
     const int h = h0 + r % a.hpi;
@@ -219,8 +224,8 @@ void attn_item(const AttnArgs& a, const T* q, const T* kp, const T* vp, int item
     l[r] = 0.0f;
   }
 
-  const int start = std::max(part * PARTITION_SIZE, tok_lo);
-  const int end = std::min((part + 1) * PARTITION_SIZE, tok_hi);
+  const int start = std::max(part * a.part_size, tok_lo);
+  const int end = std::min((part + 1) * a.part_size, tok_hi);
   const size_t token_stride = static_cast<size_t>(a.HKV) * D;
   const int32_t* table = a.tables + static_cast<size_t>(b) * a.MB;
   const float* krow[W];
@@ -312,13 +317,16 @@ template <typename T>
 void run_attention(const AttnArgs& a, const T* q, const T* k, const T* v, T* out) {
   const int items = a.B * (a.HQ / a.hpi) * a.num_qtiles * a.num_parts;
   const size_t rows = static_cast<size_t>(a.B) * a.HQ * a.L;
-  std::vector<float> o_part, m_part, l_part;
+  // Every (row, partition) slot is written by its item, so the outputs need no zero fill; their bytes are
+  // bounded by attention_partitions.
+  std::unique_ptr<float[]> o_part;
+  std::vector<float> m_part, l_part;
   if (a.num_parts > 1) {
-    o_part.resize(rows * a.num_parts * a.D);
+    o_part.reset(new float[rows * a.num_parts * a.D]);
     m_part.assign(rows * a.num_parts, NEG_INF);
     l_part.assign(rows * a.num_parts, 0.0f);
   }
-  float *op = o_part.data(), *mp = m_part.data(), *lp = l_part.data();
+  float *op = o_part.get(), *mp = m_part.data(), *lp = l_part.data();
   auto& pool = ThreadPool::get();
   pool.parallel_for(items, [&](int item) {
     if (a.D == 64) {
@@ -338,6 +346,15 @@ void run_attention(const AttnArgs& a, const T* q, const T* k, const T* v, T* out
 }
 
 }  // namespace
+
+std::pair<int, int> attention_partitions(int batch, int num_q_heads, int num_queries, int head_dim, int max_tokens) {
+  int parts = std::max(1, (max_tokens + PARTITION_SIZE - 1) / PARTITION_SIZE);
+  // The partial outputs are rows x parts x D floats: a 512-token chunk of 32 heads x 128 at 32k would be
+  // 512 MiB per layer call. Fewer, longer partitions keep them within MAX_PARTIAL_BYTES.
+  const size_t per_part = std::max<size_t>(1, static_cast<size_t>(batch) * num_q_heads * num_queries * head_dim * sizeof(float));
+  parts = static_cast<int>(std::min<size_t>(parts, std::max<size_t>(1, MAX_PARTIAL_BYTES / per_part)));
+  return {parts, std::max(1, (max_tokens + parts - 1) / parts)};
+}
 
 int heads_per_group(int rep, int head_dim) {
   int best = 1;
@@ -420,7 +437,7 @@ void PagedAttention::eval_cpu(const std::vector<mx::array>& inputs, std::vector<
   a.BS = k.shape(1);
   a.HKV = k.shape(2);
   a.MB = tables.shape(1);
-  a.num_parts = std::max(1, (a.MB * a.BS + PARTITION_SIZE - 1) / PARTITION_SIZE);
+  std::tie(a.num_parts, a.part_size) = attention_partitions(a.B, a.HQ, a.L, a.D, a.MB * a.BS);
   a.hpi = a.L == 1 ? decode_heads_per_item(a.B, a.HQ, a.HKV, a.D, a.num_parts, ThreadPool::get().size())
                    : heads_per_group(a.HQ / a.HKV, a.D);
   a.qt = queries_per_tile(a.L, a.hpi);
