@@ -43,8 +43,9 @@ ENGINES: dict[str, dict[str, Any]] = {
     # blocks (the default), so windows of 5, 8 and 12 sit inside one block
     "chunked": dict(block_size=16, num_kv_blocks=64, max_num_seqs=4, max_num_batched_tokens=16),
     # 11 usable blocks of 8 tokens: the four prompts need 21 + 28 + 39 + 73 tokens, so some are preempted (and
-    # resume through the prefix cache where their blocks survived)
-    "tiny_pool": dict(block_size=8, num_kv_blocks=12, max_num_seqs=8, max_num_batched_tokens=128),
+    # resume through the prefix cache where their blocks survived); each decode step read back before the next
+    "tiny_pool": dict(block_size=8, num_kv_blocks=12, max_num_seqs=8, max_num_batched_tokens=128,
+                      pipeline_decode=False),
 }
 
 
