@@ -112,11 +112,15 @@ def build_folder(
         if name.endswith("norm.weight"):
             params[name] = _exact(rng.normal(0 if gemma else 1, 0.2, shape))
         else:
-            params[name] = rng.normal(0, 0.5 / np.sqrt(shape[-1]), shape).astype(np.float32)
-    head = "model.embed_tokens.weight" if "lm_head.weight" not in params else "lm_head.weight"
-    params[head] = params[head] * 8.0  # clear margins between the top logits
+            params[name] = rng.normal(0, 1.0 / np.sqrt(shape[-1]), shape).astype(np.float32)
     if config["model_type"] == "gemma3_text":
         params.pop("lm_head.weight")  # Gemma 3 ties its head: no lm_head in its checkpoints
+    # Clear margins between the top logits. A tied head also feeds the input: spread more, it would only
+    # echo the last token.
+    if "lm_head.weight" in params:
+        params["lm_head.weight"] = params["lm_head.weight"] * 4.0
+    elif gemma:  # Gemma multiplies its input embedding by sqrt(hidden_size)
+        params["model.embed_tokens.weight"] = params["model.embed_tokens.weight"] * 0.25
     params.update(overrides or {})
     mx.save_safetensors(str(path / "model.safetensors"), {k: mx.array(v) for k, v in params.items()})
     (path / "config.json").write_text(json.dumps(config, indent=2))
@@ -611,3 +615,31 @@ def test_chat_turn_enders_stop_generation_as_in_llama_cpp() -> None:
             "tokenizer.ggml.eos_token_id": 3, "tokenizer.ggml.eot_token_id": 4}
     assert gguf_eos_ids(phi3) == {3, 4}
     assert gguf_eos_ids({"tokenizer.ggml.tokens": ["<|endoftext|>", "x"]}) == frozenset()
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_gguf_through_the_engine_equals_mlx_lm_on_the_folder(
+    family: str, tokenizer_json: Path, tmp_path: Path
+) -> None:
+    """What a user runs: `trillm serve x.gguf`'s engine, batched, on prompts across KV blocks and past Gemma 3's
+    window of 8, gives the tokens mlx-lm's own generate gives from the original folder."""
+    from mlx_lm.generate import generate_step
+
+    from trillm.engine.config import EngineConfig
+    from trillm.engine.llm_engine import LLMEngine
+    from trillm.engine.sampling_params import SamplingParams
+
+    arch, extra = FAMILIES[family]
+    folder = build_folder(tmp_path / f"tiny-{family}", {**_BASE, **extra}, tokenizer_json)
+    loaded = load_model(str(to_gguf(folder, tmp_path / f"tiny-{family}.F32.gguf", arch, tokenizer_json)))
+    ref = _folder_model(folder)
+    texts = ["hello there", "the quick brown fox jumps over the lazy dog " * 3, "0123456789 " * 4]
+    prompts = [loaded.tokenizer.encode(t) for t in texts]
+    eng = LLMEngine(EngineConfig(block_size=16, num_kv_blocks=64, max_num_seqs=4, max_num_batched_tokens=256),
+                    loaded=loaded)
+    got = [list(o.new_token_ids) for o in eng.generate(prompts, SamplingParams(max_tokens=16, temperature=0.0,
+                                                                               ignore_eos=True))]
+    argmax = lambda x: mx.argmax(x, axis=-1)  # noqa: E731
+    want = [[int(t) for t, _ in generate_step(mx.array(p), ref, max_tokens=16, sampler=argmax)] for p in prompts]
+    assert got == want
+    assert len({t for seq in want for t in seq}) > 6  # not a degenerate echo
