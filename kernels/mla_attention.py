@@ -15,9 +15,10 @@ q_latent = embed_q(q_nope) [B, H, L, R] and the RoPE'd q_pe [B, H, L, P];
 
 and applies `unembed_out` to the output. (For prefill mlx-lm expands the latent into per-head keys and values
 instead; the absorbed form is the same sum reordered.) As `trillm.kernels.paged_attention`: the pure-mx
-reference `mla_attention_ref`, the CPU primitive `mla_attention_cpu` (kernels/cpu/mla_attention.cpp), the
-dispatcher `mla_attention`, and `OP` for the start-up self-check, which runs it only for models whose shapes
-declare MLA (`ModelShapes.kv_lora_rank`).
+reference `mla_attention_ref`, the CPU primitive `mla_attention_cpu` (kernels/cpu/mla_attention.cpp), one
+Metal/CUDA kernel body (`mla_attention_metal` / `mla_attention_cuda`; never yet run on a GPU: checked by the
+CPU emulator and the host-side compiles), the dispatcher `mla_attention`, and `OP` for the start-up
+self-check, which runs it only for models whose shapes declare MLA (`ModelShapes.kv_lora_rank`).
 """
 
 from __future__ import annotations
@@ -29,11 +30,215 @@ from typing import Protocol
 import mlx.core as mx
 
 from trillm.kernels import cpu_ext
-from trillm.kernels.backend import Case, Kernel, KernelOp, kernel_backend
+from trillm.kernels.backend import (
+    Case, Kernel, KernelOp, KernelSpec, at_least_8, build, float32_params, int32_params, kernel_backend,
+)  # fmt: skip
 from trillm.kernels.layout import RESERVED_BLOCK, ModelShapes
-from trillm.kernels.paged_attention import TOLERANCES, attention_mask
+from trillm.kernels.paged_attention import (
+    ATTN_REDUCE, GPU_DTYPES, MAX_ROWS_X_D, NUM_SIMDGROUPS, TOLERANCES, attention_mask, launch_plan,
+)  # fmt: skip
 
 CPU_DTYPES = (mx.float32, mx.float16, mx.bfloat16)
+
+# ---------------------------------------------------------------- Metal / CUDA
+# The paged attention kernels' structure (trillm.kernels.paged_attention) with one KV head: a threadgroup
+# owns R = QT * HPG rows (QT queries x HPG heads), each lane DPL = D / 32 latent values and EPL = P / 32
+# k_pe values; scores are q_latent . latent + q_pe . k_pe, values the latent itself. Split decode writes
+# partials that paged attention's reduction kernel merges (no sinks).
+# Template constants: T, D (kv_lora_rank), P (RoPE dim), BS, HQ, HPG, QT, NW. meta (int32): [max_blocks,
+# num_parts, part_size, L]; scale (float32): [scale].
+_MLA_INPUTS = ("q_latent", "q_pe", "latent_pool", "pe_pool", "block_tables", "context_lens", "scale", "meta")
+_MLA_BODY = """
+  constexpr int DPL = D / 32;
+  constexpr int EPL = P / 32;
+  constexpr int R = QT * HPG;
+  const int max_blocks = meta[0];
+  const int num_parts = meta[1];
+  const int part_size = meta[2];
+  const int L = meta[3];
+  const int gx = threadgroup_position_in_grid.x;
+  const int part = gx % num_parts;
+  const int qtile = gx / num_parts;
+  const int h0 = threadgroup_position_in_grid.y * HPG;
+  const int b = threadgroup_position_in_grid.z;
+  const int lane = thread_index_in_simdgroup;
+  const int warp = simdgroup_index_in_threadgroup;
+  const int tid = thread_position_in_threadgroup.x;
+  const int ctx = context_lens[b];
+  const float sc = scale[0];
+
+  int pos[QT];
+  int tok_hi = 0;
+  UNROLL for (int qi = 0; qi < QT; ++qi) {
+    const int i = qtile * QT + qi;
+    pos[qi] = (i < L) ? ctx - L + i : -1;
+    if (i < L) {
+      tok_hi = MAXI(tok_hi, pos[qi] + 1);
+    }
+  }
+  tok_hi = MINI(tok_hi, max_blocks * BS);  // tokens past the table do not exist
+  float qv[R][DPL];
+  float qe[R][EPL];
+  float m[R];
+  float l[R];
+  float acc[R][DPL];
+  UNROLL for (int r = 0; r < R; ++r) {
+    const int i = qtile * QT + r / HPG;
+    const size_t row = (size_t)(b * HQ + h0 + r % HPG) * L + MINI(i, L - 1);
+    UNROLL for (int e = 0; e < DPL; ++e) {
+      qv[r][e] = static_cast<float>(q_latent[row * D + lane * DPL + e]) * sc;
+      acc[r][e] = 0.0f;
+    }
+    UNROLL for (int e = 0; e < EPL; ++e) {
+      qe[r][e] = static_cast<float>(q_pe[row * P + lane * EPL + e]) * sc;
+    }
+    m[r] = NEG_INF;
+    l[r] = 0.0f;
+  }
+
+  const int start = part * part_size;
+  const int end = MINI((part + 1) * part_size, tok_hi);
+  int cur = -1;
+  auto lb = latent_pool;
+  auto pb = pe_pool;
+  for (int t = start + warp; t < end; t += NW) {
+    const int j = t / BS;
+    if (j != cur) {
+      cur = j;
+      const size_t blk = (size_t)block_tables[b * max_blocks + j];
+      lb = latent_pool + blk * (BS * D);
+      pb = pe_pool + blk * (BS * P);
+    }
+    const int off = t - j * BS;
+    float lf[DPL];
+    float pf[EPL];
+    UNROLL for (int e = 0; e < DPL; ++e) {
+      lf[e] = static_cast<float>(lb[off * D + lane * DPL + e]);
+    }
+    UNROLL for (int e = 0; e < EPL; ++e) {
+      pf[e] = static_cast<float>(pb[off * P + lane * EPL + e]);
+    }
+    UNROLL for (int r = 0; r < R; ++r) {
+      float s = 0.0f;
+      UNROLL for (int e = 0; e < DPL; ++e) {
+        s += qv[r][e] * lf[e];
+      }
+      UNROLL for (int e = 0; e < EPL; ++e) {
+        s += qe[r][e] * pf[e];
+      }
+      s = simd_sum(s);
+      const bool ok = t <= pos[r / HPG];
+      const float mn = ok ? MAXF(m[r], s) : m[r];
+      const float alpha = EXPF(m[r] - mn);
+      const float p = ok ? EXPF(s - mn) : 0.0f;
+      l[r] = l[r] * alpha + p;
+      m[r] = mn;
+      UNROLL for (int e = 0; e < DPL; ++e) {
+        acc[r][e] = acc[r][e] * alpha + p * lf[e];
+      }
+    }
+  }
+
+  SHARED float sm_m[NW * R];
+  SHARED float sm_l[NW * R];
+  SHARED float sm_o[NW * R * D];
+  UNROLL for (int r = 0; r < R; ++r) {
+    if (lane == 0) {
+      sm_m[warp * R + r] = m[r];
+      sm_l[warp * R + r] = l[r];
+    }
+    UNROLL for (int e = 0; e < DPL; ++e) {
+      sm_o[(warp * R + r) * D + lane * DPL + e] = acc[r][e];
+    }
+  }
+  BARRIER();
+  for (int idx = tid; idx < R * D; idx += NW * 32) {
+    const int r = idx / D;
+    const int d = idx % D;
+    const int i = qtile * QT + r / HPG;
+    const int h = h0 + r % HPG;
+    if (i < L) {
+      float M = NEG_INF;
+      UNROLL for (int w = 0; w < NW; ++w) {
+        M = MAXF(M, sm_m[w * R + r]);
+      }
+      float S = 0.0f;
+      float O = 0.0f;
+      UNROLL for (int w = 0; w < NW; ++w) {
+        const float c = EXPF(sm_m[w * R + r] - M);
+        S += sm_l[w * R + r] * c;
+        O += sm_o[(w * R + r) * D + d] * c;
+      }
+      const size_t row = (size_t)(b * HQ + h) * L + i;
+@EPILOGUE@
+    }
+  }
+"""
+_MLA_FINAL_EPILOGUE = """
+      out[row * D + d] = static_cast<T>(S > 0.0f ? O / S : 0.0f);
+"""
+_MLA_PARTIAL_EPILOGUE = """
+      const size_t slot = row * num_parts + part;
+      o_part[slot * D + d] = O;
+      if (d == 0) {
+        m_part[slot] = M;
+        l_part[slot] = S;
+      }
+"""
+MLA_FINAL = KernelSpec("mla_attn_final", _MLA_INPUTS, ("out",), _MLA_BODY.replace("@EPILOGUE@", _MLA_FINAL_EPILOGUE))
+MLA_PARTIAL = KernelSpec("mla_attn_partial", _MLA_INPUTS, ("o_part", "m_part", "l_part"),
+                         _MLA_BODY.replace("@EPILOGUE@", _MLA_PARTIAL_EPILOGUE))  # fmt: skip
+
+
+def mla_attention_kernel(
+    backend: str,
+    q_latent: mx.array,
+    q_pe: mx.array,
+    latent_pool: mx.array,
+    pe_pool: mx.array,
+    block_tables: mx.array,
+    context_lens: mx.array,
+    *,
+    scale: float,
+) -> mx.array:
+    """Launch the MLA kernels on `backend` (any name in backend.FACTORIES). Shapes as the reference."""
+    _check_shapes(q_latent, q_pe, latent_pool, pe_pool)
+    b, h, length, d = q_latent.shape
+    p = q_pe.shape[-1]
+    bs = latent_pool.shape[1]
+    if d % 32 or p % 32:
+        raise ValueError(f"kv_lora_rank {d} and the RoPE dim {p} must be multiples of 32 for the GPU kernels")
+    if not q_pe.dtype == latent_pool.dtype == pe_pool.dtype == q_latent.dtype:
+        raise ValueError("q_latent, q_pe and the pools must share a dtype")
+    max_blocks = block_tables.shape[1]
+    plan = launch_plan(backend, b, h, 1, length, d, max_blocks * bs)  # one KV head: HPG divides H
+    nt = NUM_SIMDGROUPS * 32
+    meta = int32_params(max_blocks, plan.num_parts, plan.part_size, length)
+    tables = block_tables if block_tables.dtype == mx.int32 else block_tables.astype(mx.int32)
+    lens = context_lens if context_lens.dtype == mx.int32 else context_lens.astype(mx.int32)
+    inputs = [q_latent, q_pe, latent_pool, pe_pool, at_least_8(tables), at_least_8(lens), float32_params(scale), meta]
+    template = [("T", q_latent.dtype), ("D", d), ("P", p), ("BS", bs), ("HQ", h), ("HPG", plan.hpg),
+                ("QT", plan.qt), ("NW", NUM_SIMDGROUPS)]  # fmt: skip
+    grid = (plan.threadgroups_per_row * nt, h // plan.hpg, b)
+    if plan.num_parts == 1:
+        outs: list[mx.array] = build(backend, MLA_FINAL)(
+            inputs=inputs, template=template, grid=grid, threadgroup=(nt, 1, 1),
+            output_shapes=[q_latent.shape], output_dtypes=[q_latent.dtype],
+        )  # fmt: skip
+        return outs[0]
+    rows = b * h * length
+    o_part, m_part, l_part = build(backend, MLA_PARTIAL)(
+        inputs=inputs, template=template, grid=grid, threadgroup=(nt, 1, 1),
+        output_shapes=[(rows, plan.num_parts, d), (max(rows * plan.num_parts, 8),), (max(rows * plan.num_parts, 8),)],
+        output_dtypes=[mx.float32, mx.float32, mx.float32],
+    )  # fmt: skip
+    reduced: list[mx.array] = build(backend, ATTN_REDUCE)(
+        inputs=[o_part, m_part, l_part, float32_params(), meta],
+        template=[("T", q_latent.dtype), ("D", d), ("HQ", h), ("HAS_SINKS", False)],
+        grid=(rows * d, 1, 1), threadgroup=(d, 1, 1),
+        output_shapes=[q_latent.shape], output_dtypes=[q_latent.dtype],
+    )  # fmt: skip
+    return reduced[0]
 
 
 def _check_shapes(q_latent: mx.array, q_pe: mx.array, latent_pool: mx.array, pe_pool: mx.array) -> None:
@@ -115,7 +320,39 @@ def cpu_supports(shapes: ModelShapes) -> str | None:
     return None
 
 
-KERNELS: dict[str, Kernel] = {"cpu": Kernel(mla_attention_cpu, cpu_supports)}
+def mla_attention_metal(
+    q_latent: mx.array, q_pe: mx.array, latent_pool: mx.array, pe_pool: mx.array, block_tables: mx.array,
+    context_lens: mx.array, *, scale: float,
+) -> mx.array:  # fmt: skip
+    """`mla_attention` as Metal kernels. Shapes as the reference."""
+    return mla_attention_kernel("metal", q_latent, q_pe, latent_pool, pe_pool, block_tables, context_lens, scale=scale)
+
+
+def mla_attention_cuda(
+    q_latent: mx.array, q_pe: mx.array, latent_pool: mx.array, pe_pool: mx.array, block_tables: mx.array,
+    context_lens: mx.array, *, scale: float,
+) -> mx.array:  # fmt: skip
+    """`mla_attention` as CUDA kernels. Shapes as the reference."""
+    return mla_attention_kernel("cuda", q_latent, q_pe, latent_pool, pe_pool, block_tables, context_lens, scale=scale)
+
+
+def gpu_supports(shapes: ModelShapes) -> str | None:
+    """Why the Metal/CUDA MLA kernels cannot run these shapes, or None."""
+    if not shapes.mla:
+        return "the model has no MLA layers"
+    r, p = shapes.kv_lora_rank, shapes.qk_rope_head_dim
+    if r % 32 or p % 32 or r > MAX_ROWS_X_D:
+        return f"kv_lora_rank {r} and qk_rope_head_dim {p} are not multiples of 32 (kv_lora_rank up to {MAX_ROWS_X_D})"
+    if shapes.dtype not in GPU_DTYPES:
+        return f"dtype {shapes.dtype} is not float32/float16/bfloat16"
+    return None
+
+
+KERNELS: dict[str, Kernel] = {
+    "metal": Kernel(mla_attention_metal, gpu_supports),
+    "cuda": Kernel(mla_attention_cuda, gpu_supports),
+    "cpu": Kernel(mla_attention_cpu, cpu_supports),
+}
 
 
 class MlaAttentionFn(Protocol):

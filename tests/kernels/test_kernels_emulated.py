@@ -40,7 +40,7 @@ CASES = [
     pytest.param([LONG, 32, 33], 1, 32, 4, 128, 37, True, mx.float32, True, None, id="decode-splitk-window-sinks"),
     pytest.param([LONG], 1, 16, 2, 32, None, False, mx.float32, True, None, id="decode-splitk-batch1"),
     pytest.param([16, 17, 23], 5, 16, 1, 64, 7, True, mx.float32, False, None, id="prefill-mha-window-sinks"),
-    pytest.param([LONG, 9], 2, 16, 8, 64, None, True, mx.float32, False, None, id="prefill-long-gqa8"),
+    pytest.param([LONG, 9], 2, 16, 8, 64, None, True, mx.float32, True, None, id="prefill-long-gqa8"),  # 2 queries at 517: split
     pytest.param([33, 20], 4, 16, 2, 64, None, False, mx.float16, False, None, id="prefill-f16"),
     pytest.param([16, 17, 40, 1], 1, 16, 3, 64, None, False, mx.float32, False, 1.5, id="decode-softcap"),
     pytest.param([LONG, 32], 1, 32, 2, 64, 37, True, mx.float32, True, 2.0, id="decode-splitk-softcap-window-sinks"),
@@ -54,7 +54,7 @@ def test_attention_kernel_body(lens, num_queries, bs, rep, d, window, with_sinks
     case = make_case(lens, bs=bs, hkv=1 if rep == 8 else 2, rep=rep, d=d, num_queries=num_queries, dtype=dtype)
     hq = case.q.shape[1]
     plan = launch_plan(EMU, len(lens), hq, hq // rep, num_queries, d, case.block_tables.shape[1] * bs)
-    assert (plan.num_parts > 1) == split  # the split-K cases really split; prefill never does
+    assert (plan.num_parts > 1) == split  # the split-K cases really split (a short chunk at long context too)
     sinks = mx.array(np.linspace(-1.0, 1.5, hq, dtype=np.float32)) if with_sinks else None
     args = (case.q, case.k_pool, case.v_pool, case.block_tables, case.context_lens)
     scale = d**-0.5 if softcap is None else 0.3  # larger scores, so the cap bends them
@@ -87,3 +87,28 @@ def test_gather_kernel_body() -> None:
     for max_len in (1, 16, 17, 40):
         got = kv_gather_kernel(EMU, case.k_pool, case.block_tables, max_len)
         assert mx.array_equal(got, kv_gather_ref(case.k_pool, case.block_tables, max_len))
+
+
+# MLA (kernels/mla_attention.py): (lens, L, heads, R, P, dtype, split)
+MLA_CASES = [
+    pytest.param([16, 17, 40, 1], 1, 4, 64, 32, mx.float32, False, id="mla-decode-ragged"),
+    pytest.param([LONG, 33], 1, 2, 128, 32, mx.float32, True, id="mla-decode-splitk"),
+    pytest.param([16, 17, 23], 5, 4, 64, 32, mx.float32, False, id="mla-prefill"),
+    pytest.param([LONG, 9], 3, 3, 512, 64, mx.float16, False, id="mla-prefill-f16-deepseek-width"),
+]
+
+
+@pytest.mark.parametrize("lens, num_queries, heads, r, p, dtype, split", MLA_CASES)
+def test_mla_kernel_body(lens, num_queries, heads, r, p, dtype, split) -> None:  # type: ignore[no-untyped-def]
+    from trillm.kernels.layout import ModelShapes
+    from trillm.kernels.mla_attention import mla_attention_kernel, mla_attention_ref, random_mla_batch
+
+    shapes = ModelShapes(heads, 1, r, 16, dtype, kv_lora_rank=r, qk_rope_head_dim=p)
+    batch = random_mla_batch(shapes, lens, num_queries, seed=heads + r)
+    plan = launch_plan(EMU, len(lens), heads, 1, num_queries, r, batch.block_tables.shape[1] * 16)
+    assert (plan.num_parts > 1) == split
+    scale = (r + p) ** -0.5
+    got = mla_attention_kernel(EMU, *batch.args, scale=scale)
+    want = mla_attention_ref(*batch.args, scale=scale)
+    tol = 1e-5 if dtype == mx.float32 else 2e-3
+    np.testing.assert_allclose(np.array(got.astype(mx.float32)), np.array(want.astype(mx.float32)), atol=tol, rtol=tol)

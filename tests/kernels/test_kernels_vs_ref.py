@@ -63,3 +63,25 @@ def test_kv_gather_kernel(bs: int, dtype: mx.Dtype) -> None:
     for max_len in (1, bs, bs + 1, 50):
         assert mx.array_equal(GATHER.fn(case.k_pool, case.block_tables, max_len),
                               kv_gather_ref(case.k_pool, case.block_tables, max_len))  # fmt: skip
+
+
+@pytest.mark.parametrize("dtype", [mx.float32, mx.float16, mx.bfloat16], ids=["f32", "f16", "bf16"])
+@pytest.mark.parametrize("heads, r, p", [(16, 512, 64), (4, 64, 32)])
+@pytest.mark.parametrize("num_queries", [1, 6], ids=["decode", "prefill"])
+@pytest.mark.parametrize("long", [False, True])
+def test_mla_attention_kernel(num_queries: int, heads: int, r: int, p: int, dtype: mx.Dtype, long: bool) -> None:
+    from trillm.kernels.layout import ModelShapes
+    from trillm.kernels.mla_attention import KERNELS as MLA_KERNELS
+    from trillm.kernels.mla_attention import mla_attention_ref, random_mla_batch
+
+    shapes = ModelShapes(heads, 1, r, 16, dtype, kv_lora_rank=r, qk_rope_head_dim=p)
+    kernel = MLA_KERNELS.get(BACKEND or "")
+    if kernel is None or kernel.supports(shapes) is not None:
+        pytest.skip(f"no MLA kernel on {BACKEND} for these shapes")
+    lens = [max(n, num_queries) for n in (16, 17, 39, 1)] + ([2 * 512 + 5] if long else [])
+    batch = random_mla_batch(shapes, lens, num_queries, seed=heads)
+    scale = (r + p) ** -0.5
+    want = mla_attention_ref(*batch.args, scale=scale)
+    got = kernel.fn(*batch.args, scale=scale)
+    atol, rtol = TOLERANCES[dtype]
+    np.testing.assert_allclose(np.array(got.astype(mx.float32)), np.array(want.astype(mx.float32)), atol=atol, rtol=rtol)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import shutil
 import warnings
 from pathlib import Path
 from typing import Any
@@ -245,3 +246,19 @@ def test_random_batch_reserves_block_zero() -> None:
     tables = np.array(batch.block_tables)
     owned = [int(x) for row, n in zip(tables, [1, 2, 1]) for x in row[:n]]
     assert RESERVED_BLOCK not in owned and len(set(owned)) == len(owned)
+
+
+@pytest.mark.skipif(shutil.which("g++") is None, reason="g++ not found: the emulator needs it")
+def test_the_shared_gpu_body_passes_the_self_check_in_the_emulator(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The Metal/CUDA MLA body (via the g++ emulator) through every self-check case, split decode included."""
+    import kernel_emulator
+
+    kernel_emulator.install()
+    monkeypatch.setitem(mla.KERNELS, "cpu", Kernel(lambda *a, **k: mla.mla_attention_kernel(kernel_emulator.BACKEND,
+                                                                                             *a, **k)))  # fmt: skip
+    monkeypatch.setattr(selfcheck, "time_kernel", lambda *a: (0.0, 1.0))  # the emulator is not a speed
+    shapes = dataclasses.replace(_shapes(heads=2, r=64, p=32), max_batch=2, max_context=200)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", selfcheck.KernelFallbackWarning)
+        report = selfcheck.select_kernels(shapes, "strict", ops=(mla.OP,)).report
+    assert report.implementation("mla_attention") == "cpu", report
