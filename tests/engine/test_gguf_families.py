@@ -198,11 +198,21 @@ def _write_metadata(w: gguf.GGUFWriter, arch: str, c: dict[str, Any], tokenizer_
 TypeFor = Callable[[str, np.ndarray], "Q | tuple[Q, np.ndarray]"]
 
 
-def to_gguf(folder: Path, out: Path, arch: str, tokenizer_json: Path, type_for: TypeFor | None = None) -> Path:
+def to_gguf(
+    folder: Path, out: Path, arch: str, tokenizer_json: Path, type_for: TypeFor | None = None, *,
+    split_qkv: bool = False,
+) -> Path:
     """Convert `folder` to GGUF. type_for(gguf_name, hf_value) picks each tensor's type (F32 by default), or
-    returns (type, raw blocks) for blocks built by the caller (rows in HF order; permuted here if needed)."""
+    returns (type, raw blocks) for blocks built by the caller (rows in HF order; permuted here if needed).
+    split_qkv: write Phi-3's fused qkv_proj as separate attn_q/k/v, which llama.cpp also accepts."""
     c = json.loads((folder / "config.json").read_text())
     weights = {k: np.array(v) for k, v in mx.load(str(folder / "model.safetensors")).items()}
+    if split_qkv:
+        for name in [k for k in weights if k.endswith("qkv_proj.weight")]:
+            q_rows, kv_rows = c["num_attention_heads"] * c["head_dim"], c["num_key_value_heads"] * c["head_dim"]
+            q, k, v = np.split(weights.pop(name), [q_rows, q_rows + kv_rows])
+            for part, value in zip("qkv", (q, k, v)):
+                weights[name.replace("qkv_proj", f"{part}_proj")] = value
     tmap = gguf.get_tensor_name_map(_ARCH[arch], c["num_hidden_layers"])
     w = gguf.GGUFWriter(str(out), arch)
     _write_metadata(w, arch, c, tokenizer_json, folder.name)
@@ -224,6 +234,8 @@ def to_gguf(folder: Path, out: Path, arch: str, tokenizer_json: Path, type_for: 
             w.add_tensor(new, blocks, raw_dtype=qtype)
         elif qtype == Q.F32:
             w.add_tensor(new, value)
+        elif qtype == Q.F16:
+            w.add_tensor(new, value.astype(np.float16))
         else:
             w.add_tensor(new, gguf.quants.quantize(value, qtype), raw_dtype=qtype)
     if arch == "phi3" and (scaling := c.get("rope_scaling")):  # Phi3MiniModel.generate_extra_tensors
@@ -516,6 +528,61 @@ def test_kquant_mixed_file_equals_folder(family: str, tokenizer_json: Path, tmp_
     assert sum(type(m).__name__ == "QuantizedLinear" for _, m in kept.model.named_modules()) == native
     assert type(kept.model.model.embed_tokens).__name__ == "QuantizedEmbedding"  # Q4_K
     assert mx.allclose(_logits(kept.model, ids), want, atol=1e-4).item()
+
+
+@pytest.mark.parametrize(
+    ("family", "qtype"),
+    [("qwen3", Q.F16), ("gemma3", Q.BF16), ("phi3", Q.Q8_0), ("gemma2", Q.Q4_0), ("mistral3", Q.Q4_1),
+     ("qwen2", Q.Q5_0)],
+)
+def test_whole_file_of_one_type_equals_folder(family: str, qtype: Q, tokenizer_json: Path, tmp_path: Path) -> None:
+    """convert_hf_to_gguf --outtype f16/bf16/q8_0 and llama-quantize's legacy types, per family: the folder
+    holds llama.cpp's dequantization of each stored matrix (gguf.quants), the loader must give exactly that."""
+    arch, extra = FAMILIES[family]
+    config = {**_BASE, **extra}
+    probe = build_folder(tmp_path / "shapes", config, tokenizer_json)
+    tmap = gguf.get_tensor_name_map(_ARCH[arch], config["num_hidden_layers"])
+    stored: dict[str, tuple[Q, np.ndarray]] = {}
+    overrides: dict[str, np.ndarray] = {}
+    for name, value in mx.load(str(probe / "model.safetensors")).items():
+        new = tmap.get_name(name, try_suffixes=(".weight", ".bias"))
+        if value.ndim == 2 and new is not None:
+            raw = gguf.quants.quantize(np.array(value), qtype)
+            overrides[name] = gguf.quants.dequantize(raw, qtype)
+            stored[new] = (qtype, raw.view(np.uint8) if qtype == Q.F16 else raw)
+    folder = build_folder(tmp_path / f"tiny-{family}", config, tokenizer_json, overrides=overrides)
+    path = to_gguf(folder, tmp_path / f"tiny-{family}.{qtype.name}.gguf", arch, tokenizer_json,
+                   lambda name, value: stored.get(name, Q.F32))
+    ref = _folder_model(folder)
+    g = load_gguf(path, dtype=mx.float32)
+    assert_same_weights(g.model, ref, json.loads((folder / "config.json").read_text()), arch)
+    ids = g.tokenizer.encode(PROMPT)
+    want = _logits(ref, ids)
+    assert mx.allclose(_logits(g.model, ids), want, atol=1e-4).item()
+    kept = load_gguf(path, keep_quantized=True, dtype=None)  # the GPU default
+    quantized = sum(type(m).__name__.startswith("Quantized") for _, m in kept.model.named_modules())
+    if qtype in (Q.Q8_0, Q.Q4_0, Q.Q4_1):
+        assert kept.dtype == mx.float32 and quantized > 0
+    else:  # float files compute in their own dtype; Q5_0 has no MLX layout and is dequantized
+        assert quantized == 0
+        assert kept.dtype == {Q.F16: mx.float16, Q.BF16: mx.bfloat16, Q.Q5_0: mx.float32}[qtype]
+    tol = {Q.F16: 5e-2, Q.BF16: 2e-1}.get(qtype, 1e-4)  # half-precision activations
+    assert mx.allclose(_logits(kept.model, ids).astype(mx.float32), want, atol=tol, rtol=tol).item()
+
+
+def test_phi3_file_with_separate_qkv_is_fused(tokenizer_json: Path, tmp_path: Path) -> None:
+    arch, extra = FAMILIES["phi3"]
+    folder = build_folder(tmp_path / "tiny-phi3", {**_BASE, **extra}, tokenizer_json)
+    path = to_gguf(folder, tmp_path / "tiny-phi3.gguf", arch, tokenizer_json, split_qkv=True)
+    from trillm.engine.gguf import read_gguf_metadata, validate_gguf
+
+    assert validate_gguf(path).num_tensors > 0 and read_gguf_metadata(path)["general.architecture"] == "phi3"
+    assert "blk.0.attn_q.weight" in read_gguf(path)[0] and "blk.0.attn_qkv.weight" not in read_gguf(path)[0]
+    ref = _folder_model(folder)
+    g = load_gguf(path, dtype=mx.float32)
+    assert_same_weights(g.model, ref, json.loads((folder / "config.json").read_text()), arch)
+    ids = g.tokenizer.encode(PROMPT)
+    assert mx.array_equal(_logits(g.model, ids), _logits(ref, ids)).item()
 
 
 @pytest.mark.parametrize("qtype", [Q.Q2_K, Q.Q3_K, Q.Q5_1, Q.IQ4_NL])
