@@ -6,6 +6,7 @@ cache the model's own code runs unchanged. One entry per class; everything else 
 
 from __future__ import annotations
 
+import sys
 from typing import Any
 
 import mlx.core as mx
@@ -70,8 +71,67 @@ def _mla_attention(base: type) -> type:
     return PagedMLAAttention
 
 
+def _llama4_attention(base: type) -> type:
+    class PagedLlama4Attention(base):  # type: ignore[misc]
+        """Llama 4: its no-RoPE layers scale queries by position (attention temperature tuning) from an int
+        offset; a ragged batch has one offset per row."""
+
+        def __call__(self, x: mx.array, mask: Any = None, cache: Any = None) -> mx.array:
+            offset = cache.offset if isinstance(cache, PagedKVCache) else None
+            if not isinstance(offset, mx.array) or self.use_rope or not self.attn_temperature_tuning:
+                original: mx.array = super().__call__(x, mask, cache)
+                return original
+            B, L, _ = x.shape
+            queries = self.q_proj(x).reshape(B, L, self.n_heads, -1).transpose(0, 2, 1, 3)
+            keys = self.k_proj(x).reshape(B, L, self.n_kv_heads, -1).transpose(0, 2, 1, 3)
+            values = self.v_proj(x).reshape(B, L, self.n_kv_heads, -1).transpose(0, 2, 1, 3)
+            positions = offset[:, None] + mx.arange(1, L + 1)[None, :]  # [B, L], 1-based as mlx-lm's
+            scales = mx.log(mx.floor(positions / self.floor_scale) + 1.0) * self.attn_scale + 1.0
+            queries = (queries * scales[:, None, :, None]).astype(queries.dtype)
+            keys, values = cache.update_and_fetch(keys, values)
+            out = scaled_dot_product(base, queries, keys, values, cache, self.scale, mask)
+            projected: mx.array = self.o_proj(out.transpose(0, 2, 1, 3).reshape(B, L, -1))
+            return projected
+
+    return PagedLlama4Attention
+
+
+def _llama4_stack(base: type) -> type:
+    class PagedLlama4Model(base):  # type: ignore[misc]
+        """Llama 4's decoder stack builds its chunk mask from one int offset and trims its chunked caches; on
+        paged caches the masks come from the pool (per-row positions, aligned chunks) and nothing is trimmed."""
+
+        def __call__(self, inputs: mx.array, cache: Any = None) -> mx.array:
+            if not cache or not isinstance(cache[0], PagedKVCache):
+                original: mx.array = super().__call__(inputs, cache)
+                return original
+            h = self.embed_tokens(inputs)
+            N = h.shape[1]
+            chunked = cache[0].make_mask(N, chunk_size=self.attention_chunk_size)
+            full = cache[0].make_mask(N)
+            for idx, (layer, c) in enumerate(zip(self.layers, cache)):
+                h = layer(h, chunked if (idx + 1) % 4 != 0 else full, cache=c)
+            normed: mx.array = self.norm(h)
+            return normed
+
+    return PagedLlama4Model
+
+
+def scaled_dot_product(base: type, queries: mx.array, keys: mx.array, values: mx.array, cache: Any, scale: float,
+                       mask: Any) -> mx.array:
+    """The attention `base`'s own module calls (the seam's, once installed), for an adapter's call."""
+    fn = getattr(sys.modules[base.__module__], "scaled_dot_product_attention")
+    out: mx.array = fn(queries, keys, values, cache=cache, scale=scale, mask=mask)
+    return out
+
+
+# Models whose caches the paged pool stands in for only through an adapter of their stack (kv_layout asks).
+CHUNKED_STACKS = {("mlx_lm.models.llama4", "LlamaModel")}
+
 # (module, class name) -> the subclass factory
 _VARIANTS = {
+    ("mlx_lm.models.llama4", "Attention"): _llama4_attention,
+    ("mlx_lm.models.llama4", "LlamaModel"): _llama4_stack,
     ("mlx_lm.models.gemma2", "Attention"): _gemma2_attention,
     ("mlx_lm.models.deepseek_v3", "DeepseekV3Attention"): _mla_attention,
 }

@@ -50,6 +50,7 @@ class LayerKV:
     k_dim: int
     v_dim: int
     window: int | None = None  # the layer's sliding window, where the model's own cache says so
+    chunk: int | None = None  # chunked attention's chunk (Llama 4): keys of the query's own aligned chunk only
 
     @property
     def elements_per_token(self) -> int:
@@ -69,7 +70,8 @@ class KVLayout:
 
     @property
     def windows(self) -> tuple[int | None, ...]:
-        return tuple(layer.window for layer in self.layers)
+        """Each layer's attention span limit (a sliding window or a chunk; None: the whole context)."""
+        return tuple(layer.window or layer.chunk for layer in self.layers)
 
     def bytes_per_block(self, block_size: int, dtype: mx.Dtype) -> int:
         return block_size * sum(layer.elements_per_token for layer in self.layers) * dtype.size
@@ -159,16 +161,22 @@ class PagedKVCache:
         bs = self.pool.block_size
         return -(-self._layout.max_context_len // bs) * bs
 
-    def make_mask(self, N: int, return_array: bool = False, window_size: int | None = None, **_: Any) -> mx.array:
-        # Bool [B, 1, N, Lk]: query i of row b (position ctx_b - N + i) sees keys at positions <= its own.
+    def make_mask(self, N: int, return_array: bool = False, window_size: int | None = None,
+                  chunk_size: int | None = None, **_: Any) -> mx.array:
+        # Bool [B, 1, N, Lk]: query i of row b (position ctx_b - N + i) sees keys at positions <= its own (within
+        # its sliding window; or, chunked, within its own aligned chunk of chunk_size positions, Llama 4's).
         lay = self._layout
         k_pos = mx.arange(self._padded_len())[None, None, :]
         q_pos = (lay.context_lens[:, None] - N + mx.arange(N)[None, :])[:, :, None]
         mask = k_pos <= q_pos
         if window_size is not None:
             mask = mask & (k_pos > q_pos - window_size)
+        if chunk_size is not None:
+            mask = mask & (k_pos // chunk_size == q_pos // chunk_size)
         mask = mask[:, None]
-        self.pool.masks[id(mask)] = (mask, window_size)
+        # A chunked mask has no kernel variant: it is registered as unknown, so the seam runs it dense.
+        if chunk_size is None:
+            self.pool.masks[id(mask)] = (mask, window_size)
         return mask
 
     def paged_window(self, keys: mx.array, values: mx.array, mask: Any) -> tuple[bool, int | None]:

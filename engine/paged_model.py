@@ -139,14 +139,15 @@ def make_model_cache(model: nn.Module, name: str = "model") -> list[Any]:
 
 def check_supported(model: nn.Module, name: str = "model") -> None:
     """Refuse, in one line, a model whose caches the paged pool cannot stand in for."""
-    _check_caches(make_model_cache(model, name), name)
+    _check_caches(make_model_cache(model, name), name, model)
 
 
 def describe(layout: KVLayout) -> str:
     """The layers' attention kinds in a few words, for messages: "2 x full attention, 2 x sliding window 8"."""
     kinds: dict[str, int] = {}
     for layer in layout.layers:
-        kind = f"sliding window {layer.window}" if layer.window else "full attention"
+        kind = (f"sliding window {layer.window}" if layer.window else f"chunked attention {layer.chunk}"
+                if layer.chunk else "full attention")
         if layer.k_dim != layer.v_dim:
             kind += f" (K {layer.k_dim} / V {layer.v_dim} wide)"
         kinds[kind] = kinds.get(kind, 0) + 1
@@ -156,7 +157,7 @@ def describe(layout: KVLayout) -> str:
 def kv_layout(model: nn.Module, name: str = "model") -> KVLayout:
     """One `LayerKV` per cache the model makes, from one token run with the model's own caches."""
     caches = make_model_cache(model, name)
-    _check_caches(caches, name)
+    _check_caches(caches, name, model)
     model(mx.zeros((1, 1), mx.int32), cache=caches)
     layers = []
     for i, c in enumerate(caches):
@@ -164,15 +165,22 @@ def kv_layout(model: nn.Module, name: str = "model") -> KVLayout:
             raise UnsupportedModel(f"{name}: not supported yet: cache {i} is never written")
         _, h, _, dk = c.keys.shape
         window = int(c.max_size) if type(c).__name__ == "RotatingKVCache" else None
-        layers.append(LayerKV(int(h), int(dk), int(c.values.shape[-1]), window))
+        chunk = int(c.chunk_size) if type(c).__name__ == "ChunkedKVCache" else None
+        layers.append(LayerKV(int(h), int(dk), int(c.values.shape[-1]), window, chunk))
     return KVLayout(tuple(layers))
 
 
-def _check_caches(caches: list[Any], name: str) -> None:
+def _check_caches(caches: list[Any], name: str, model: nn.Module) -> None:
     if not caches:
         raise UnsupportedModel(f"{name}: not supported yet: the model makes no KV cache")
+    from trillm.engine.attention_variants import CHUNKED_STACKS
+
+    chunked_ok = any((c.__module__, c.__name__) in CHUNKED_STACKS  # (the adapter subclasses the stack's class)
+                     for _, m in model.named_modules() for c in type(m).__mro__)
     for i, c in enumerate(caches):
         kind = type(c).__name__
+        if kind == "ChunkedKVCache" and chunked_ok:
+            continue
         if kind not in _PAGEABLE:
             why = _WHY.get(kind, f"its {kind} caches")
             raise UnsupportedModel(f"{name}: not supported yet: layer {i} uses {why}, which the paged engine does "
