@@ -72,7 +72,7 @@ def _mla_attention(base: type) -> type:
 
 
 def _llama4_attention(base: type) -> type:
-    class PagedLlama4Attention(base):  # type: ignore[misc]
+    class PagedLlama4Attention(base):
         """Llama 4: its no-RoPE layers scale queries by position (attention temperature tuning) from an int
         offset; a ragged batch has one offset per row."""
 
@@ -97,7 +97,7 @@ def _llama4_attention(base: type) -> type:
 
 
 def _llama4_stack(base: type) -> type:
-    class PagedLlama4Model(base):  # type: ignore[misc]
+    class PagedLlama4Model(base):
         """Llama 4's decoder stack builds its chunk mask from one int offset and trims its chunked caches; on
         paged caches the masks come from the pool (per-row positions, aligned chunks) and nothing is trimmed."""
 
