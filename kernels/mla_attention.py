@@ -463,9 +463,10 @@ def _timing_cases(shapes: ModelShapes) -> list[Case]:
     big = shapes.max_batch
     chunk = min(shapes.chunk, top)
     return [
-        _case(shapes, "MLA decode B=1", [min(2048, top)], 1, seed=300),
-        _case(shapes, f"MLA decode B={big}", [min(512, top, max(1, 65536 // big))] * big, 1, seed=301),
-        _case(shapes, f"MLA prefill L={chunk}", [min(2 * chunk, top)], chunk, seed=302),
+        # (the first word is the phase: the self-check decides decode and prefill apart)
+        _case(shapes, "decode B=1 (MLA)", [min(2048, top)], 1, seed=300),
+        _case(shapes, f"decode B={big} (MLA)", [min(512, top, max(1, 65536 // big))] * big, 1, seed=301),
+        _case(shapes, f"prefill L={chunk} (MLA)", [min(2 * chunk, top)], chunk, seed=302),
     ]
 
 
@@ -473,7 +474,12 @@ def _applies(shapes: ModelShapes) -> bool:
     return shapes.mla
 
 
+def _phase(q_latent: mx.array, *_: object, **__: object) -> str:
+    """Decode (one query per row) or prefill, decided apart by the self-check as paged attention's."""
+    return "decode" if q_latent.shape[2] == 1 else "prefill"
+
+
 OP = KernelOp(
     name="mla_attention", reference=mla_attention_ref, kernels=KERNELS, check_cases=_check_cases,
-    timing_cases=_timing_cases, tolerances=TOLERANCES, applies=_applies,
+    timing_cases=_timing_cases, tolerances=TOLERANCES, applies=_applies, phase_of=_phase,
 )  # fmt: skip

@@ -231,7 +231,27 @@ def test_the_self_check_passes_the_cpu_primitive_and_the_selection_runs_it() -> 
         sel = selfcheck.select_kernels(_shapes(), "strict", ops=(mla.OP,), timing_iters=1)
     (op,) = sel.report.ops
     assert op.backend == "cpu" and not op.failed, op
-    assert sel.mla_attention is (mla_attention_cpu if op.implementation == "cpu" else mla_attention_ref)
+    if not op.phases:  # one decision for both phases (else each call is routed by its phase)
+        assert sel.mla_attention is (mla_attention_cpu if op.implementation == "cpu" else mla_attention_ref)
+
+
+def test_mla_is_decided_per_phase(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A kernel faster in decode only runs decode; prefill calls go to the reference."""
+    calls: list[int] = []
+
+    def kernel(*a: Any, **k: Any) -> mx.array:
+        calls.append(a[0].shape[2])
+        return mla_attention_ref(*a, **k)
+
+    monkeypatch.setitem(mla.KERNELS, "cpu", Kernel(kernel))
+    monkeypatch.setattr(selfcheck, "time_kernel", lambda *a: {"decode": (1.0, 2.0), "prefill": (3.0, 2.0)})
+    sel = selfcheck.select_kernels(_shapes(), ops=(mla.OP,))
+    assert dict(sel.report.ops[0].phases or ()) == {"decode": "cpu", "prefill": "reference"}
+    calls.clear()
+    for num_queries in (1, 4):
+        batch = random_mla_batch(_shapes(), [20], num_queries)
+        sel.mla_attention(*batch.args, scale=0.1)
+    assert calls == [1]
 
 
 def test_a_wrong_mla_kernel_falls_back(monkeypatch: pytest.MonkeyPatch) -> None:
