@@ -1,5 +1,18 @@
 """Prometheus text exposition for the service: request outcomes, latency histograms, tokens, engine gauges.
 
+Two sets of names for the same measurements: trillm's own (`trillm_*`, label `model`) and vLLM's (`vllm:*`,
+labels `model_name` and `engine`), so dashboards and autoscalers built for vLLM work unchanged. The vLLM
+names, types, labels and bucket edges follow vLLM's v1 PrometheusStatLogger (vllm-project/vllm,
+vllm/v1/metrics/loggers.py, the 0.11/0.12 releases, checked against its metrics design doc
+docs/design/metrics.md): counters are declared without `_total` there and exposed with it by
+prometheus_client, which is what is written here. vLLM hides the deprecated
+vllm:time_per_output_token_seconds since 0.12 (it observes exactly what vllm:inter_token_latency_seconds
+does); it is kept here because older dashboards still read it.
+
+The exposition is hand-written rather than prometheus_client's registry: every number is already kept here
+(or in the engine's cumulative statistics, read once per scrape) on the trio thread, so a registry would
+only add a second copy of each; tests parse the output with prometheus_client's own parser.
+
 Everything here is touched only on the trio thread, so there are no locks.
 """
 
@@ -13,6 +26,37 @@ from trillm.engine.outputs import EngineStatistics, RequestOutput
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 E2E_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0, 300.0)
+
+# vLLM's bucket edges (loggers.py): time to first token; inter-token latency and time per output token share
+# theirs; every per-request duration (e2e, queue, prefill, decode) uses request_latency_buckets.
+VLLM_TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+                     20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+VLLM_ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
+                    40.0, 80.0)
+VLLM_REQUEST_LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0,
+                                120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
+# vLLM's FinishReason strings (stop, length, abort; "error" since 0.11). trillm's own outcomes map onto them:
+# a grammar that completes is a stop, a request past its deadline was aborted by the server.
+VLLM_FINISHED_REASONS = ("stop", "length", "abort", "error")
+_TO_VLLM_REASON = {"stop": "stop", "grammar": "stop", "length": "length", "abort": "abort", "timeout": "abort",
+                   "error": "error"}
+OUTCOMES = ("stop", "length", "abort", "timeout", "error", "rejected")
+# The family names /metrics exposes for vLLM (what docs/grafana-dashboard.json may query).
+VLLM_FAMILIES: dict[str, str] = {
+    "vllm:num_requests_running": "gauge",
+    "vllm:num_requests_waiting": "gauge",
+    "vllm:kv_cache_usage_perc": "gauge",
+    "vllm:prefix_cache_queries": "counter",
+    "vllm:prefix_cache_hits": "counter",
+    "vllm:num_preemptions": "counter",
+    "vllm:prompt_tokens": "counter",
+    "vllm:generation_tokens": "counter",
+    "vllm:request_success": "counter",
+    "vllm:time_to_first_token_seconds": "histogram",
+    "vllm:inter_token_latency_seconds": "histogram",
+    "vllm:time_per_output_token_seconds": "histogram",
+    "vllm:e2e_request_latency_seconds": "histogram",
+}
 
 
 class Histogram:
@@ -39,20 +83,45 @@ class Histogram:
         yield f"{name}_count{{{labels}}} {self.count}"
 
 
+class Histograms:
+    """One measurement kept twice: with trillm's buckets and with vLLM's (`observe` feeds both)."""
+
+    def __init__(self, buckets: tuple[float, ...], vllm_buckets: tuple[float, ...]) -> None:
+        self.own = Histogram(buckets)
+        self.vllm = Histogram(vllm_buckets)
+
+    @property
+    def count(self) -> int:
+        return self.own.count
+
+    def observe(self, value: float) -> None:
+        self.own.observe(value)
+        self.vllm.observe(value)
+
+
 class ModelMetrics:
     """The counters and histograms of one served model."""
 
     def __init__(self) -> None:
-        self.outcomes: Counter[str] = Counter()  # stop, length, abort, error, rejected
-        self.ttft = Histogram(LATENCY_BUCKETS)
-        self.inter_token = Histogram(LATENCY_BUCKETS)
-        self.e2e = Histogram(E2E_BUCKETS)
-        self.prompt_tokens = 0
+        self.outcomes: Counter[str] = Counter()  # OUTCOMES, and grammar (a finish reason of its own)
+        self.ttft = Histograms(LATENCY_BUCKETS, VLLM_TTFT_BUCKETS)
+        self.inter_token = Histograms(LATENCY_BUCKETS, VLLM_ITL_BUCKETS)
+        self.e2e = Histograms(E2E_BUCKETS, VLLM_REQUEST_LATENCY_BUCKETS)
+        self.prompt_tokens = 0  # of finished requests
         self.generation_tokens = 0
         self.cached_tokens = 0
+        # As vLLM counts them: a request's prompt once its first token is out, each token as it is generated.
+        self.live_prompt_tokens = 0
+        self.live_generation_tokens = 0
 
     def on_outcome(self, outcome: str) -> None:
         self.outcomes[outcome] += 1
+
+    def on_delta(self, output: RequestOutput, *, first: bool) -> None:
+        """One delta reached its handle; `first`: its request's first tokens."""
+        if first:
+            self.live_prompt_tokens += output.usage.prompt_tokens
+        self.live_generation_tokens += len(output.new_token_ids)
 
     def on_finished(self, output: RequestOutput) -> None:
         assert output.finish_reason is not None
@@ -64,6 +133,10 @@ class ModelMetrics:
 
 def _escape(value: str) -> str:
     return value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
+
+
+def _vllm_labels(model: str) -> str:
+    return f'model_name="{_escape(model)}",engine="0"'  # one engine per served model
 
 
 def render_metrics(
@@ -78,7 +151,7 @@ def render_metrics(
 
     family("trillm_requests_total", "counter", "Finished requests by outcome.")
     for model, (m, _, _) in models.items():
-        for outcome in ("stop", "length", "abort", "error", "rejected"):
+        for outcome in OUTCOMES:
             lines.append(f'trillm_requests_total{{model="{_escape(model)}",outcome="{outcome}"}} {m.outcomes[outcome]}')
     for name, attr, help_text in (
         ("trillm_time_to_first_token_seconds", "ttft", "Time from submission to the first token."),
@@ -87,7 +160,7 @@ def render_metrics(
     ):
         family(name, "histogram", help_text)
         for model, (m, _, _) in models.items():
-            lines.extend(getattr(m, attr).render(name, f'model="{_escape(model)}"'))
+            lines.extend(getattr(m, attr).own.render(name, f'model="{_escape(model)}"'))
     for name, attr, help_text in (
         ("trillm_prompt_tokens_total", "prompt_tokens", "Prompt tokens of finished requests."),
         ("trillm_generation_tokens_total", "generation_tokens", "Generated tokens of finished requests."),
@@ -112,7 +185,63 @@ def render_metrics(
     family("trillm_model_healthy", "gauge", "1 when the model's engine is loaded and healthy.")
     for model, (_, _, healthy) in models.items():
         lines.append(f'trillm_model_healthy{{model="{_escape(model)}"}} {int(healthy)}')
+    lines.extend(_render_vllm(models))
     return "\n".join(lines) + "\n"
+
+
+def _render_vllm(models: Mapping[str, tuple[ModelMetrics, EngineStatistics | None, bool]]) -> Iterable[str]:
+    """vLLM's names for the same numbers (see the module docstring for the source they were checked against)."""
+
+    def family(name: str, help_text: str) -> Iterable[str]:
+        kind = VLLM_FAMILIES[name]
+        exposed = name + "_total" if kind == "counter" else name
+        yield f"# HELP {exposed} {help_text}"
+        yield f"# TYPE {exposed} {kind}"
+
+    # Engine state: only while an engine is up (a dead engine's numbers must not live on).
+    engine_values: tuple[tuple[str, str, str], ...] = (
+        ("vllm:num_requests_running", "Number of requests in model execution batches.", "num_running"),
+        ("vllm:num_requests_waiting", "Number of requests waiting to be processed.", "num_waiting"),
+        ("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", "kv_usage"),
+        ("vllm:prefix_cache_queries", "Prefix cache queries, in terms of number of queried tokens.",
+         "prefix_cache_queries"),
+        ("vllm:prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens.", "prefix_cache_hits"),
+        ("vllm:num_preemptions", "Cumulative number of preemption from the engine.", "num_preemptions"),
+    )
+    for name, help_text, attr in engine_values:
+        yield from family(name, help_text)
+        suffix = "_total" if VLLM_FAMILIES[name] == "counter" else ""
+        for model, (_, stats, _) in models.items():
+            if stats is None:
+                continue
+            value = (stats.num_blocks_used / stats.num_blocks_total if stats.num_blocks_total else 0.0
+                     ) if attr == "kv_usage" else getattr(stats, attr)
+            yield f"{name}{suffix}{{{_vllm_labels(model)}}} {float(value)}"
+    for name, help_text, attr in (
+        ("vllm:prompt_tokens", "Number of prefill tokens processed.", "live_prompt_tokens"),
+        ("vllm:generation_tokens", "Number of generation tokens processed.", "live_generation_tokens"),
+    ):
+        yield from family(name, help_text)
+        for model, (m, _, _) in models.items():
+            yield f"{name}_total{{{_vllm_labels(model)}}} {float(getattr(m, attr))}"
+    yield from family("vllm:request_success", "Count of successfully processed requests.")
+    for model, (m, _, _) in models.items():
+        by_reason: Counter[str] = Counter()
+        for outcome, reason in _TO_VLLM_REASON.items():
+            by_reason[reason] += m.outcomes[outcome]
+        for reason in VLLM_FINISHED_REASONS:
+            yield (f'vllm:request_success_total{{{_vllm_labels(model)},finished_reason="{reason}"}} '
+                   f"{float(by_reason[reason])}")
+    for name, help_text, attr in (
+        ("vllm:time_to_first_token_seconds", "Histogram of time to first token in seconds.", "ttft"),
+        ("vllm:inter_token_latency_seconds", "Histogram of inter-token latency in seconds.", "inter_token"),
+        ("vllm:time_per_output_token_seconds", "Histogram of time per output token in seconds. DEPRECATED: "
+                                               "Use vllm:inter_token_latency_seconds instead.", "inter_token"),
+        ("vllm:e2e_request_latency_seconds", "Histogram of e2e request latency in seconds.", "e2e"),
+    ):
+        yield from family(name, help_text)
+        for model, (m, _, _) in models.items():
+            yield from getattr(m, attr).vllm.render(name, _vllm_labels(model))
 
 
 def render_kernel_metrics(models: Mapping[str, Mapping[str, str]]) -> str:

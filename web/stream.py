@@ -188,6 +188,7 @@ class GenerationHandle:
         now = time.perf_counter()
         n = len(output.new_token_ids)
         last = self._t_last.get(output.request_id)
+        self._metrics.on_delta(output, first=last is None and (n > 0 or output.finished))
         if n:
             if last is None:
                 self._metrics.ttft.observe(now - self._t_submit)
