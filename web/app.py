@@ -127,10 +127,18 @@ def same_or_allowed_origin(headers: Any, allowed_origins: Sequence[str], bind_ho
 
 
 def install_guards(app: QuartTrio, api_key: str | None, allowed_origins: Sequence[str],
-                   bind_host: str = "127.0.0.1") -> None:
+                   bind_host: str = "127.0.0.1", internal_api_key: str | None = None) -> None:
     """The checks every trillm front makes (a server and the router alike): the API key on protected paths,
     a browser's Origin on the websockets and /internal/*, and HTTP errors in the shape of the API at that path.
-    `bind_host`: the address the server listens on (what an Origin is judged against)."""
+    `bind_host`: the address the server listens on (what an Origin is judged against). `internal_api_key`:
+    when set, the only key /internal/* takes (the rest of the API takes it too)."""
+
+    def authorized(path: str, headers: Any, offered: bytes | None = None) -> bool:
+        if internal_api_key is not None and is_authorized(internal_api_key, headers, offered):
+            return True
+        if internal_api_key is not None and path.startswith("/internal/"):
+            return False
+        return not is_protected(path) or is_authorized(api_key, headers, offered)
 
     def origin_refused() -> Response:
         return error_response(APIError(403, "cross-origin request refused: this page's origin may not use this "
@@ -142,7 +150,7 @@ def install_guards(app: QuartTrio, api_key: str | None, allowed_origins: Sequenc
         if request.path.startswith("/internal/") and not same_or_allowed_origin(
                 request.headers, allowed_origins, bind_host):
             return origin_refused()
-        if is_protected(request.path) and not is_authorized(api_key, request.headers):
+        if not authorized(request.path, request.headers):
             return error_response(APIError(401, "missing or wrong API key (Authorization: Bearer ... or x-api-key)",
                                            "authentication_error", "invalid_api_key"), request.path)
         return None
@@ -151,7 +159,7 @@ def install_guards(app: QuartTrio, api_key: str | None, allowed_origins: Sequenc
     async def check_ws_auth() -> Response | None:
         if not same_or_allowed_origin(websocket.headers, allowed_origins, bind_host):
             return origin_refused()
-        if not is_authorized(api_key, websocket.headers, subprotocol_api_key(websocket.requested_subprotocols)):
+        if not authorized(websocket.path, websocket.headers, subprotocol_api_key(websocket.requested_subprotocols)):
             return error_response(APIError(401, "missing or wrong API key", "authentication_error",
                                            "invalid_api_key"))
         return None
@@ -173,7 +181,7 @@ def create_app(services: Sequence[EngineService], config: ServerConfig = ServerC
     registry = ModelRegistry(services, config.model_aliases)
     app.extensions["trillm.registry"] = registry
 
-    install_guards(app, config.api_key, config.allowed_origins, config.host)
+    install_guards(app, config.api_key, config.allowed_origins, config.host, config.internal_api_key)
 
     @app.errorhandler(Exception)
     async def any_error(exc: Exception) -> Response:

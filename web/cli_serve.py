@@ -48,6 +48,10 @@ def configure(p: argparse.ArgumentParser) -> None:
                    help="the name clients use (one per --model; default: the model's own)")
     p.add_argument("--api-key", default=os.environ.get("TRILLM_API_KEY"),
                    help="require 'Authorization: Bearer KEY' on /v1/* (default: $TRILLM_API_KEY)")
+    p.add_argument("--internal-api-key", default=os.environ.get("TRILLM_INTERNAL_API_KEY"),
+                   help="a router's own key: the only one /internal/* (the KV-event feed) takes, and the API takes "
+                        "it too; without it, an --api-key server hides block hashes from the feed "
+                        "(default: $TRILLM_INTERNAL_API_KEY)")
     limits = p.add_argument_group("limits on one request (defaults in README)")
     for name in _LIMIT_FLAGS:
         default = getattr(Limits(), name)
@@ -162,7 +166,7 @@ def parse_model_aliases(values: list[str]) -> tuple[tuple[str, str], ...]:
 
 
 def _server_config(args: argparse.Namespace, aliases: tuple[tuple[str, str], ...]) -> ServerConfig:
-    return ServerConfig(host=args.host, port=args.port, api_key=args.api_key,
+    return ServerConfig(host=args.host, port=args.port, api_key=args.api_key, internal_api_key=args.internal_api_key,
                         allowed_origins=tuple(args.allowed_origins), model_aliases=aliases,
                         tool_parser=args.tool_parser, reasoning_parser=args.reasoning_parser,
                         drain_timeout_s=args.drain_timeout, keep_alive_timeout_s=args.keep_alive_timeout,

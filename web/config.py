@@ -19,6 +19,9 @@ class ServerConfig:
     host: str = "127.0.0.1"
     port: int = 8000
     api_key: str | None = None  # Bearer auth on /v1/*, /tokenize, /detokenize and the websockets when set
+    # A router's own key: when set, /internal/* takes only it (and the API takes it too, for the router's
+    # proxying), so API users cannot read which prompts are cached (see `reveals_block_hashes`).
+    internal_api_key: str | None = None
     limits: Limits = Limits()  # what one request may ask for
     max_request_bytes: int = 4 << 20  # HTTP bodies
     max_ws_message_bytes: int = 1 << 20  # one websocket message
@@ -45,9 +48,16 @@ class ServerConfig:
             raise ValueError("sse_keepalive_s must be > 0")
         if self.drain_timeout_s < 0 or self.keep_alive_timeout_s <= 0:
             raise ValueError("drain_timeout_s must be >= 0 and keep_alive_timeout_s > 0")
-        if self.api_key == "":
-            raise ValueError("api_key must not be empty")
+        if self.api_key == "" or self.internal_api_key == "":
+            raise ValueError("api_key and internal_api_key must not be empty")
         self.chat_options  # validates the parser names
+
+    @property
+    def reveals_block_hashes(self) -> bool:
+        """Whether /internal/kv-events may give its subscribers the engine's block hashes (and the seed they
+        chain from): with them, anyone can hash a guessed prompt and watch whether it is cached. Only to the
+        holders of an internal key, or on a server with no key at all (where anyone may do anything)."""
+        return self.internal_api_key is not None or self.api_key is None
 
     @property
     def chat_options(self) -> ChatOptions:

@@ -7,25 +7,35 @@ was rebuilt and its event ids restarted). Messages are JSON:
   {"type": "hello", "model": NAME, "interval_s": s, "epoch": n, "model_id": ID, "block_size": B,
    "hash_seed": HEX, "prefix_caching": bool}   (the last four are null until the engine first loads)
   {"type": "steps", "model": NAME, "epoch": n, "reports": [{"load": {...}, "kv_events": [...]}, ...]}
+
+A block hash names a prompt prefix: whoever has the seed can hash a guessed prompt and watch for it. So
+unless the server reveals them (`ServerConfig.reveals_block_hashes`: an internal key holds /internal/*, or
+the server has no key at all), the hello's hash_seed is null and every hash in the events is keyed with a
+secret of this process: the events still show load and how many blocks come and go, but match no guess.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
-from dataclasses import asdict
+import secrets
+from dataclasses import asdict, replace
 from typing import Any
 
 import trio
 from quart import websocket
 from quart_trio import QuartTrio
 
-from trillm.engine.kv_events import StepReport
+from trillm.engine.kv_events import KVEvent, StepReport
 from trillm.web.service import EngineService
 
 
 class KVEventHub:
-    def __init__(self, service: EngineService, *, interval_s: float = 0.05, buffer: int = 256) -> None:
+    def __init__(self, service: EngineService, *, interval_s: float = 0.05, buffer: int = 256,
+                 reveal_hashes: bool = True) -> None:
         self.service = service
+        self.reveal_hashes = reveal_hashes
+        self._key = secrets.token_bytes(32)  # hides the hashes when they are not revealed
         self.interval_s = interval_s
         self._buffer = buffer
         self._subscribers: set[trio.MemorySendChannel[str]] = set()
@@ -48,7 +58,8 @@ class KVEventHub:
 
     def publish(self, reports: list[StepReport]) -> None:
         msg = json.dumps({"type": "steps", "model": self.service.model_name,
-                          "epoch": self.service.statistics().epoch, "reports": [r.to_json() for r in reports]})
+                          "epoch": self.service.statistics().epoch,
+                          "reports": [self._shown(r).to_json() for r in reports]})
         for send in list(self._subscribers):
             try:
                 send.send_nowait(msg)
@@ -56,11 +67,25 @@ class KVEventHub:
                 self._subscribers.discard(send)
                 send.close()  # the handler tells the client it fell behind
 
+    def _hide(self, block_hash: str) -> str:
+        return hashlib.blake2b(bytes.fromhex(block_hash), key=self._key, digest_size=16).hexdigest()
+
+    def _shown(self, report: StepReport) -> StepReport:
+        """The report as subscribers see it: its hashes keyed with this process's secret unless revealed (the
+        same block keeps the same name, so the stream stays consistent)."""
+        if self.reveal_hashes or not report.kv_events:
+            return report
+        return replace(report, kv_events=tuple(KVEvent(e.event_id, e.kind, self._hide(e.block_hash),
+                                                       None if e.parent_hash is None else self._hide(e.parent_hash))
+                                               for e in report.kv_events))
+
     def hello(self) -> dict[str, Any]:
         """What a subscriber needs first: the epoch, and how this engine hashes prompt blocks."""
         spec = self.service.kv_cache_spec
         facts = asdict(spec) if spec is not None else {"model_id": None, "block_size": None, "hash_seed": None,
                                                         "prefix_caching": None}
+        if not self.reveal_hashes:
+            facts = {**facts, "hash_seed": None}
         return {"type": "hello", "model": self.service.model_name, "interval_s": self.interval_s,
                 "epoch": self.service.statistics().epoch, **facts}
 

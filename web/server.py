@@ -126,7 +126,11 @@ async def serve(models: Sequence[ModelSpec], config: ServerConfig = ServerConfig
                 log.info("model %s: %s", service.model_name, service.state.value)
                 services.append(service)
             check_unique_names([s.model_name for s in services])
-            hubs = {s.model_name: KVEventHub(s) for s in services}
+            hubs = {s.model_name: KVEventHub(s, reveal_hashes=config.reveals_block_hashes) for s in services}
+            if not config.reveals_block_hashes:
+                log.warning("--api-key without --internal-api-key: /internal/kv-events hides block hashes from "
+                            "API key holders, so a KV-aware router cannot route by prefix; give it its own "
+                            "key (--internal-api-key here, --replica-api-key there)")
             for hub in hubs.values():
                 nursery.start_soon(hub.run)
             try:

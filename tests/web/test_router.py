@@ -426,7 +426,8 @@ async def test_a_replica_engine_restart_resyncs_its_index() -> None:
 async def test_api_keys_on_the_front_and_towards_the_replicas() -> None:
     async with trio.open_nursery() as nursery:
         serving = await nursery.start(serve, [ModelSpec(None, mock_factory(), inline=True)],
-                                      ServerConfig(port=0, api_key="replica-key"))
+                                      ServerConfig(port=0, api_key="user-key", internal_api_key="replica-key"))
+        # the router's own key (--internal-api-key there): the replica's API users never see its block hashes
         config = RouterConfig((serving.url,), ServerConfig(port=0, api_key="front-key"),
                               replica_api_key="replica-key", health_interval_s=0.1)
         async with trio.open_nursery() as inner:
