@@ -36,8 +36,8 @@ SEEDS = 8  # weight seeds tried before the builder gives up on a margin
 MARGIN = 0.05  # smallest top-1 minus top-2 logit gap accepted on the builder's probe (fp32 noise is ~1e-5)
 DOCS = Path(__file__).resolve().parent.parent / "docs" / "supported_models.md"
 CHECKS = ("single", "batched (ragged)", "long prompt (across blocks and windows)",
-          "chunked prefill mixed with decodes", "preemption", "prefix-cache hit (full and partial)",
-          "prompt logprobs")
+          "staggered arrivals, chunked prefill mixed with decodes", "preemption",
+          "prefix-cache hit (full and partial)", "prompt logprobs")
 
 
 @dataclass(frozen=True)
@@ -141,9 +141,8 @@ FAMILIES: tuple[Family, ...] = (
         "layer_types": _alt(4), "intermediate_size": 64}, windowed=True),
     Family("llama4_text", "llama4_text", "full, no-RoPE layers, QK norm, separate `output` head", {
         "num_hidden_layers": 4, "intermediate_size_mlp": 128, "no_rope_layers": [1, 0, 1, 0], "use_qk_norm": True}),
-    # The engine declares Llama 4's chunked attention unsupported for now (issue 23 asks for it: flip to identical).
     Family("llama4", "llama4", "chunked attention (8-token chunks) + full no-RoPE layers, MoE", {}, base=False,
-           windowed=True, window_key="attention_chunk_size", expect="refused", text_config={
+           windowed=True, window_key="attention_chunk_size", text_config={
                "model_type": "llama4_text", "num_hidden_layers": 4, "attention_bias": False,
                "attention_chunk_size": WINDOW, "interleave_moe_layer_step": 2, "intermediate_size_mlp": 128,
                "num_experts_per_tok": 1, "num_local_experts": 4, "rope_scaling": None, "use_qk_norm": True,

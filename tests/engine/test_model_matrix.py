@@ -212,11 +212,23 @@ def test_long_prompt_across_blocks_and_windows(case: Case) -> None:
 
 
 def test_chunked_prefill_mixed_with_decodes(case: Case) -> None:
-    # 16-token steps: the long prompt is prefilled in chunks that straddle windows and blocks, in the same
-    # steps as the short prompts' decodes.
+    # Requests arrive one every other step (continuous batching), 16 tokens a step: the long prompt is
+    # prefilled in chunks that straddle windows and blocks, in the same steps as the others' decodes.
     eng = case.engine("chunked")
-    names = ["long", "short", "medium", "ragged"]
-    _check(case, "chunked prefill + decodes", eng.generate(_prompts(*names), _params("chunked")), names)
+    names = ["short", "long", "ragged", "medium"]
+    arrivals = {2 * i: name for i, name in enumerate(names)}
+    deltas: dict[str, list[RequestOutput]] = {f"chunked-{n}": [] for n in names}
+    step = 0
+    while arrivals or eng.has_unfinished_requests():
+        if step in arrivals:
+            name = arrivals.pop(step)
+            eng.add_request(f"chunked-{name}", _prompts(name)[0], _params("chunked"))
+        for out in eng.step():
+            deltas[out.request_id].append(out)
+        step += 1
+        assert step < 1000, "the engine stopped making progress"
+    _check(case, "staggered, chunked prefill + decodes",
+           [RequestOutput.concat(deltas[f"chunked-{n}"]) for n in names], names)
 
 
 def test_preemption_and_resume(case: Case) -> None:
