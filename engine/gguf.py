@@ -1,5 +1,5 @@
-"""Load GGUF files (llama, mistral, qwen2, qwen3, gemma2, gemma3, phi3) into mlx-lm's own model classes,
-with a tokenizer rebuilt from the metadata.
+"""Load GGUF files (llama, mistral, mistral3/ministral3, qwen2, qwen3, gemma2, gemma3, phi3) into mlx-lm's
+own model classes, with a tokenizer rebuilt from the metadata.
 
 The file is read in pure Python and numpy, never trusting it: the header and every tensor's extent are
 checked first (`validate_gguf`), so a truncated or corrupt file is a CorruptModelFile, not a crash.
@@ -30,7 +30,7 @@ from gguf.quants import dequantize as gguf_dequantize
 
 from trillm.engine.errors import CorruptModelFile
 from trillm.engine.gguf_arch import SUPPORTED_ARCHITECTURES as SUPPORTED_ARCHITECTURES
-from trillm.engine.gguf_arch import gguf_model_config, gguf_to_mlx_names
+from trillm.engine.gguf_arch import gguf_model_config, gguf_to_mlx_names, unpermute_qk
 from trillm.engine.gguf_tokenizer import build_gguf_tokenizer
 from trillm.engine.tokenizer import Tokenizer
 
@@ -379,6 +379,7 @@ def _build(
     config = gguf_model_config(meta, weights, path)
     arch = str(meta["general.architecture"])
     weights, rope_freqs = gguf_to_mlx_names(weights, path, arch)
+    weights = unpermute_qk(weights, config)
     report("tokenizer", 0.15)
     tokenizer = build_gguf_tokenizer(meta, path)
     module = importlib.import_module(f"mlx_lm.models.{config['model_type']}")

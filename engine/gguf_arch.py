@@ -102,11 +102,55 @@ def _llama_config(g: _Meta, weights: dict[str, mx.array]) -> dict[str, Any]:
 
 
 def _mistral3_config(g: _Meta, weights: dict[str, mx.array]) -> dict[str, Any]:
-    # Mistral Small 3.x text is llama-shaped (llama.cpp runs MISTRAL3 as llama with permuted Q/K); Ministral 3
-    # adds Llama-4 style attention temperature scaling, which the llama class has no place for.
-    if g.get("attention.temperature_scale") is not None:
-        raise g.refuse("attention temperature scaling (Ministral 3)")
-    return _llama_config(g, weights)
+    """Mistral Small 3.x text is llama-shaped (llama.cpp runs MISTRAL3 as llama, Q/K permuted). Ministral 3
+    adds YaRN and Llama-4 style attention temperature scaling: mlx-lm's ministral3 class, whose half-split
+    RoPE needs the Q/K rows un-permuted (see unpermute_qk)."""
+    beta = g.get("attention.temperature_scale")
+    if beta is None:
+        return _llama_config(g, weights)
+    config = _base_config(g, weights, "ministral3")
+    scaling = _rope_scaling(g)
+    if scaling is None or scaling["type"] != "yarn":
+        raise g.refuse("attention temperature scaling without YaRN")
+    if any(float(g.get(f"rope.scaling.yarn_{k}_factor", 1.0)) != 1.0 for k in ("ext", "attn")):
+        raise g.refuse("YaRN extrapolation or attention factors other than 1")
+    if int(g.get("attention.sliding_window", 0) or 0):
+        raise g.refuse("sliding windows")
+    if any(k in weights for k in ("blk.0.attn_q.bias", "blk.0.attn_output.bias", "rope_freqs.weight")):
+        raise g.refuse("biases or RoPE frequency factors")
+    config["rope_parameters"] = {
+        "rope_type": "yarn",
+        "rope_theta": config["rope_theta"],
+        "factor": scaling["factor"],
+        "original_max_position_embeddings": scaling["original_max_position_embeddings"],
+        "beta_fast": scaling.get("beta_fast", 32.0),  # llama.cpp's defaults
+        "beta_slow": scaling.get("beta_slow", 1.0),
+        # llama.cpp (llama-context.cpp) takes mscale as 1 and mscale_all_dim from yarn_log_multiplier.
+        "mscale": 1.0,
+        "mscale_all_dim": float(g.get("rope.scaling.yarn_log_multiplier", 0.0)),
+        "llama_4_scaling_beta": float(beta),
+    }
+    return config
+
+
+# mlx-lm classes with half-split RoPE that llama-arch files (Q/K rows permuted) are loaded into.
+_UNPERMUTE_FOR = ("ministral3",)
+
+
+def unpermute_qk(weights: dict[str, mx.array], config: dict[str, Any]) -> dict[str, mx.array]:
+    """Undo convert_hf_to_gguf's LlamaModel.permute on q_proj/k_proj rows (and their quantization scales),
+    for the classes in _UNPERMUTE_FOR; other configs are returned unchanged."""
+    if config["model_type"] not in _UNPERMUTE_FOR:
+        return weights
+    out = dict(weights)
+    for key, value in weights.items():
+        part = key.rsplit(".", 2)[-2] if key.count(".") >= 2 else ""
+        if part not in ("q_proj", "k_proj") or ".self_attn." not in key:
+            continue
+        n = config["num_attention_heads" if part == "q_proj" else "num_key_value_heads"]
+        rows = value.shape[0]
+        out[key] = value.reshape(n, rows // n // 2, 2, *value.shape[1:]).swapaxes(1, 2).reshape(value.shape)
+    return out
 
 
 def _qwen_config(g: _Meta, weights: dict[str, mx.array]) -> dict[str, Any]:

@@ -44,6 +44,14 @@ FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
     "mistral": ("llama", {"model_type": "mistral", "rope_theta": 1e6, "tie_word_embeddings": False}),
     # Mistral Small 3.x text: llama-shaped, architecture "mistral3" in GGUF.
     "mistral3": ("mistral3", {"model_type": "mistral", "rope_theta": 1e6, "tie_word_embeddings": True}),
+    # Ministral 3: YaRN plus Llama-4 attention temperature scaling past original_max_position_embeddings
+    # (16 here, so the prompts cross it); mscale_all_dim != mscale so the YaRN attention factor matters.
+    "ministral3": ("mistral3", {
+        "model_type": "ministral3", "rope_theta": 1e6, "tie_word_embeddings": False,
+        "rope_parameters": {"rope_type": "yarn", "rope_theta": 1e6, "factor": 4.0,
+                            "original_max_position_embeddings": 16, "beta_fast": 32.0, "beta_slow": 1.0,
+                            "mscale": 1.0, "mscale_all_dim": 0.5, "llama_4_scaling_beta": 0.1},
+    }),
     "qwen2": ("qwen2", {"model_type": "qwen2", "rope_theta": 1e6, "rms_norm_eps": 1e-6, "tie_word_embeddings": True}),
     # head_dim 32 with 4 heads of a 64-wide model: q_proj is 128 rows, so head_dim must come from the file.
     "qwen3": ("qwen3", {"model_type": "qwen3", "head_dim": 32, "rope_theta": 1e6, "tie_word_embeddings": False}),
@@ -163,6 +171,14 @@ def _write_metadata(w: gguf.GGUFWriter, arch: str, c: dict[str, Any], tokenizer_
     if arch in _PERMUTED:
         w.add_vocab_size(c["vocab_size"])
         w.add_rope_dimension_count(c["head_dim"])
+    if (rope := c.get("rope_parameters")) and "llama_4_scaling_beta" in rope:  # Mistral3Model.Ministral3Model
+        w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+        w.add_rope_scaling_factor(rope["factor"])
+        w.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
+        w.add_rope_scaling_yarn_beta_fast(rope["beta_fast"])
+        w.add_rope_scaling_yarn_beta_slow(rope["beta_slow"])
+        w.add_rope_scaling_yarn_log_mul(rope["mscale_all_dim"])
+        w.add_attn_temperature_scale(rope["llama_4_scaling_beta"])
     if arch == "gemma2":
         w.add_attn_logit_softcapping(c["attn_logit_softcapping"])
         w.add_final_logit_softcapping(c["final_logit_softcapping"])
@@ -268,7 +284,8 @@ def assert_same_weights(gguf_model: Any, folder_model: Any, config: dict[str, An
     assert set(got) == set(want)
     for key, value in want.items():
         value = np.array(value)
-        if arch in _PERMUTED and key.endswith(("q_proj.weight", "k_proj.weight")):
+        unpermuted = type(gguf_model).__module__.endswith("ministral3")  # half-split RoPE: rows un-permuted
+        if arch in _PERMUTED and not unpermuted and key.endswith(("q_proj.weight", "k_proj.weight")):
             heads = config["num_attention_heads" if "q_proj" in key else "num_key_value_heads"]
             value = permute(value, heads)  # the loader keeps llama.cpp's layout and RoPEs interleaved
         assert got[key].shape == value.shape, key
