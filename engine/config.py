@@ -9,6 +9,8 @@ from typing import Any
 from trillm.engine.errors import InvalidRequest
 from trillm.kernels.selfcheck import MODES as KERNEL_MODES
 
+SCHEDULING_POLICIES = ("fcfs", "priority")
+
 
 @dataclass(frozen=True, slots=True)
 class EngineConfig:
@@ -28,6 +30,11 @@ class EngineConfig:
     kernels: str = "auto"  # start-up kernel self-check: auto (fall back per op), strict (fail), ref (references)
     verify_model: bool = True  # at load, compare the paged forward with mlx-lm's own (engine/model_probe.py)
     allow_unverified_model: bool = False  # serve a model that fails that comparison anyway (loudly)
+    # Waiting requests: "fcfs" ignores their `priority`; "priority" admits lower values first (vLLM's
+    # semantics), aged so nothing starves: one step of priority is worth `priority_aging` admissions of
+    # head start (0: strict priority, which can starve the lower classes).
+    scheduling_policy: str = "fcfs"
+    priority_aging: int = 64
 
     def __post_init__(self) -> None:
         if self.block_size <= 0 or self.block_size & (self.block_size - 1):
@@ -42,6 +49,11 @@ class EngineConfig:
             raise InvalidRequest(f"max_waiting must be >= 0, got {self.max_waiting}")
         if self.kv_cache_memory_gb <= 0:
             raise InvalidRequest("kv_cache_memory_gb must be > 0")
+        if self.scheduling_policy not in SCHEDULING_POLICIES:
+            raise InvalidRequest(f"scheduling_policy must be one of {', '.join(SCHEDULING_POLICIES)}, "
+                                 f"got {self.scheduling_policy!r}")
+        if self.priority_aging < 0:
+            raise InvalidRequest(f"priority_aging must be >= 0, got {self.priority_aging}")
         if self.kernels not in KERNEL_MODES:
             raise InvalidRequest(f"kernels must be one of {', '.join(KERNEL_MODES)}, got {self.kernels!r}")
 
@@ -66,6 +78,10 @@ _FLAGS: dict[str, tuple[str, str]] = {
     "allow_unverified_model": ("--allow-unverified-model",
                                "serve a model whose paged forward disagrees with mlx-lm's own (its output may be "
                                "wrong; logged and shown in /health)"),
+    "scheduling_policy": ("--scheduling-policy", "fcfs: waiting requests in arrival order (fair between requests), "
+                                                 "their priority ignored; priority: lower 'priority' values first"),
+    "priority_aging": ("--priority-aging", "--scheduling-policy priority: admissions one step of priority is worth, "
+                                           "so lower classes wait a bounded time; 0: strict (can starve)"),
 }
 
 
@@ -82,9 +98,10 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         if isinstance(default, bool):
             g.add_argument(flag, dest=name, action="store_false" if default else "store_true", help=help_text)
         else:
-            kind = {"dtype": str, "kernels": str, "kv_cache_memory_gb": float}.get(name, int)
+            kind = {"dtype": str, "kernels": str, "scheduling_policy": str, "kv_cache_memory_gb": float}.get(name, int)
+            choices = {"kernels": KERNEL_MODES, "scheduling_policy": SCHEDULING_POLICIES}.get(name)
             g.add_argument(flag, dest=name, type=kind, default=default, help=f"{help_text} (default: {default})",
-                           choices=KERNEL_MODES if name == "kernels" else None)
+                           choices=choices)
 
 
 def engine_config_from_args(args: argparse.Namespace, model: str | None = None) -> EngineConfig:

@@ -17,6 +17,13 @@ Two bounds keep one request from crowding out the others: its share of the waiti
 (`max_group_running`: an eighth of the slots stays free for other requests' first tokens; a waiting
 sequence of a group at that bound is passed over, which is the only way the head is overtaken).
 
+Scheduling policy (`EngineConfig.scheduling_policy`, vLLM's names): under "fcfs" a request's `priority` is
+ignored (the order above). Under "priority" lower values go first, aged so that nothing starves: priority p
+is folded into the tag as a head start of p x `priority_aging` virtual-time units (admissions), so a class-p
+sequence is overtaken by at most that many later arrivals of class 0, and the order stays a static key (the
+waiting list stays sorted; the fair queueing between groups is unchanged within a class). `priority_aging`
+0 is strict priority: (priority, tag, arrival), which lets a stream of class-0 work starve the rest.
+
 One step's flow (nano-vllm's, with vLLM v1's accounting):
 - `schedule()` picks the step and commits to it: each scheduled token counts as computed from here on
   (`num_computed_tokens` advances), because the runner launches the step right away.
@@ -132,16 +139,25 @@ class Scheduler:
             raise Overloaded(f"the waiting queue is full ({self.config.max_waiting} requests)")
         g = seq.group
         if g is None:
-            seq.tag = self._vtime + 1
+            start = self._vtime + 1
         else:
             if self._group_waiting[g] >= self.limits.max_group_waiting:
                 raise InvalidRequest(
                     f"one request may queue at most {self.limits.max_group_waiting} generations (prompts x n; a "
                     f"quarter of --max-waiting {self.limits.max_waiting})")
-            seq.tag = max(self._vtime, self._last_tag.get(g, 0)) + 1
-            self._last_tag[g] = seq.tag
+            start = max(self._vtime, self._last_tag.get(g, 0)) + 1
+            self._last_tag[g] = start  # before the priority's head start: that is counted once, not per sequence
             self._group_waiting[g] += 1
+        seq.rank, seq.tag = self._rank_and_tag(seq.priority, start)
         bisect.insort(self.waiting, seq, key=lambda s: s.sort_key)
+
+    def _rank_and_tag(self, priority: int, start: int) -> tuple[int, int]:
+        """A new sequence's place under the scheduling policy (see the module docstring)."""
+        if self.config.scheduling_policy == "fcfs":
+            return 0, start
+        if self.config.priority_aging == 0:
+            return priority, start
+        return 0, start + priority * self.config.priority_aging
 
     def finish(self, seq: Sequence) -> None:
         """Drop seq from whichever queue holds it and free its blocks."""

@@ -31,7 +31,7 @@ class Sequence:
     __slots__ = (
         "request_id", "params", "priority", "arrival", "token_ids", "num_prompt_tokens",
         "num_computed_tokens", "num_cached_tokens", "block_table", "num_hashed_blocks", "block_hashes",
-        "status", "num_preemptions", "grammar", "group", "tag",
+        "status", "num_preemptions", "grammar", "group", "tag", "rank",
     )
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, *, priority: int = 0,
@@ -54,6 +54,9 @@ class Sequence:
         # fair-queueing tag, so one request's later prompts and choices queue behind other groups' first.
         self.group = group
         self.tag = 0
+        # The scheduling policy's class (Scheduler.add): 0 for every sequence under fcfs and aged priority
+        # (where the priority is folded into the tag instead), the priority itself under strict priority.
+        self.rank = priority
 
     @property
     def num_tokens(self) -> int:
@@ -73,7 +76,7 @@ class Sequence:
 
     @property
     def sort_key(self) -> tuple[int, int, int]:
-        return (self.priority, self.tag, self.arrival)
+        return (self.rank, self.tag, self.arrival)
 
     @property
     def is_finished(self) -> bool:
