@@ -29,9 +29,15 @@ _CASED_WORDS = (
 _TAIL = r" ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 _TEKKEN_SPLIT = _CASED_WORDS.replace("{c}", "") + r"\p{N}|" + _TAIL
 _GPT4O_SPLIT = _CASED_WORDS.replace("{c}", r"(?i:'s|'t|'re|'ve|'m|'ll|'d)?") + r"\p{N}{1,3}|" + _TAIL
-_SPLITS = {"llama-bpe": _LLAMA3_SPLIT, "llama3": _LLAMA3_SPLIT, "qwen2": _QWEN2_SPLIT, "tekken": _TEKKEN_SPLIT,
-           "gpt-4o": _GPT4O_SPLIT}
-_IGNORE_MERGES = ("llama-bpe", "llama3", "tekken")  # llama-vocab.cpp: whole-word vocabulary hits skip merges
+# llama-vocab.cpp's names for each split (DeepSeek-R1 Qwen distills say deepseek-r1-qwen; DBRX/Smaug reuse
+# Llama 3's regex without its merge skipping).
+_LLAMA3_NAMES = ("llama-bpe", "llama3", "llama-v3", "falcon3", "pixtral")
+_SPLITS = {
+    **dict.fromkeys(_LLAMA3_NAMES, _LLAMA3_SPLIT), "dbrx": _LLAMA3_SPLIT, "smaug-bpe": _LLAMA3_SPLIT,
+    "qwen2": _QWEN2_SPLIT, "deepseek-r1-qwen": _QWEN2_SPLIT, "tekken": _TEKKEN_SPLIT, "gpt-4o": _GPT4O_SPLIT,
+}
+_IGNORE_MERGES = (*_LLAMA3_NAMES, "tekken")  # llama-vocab.cpp: whole-word vocabulary hits skip merges
+_ADD_BOS = (*_LLAMA3_NAMES, "tekken")  # llama.cpp adds BOS for these when the file does not say
 # llama.cpp token types
 _TOKEN_NORMAL, _TOKEN_UNKNOWN, _TOKEN_CONTROL, _TOKEN_USER_DEFINED = 1, 2, 3, 4
 _SPACE = "\u2581"  # SentencePiece's visible space
@@ -41,7 +47,7 @@ def _pre_tokenizer(pre: str, path: str) -> Any:
     from tokenizers import Regex, pre_tokenizers
 
     byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
-    if pre in ("gpt2", "default", "gpt-2"):
+    if pre in ("gpt2", "default", "gpt-2", "phi-2"):
         return byte_level
     if pre == "smollm":  # SmolLM/StarCoder: every digit alone, then GPT-2's byte-level split
         return pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level])
@@ -155,7 +161,7 @@ def build_gguf_tokenizer(meta: dict[str, Any], path: str = "") -> Tokenizer:
     )
     bos = token("bos")
     # llama.cpp's default per model when the key is absent (SentencePiece and Tekken add BOS)
-    add_bos = meta.get("tokenizer.ggml.add_bos_token", kind == "llama" or meta.get("tokenizer.ggml.pre") == "tekken")
+    add_bos = meta.get("tokenizer.ggml.add_bos_token", kind == "llama" or meta.get("tokenizer.ggml.pre") in _ADD_BOS)
     if add_bos and bos is not None:
         bos_id = tokens.index(bos)
         tok.post_processor = processors.TemplateProcessing(
