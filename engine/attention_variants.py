@@ -154,3 +154,10 @@ def install_attention_variants(model: nn.Module) -> list[str]:
         key = f"{cls.__module__}.{cls.__name__}"
         counts[key] = counts.get(key, 0) + 1
     return [f"{k} x{n}" for k, n in sorted(counts.items())]
+
+
+def variant_classes(model: nn.Module) -> list[str]:
+    """The model's attention classes listed above ("module.Class"), whether swapped yet or not."""
+    found = {f"{c.__module__}.{c.__name__}" for _, m in model.named_modules() for c in type(m).__mro__
+             if (c.__module__, c.__name__) in _VARIANTS}
+    return sorted(found)

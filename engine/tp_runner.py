@@ -199,6 +199,16 @@ def check_shardable(model: nn.Module, name: str, size: int) -> None:
     if not callable(getattr(model, "shard", None)):
         raise TensorParallelError(f"{name}: mlx-lm's {type(model).__module__} implements no shard(group), so it "
                                   "cannot run tensor-parallel (llama, qwen2, qwen3 and others can)")
+    # Every rank's pool is laid out from the shard's facts (one K/V shape for every layer) and no rank can run
+    # the load-time probe alone: only models whose every layer has a plain KV cache, through the plain seam.
+    from trillm.engine.attention_variants import variant_classes
+    from trillm.engine.paged_model import make_model_cache
+
+    kinds = {type(c).__name__ for c in make_model_cache(model, name)}
+    if kinds != {"KVCache"} or variant_classes(model):
+        what = ", ".join(sorted(kinds - {"KVCache"}) + variant_classes(model))
+        raise TensorParallelError(f"{name}: tensor parallelism serves models whose every layer has a plain KV "
+                                  f"cache and attention; this one has {what}")
     args = getattr(model, "args", None)
     heads = getattr(args, "num_attention_heads", None)
     kv_heads = getattr(args, "num_key_value_heads", None) or heads

@@ -112,3 +112,16 @@ def test_mla_runs_the_paged_mla_kernel_and_matches_mlx_lm(tmp_path: Path) -> Non
     from trillm.kernels import cpu_ext
 
     assert impl == ("cpu" if cpu_ext.load() is not None else "reference")
+
+
+def test_tensor_parallel_refuses_what_its_uniform_pool_cannot_hold(tmp_path: Path) -> None:
+    from trillm.engine.tp_runner import TensorParallelError, check_shardable
+
+    gpt_oss = load_model(str(model_zoo.build("gpt_oss", tmp_path / "go")))  # mlx-lm can shard it; windows
+    with pytest.raises(TensorParallelError, match="RotatingKVCache"):
+        check_shardable(gpt_oss.model, "gpt_oss", 2)
+    deepseek = load_model(str(model_zoo.build("deepseek_v3", tmp_path / "ds")))  # MLA: K and V differ
+    with pytest.raises(TensorParallelError, match="DeepseekV3Attention"):
+        check_shardable(deepseek.model, "deepseek_v3", 2)
+    llama = load_model(str(model_zoo.build("llama", tmp_path / "ll")))
+    check_shardable(llama.model, "llama", 2)
