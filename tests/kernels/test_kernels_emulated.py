@@ -94,7 +94,7 @@ MLA_CASES = [
     pytest.param([16, 17, 40, 1], 1, 4, 64, 32, mx.float32, False, id="mla-decode-ragged"),
     pytest.param([LONG, 33], 1, 2, 128, 32, mx.float32, True, id="mla-decode-splitk"),
     pytest.param([16, 17, 23], 5, 4, 64, 32, mx.float32, False, id="mla-prefill"),
-    pytest.param([LONG, 9], 3, 3, 512, 64, mx.float16, False, id="mla-prefill-f16-deepseek-width"),
+    pytest.param([LONG, 9], 3, 3, 512, 64, mx.float16, True, id="mla-prefill-f16-deepseek-width"),  # short chunk, long row: split
 ]
 
 
