@@ -4,7 +4,8 @@
 // Every query head attends to the one latent sequence (MQA with a wide head): score = scale * (q_latent .
 // latent + q_pe . k_pe), output = softmax . latent (the caller applies unembed_out). A work item owns R =
 // QT * HPI rows (QT consecutive queries x HPI heads) over one context partition, so each latent token is
-// read once for all of them, with an online softmax over tiles of 16 tokens as in paged_attention.cpp.
+// read once for all of them, with an online softmax over tiles of 16 tokens as in paged_attention.cpp, in
+// blocks of up to 8 rows (each latent vector loaded once for the block).
 // The context is split only as far as needed to give every thread work (few rows, long context): the
 // partials' buffer (rows x parts x R floats) stays small where the batch or the chunk already fills the
 // cores.
@@ -47,6 +48,80 @@ inline const float* as_floats(const T* src, float* scratch, int n) {
 }
 
 const vi MLA_IOTA = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+
+// One tile of up to 16 tokens against some rows of one query: their state and the tile's latent / k_pe rows.
+struct MlaTile {
+  const float* qv;  // [rows, R], scaled
+  const float* qe;  // [rows, P], scaled
+  float* acc;       // [rows, R]
+  float* m;
+  float* l;
+  int R, P, t0, n, pos;
+  vi tpos;
+  const float* const* lrow;  // 16 rows (padding lanes repeat a real one)
+  const float* const* prow;
+};
+
+// Dot products 4 rows x 4 tokens at a time (16 accumulators, each latent vector loaded once per 4 rows),
+// one online-softmax update per row, then the latent rows accumulated into all NB rows per load.
+template <int NB>
+inline void mla_rows(const MlaTile& t, int r0) {
+  const int RC = t.R / W, PC = t.P / W;
+  alignas(64) vf dots[NB][W];
+  constexpr int NB4 = NB < 4 ? NB : 4;  // dot products in row blocks of up to 4 (NB4 x 4 accumulators)
+  for (int b0 = 0; b0 < NB; b0 += NB4) {
+    for (int j0 = 0; j0 < W; j0 += 4) {
+      vf d[NB4][4];
+      for (int b = 0; b < NB4; ++b) {
+        for (int u = 0; u < 4; ++u) d[b][u] = vf{};
+      }
+      for (int c = 0; c < RC; ++c) {
+        vf k[4];
+        for (int u = 0; u < 4; ++u) k[u] = vload(t.lrow[j0 + u] + c * W);
+        for (int b = 0; b < NB4; ++b) {
+          const vf q = vload(t.qv + static_cast<size_t>(r0 + b0 + b) * t.R + c * W);
+          for (int u = 0; u < 4; ++u) d[b][u] += q * k[u];
+        }
+      }
+      for (int c = 0; c < PC; ++c) {
+        vf k[4];
+        for (int u = 0; u < 4; ++u) k[u] = vload(t.prow[j0 + u] + c * W);
+        for (int b = 0; b < NB4; ++b) {
+          const vf q = vload(t.qe + static_cast<size_t>(r0 + b0 + b) * t.P + c * W);
+          for (int u = 0; u < 4; ++u) d[b][u] += q * k[u];
+        }
+      }
+      for (int b = 0; b < NB4; ++b) {
+        for (int u = 0; u < 4; ++u) dots[b0 + b][j0 + u] = d[b][u];
+      }
+    }
+  }
+  const vi valid = (t.tpos <= t.pos) & (t.tpos < t.t0 + t.n);
+  alignas(64) float pw[NB][W];
+  float alpha[NB];
+  for (int b = 0; b < NB; ++b) {
+    const int r = r0 + b;
+    vf s = vsum16(dots[b]);
+    s = valid ? s : vsplat(NEG_INF);
+    const float mo = t.m[r];
+    const float mn = std::max(mo, vmaxf(s));
+    alpha[b] = std::exp(mo - mn);
+    vf p = vexp(s - mn);
+    p = valid ? p : vf{};
+    t.l[r] = t.l[r] * alpha[b] + vsum(p);
+    t.m[r] = mn;
+    vstore(pw[b], p);
+  }
+  for (int c = 0; c < RC; ++c) {
+    vf av[NB];
+    for (int b = 0; b < NB; ++b) av[b] = vload(t.acc + static_cast<size_t>(r0 + b) * t.R + c * W) * alpha[b];
+    for (int j = 0; j < t.n; ++j) {
+      const vf v = vload(t.lrow[j] + c * W);
+      for (int b = 0; b < NB; ++b) av[b] += vsplat(pw[b][j]) * v;
+    }
+    for (int b = 0; b < NB; ++b) vstore(t.acc + static_cast<size_t>(r0 + b) * t.R + c * W, av[b]);
+  }
+}
 
 template <typename T>
 void mla_item(const MlaArgs& a, const T* ql, const T* qp, const T* lat, const T* pe, int item, T* out,
@@ -101,7 +176,6 @@ void mla_item(const MlaArgs& a, const T* ql, const T* qp, const T* lat, const T*
   const int32_t* table = a.tables + static_cast<size_t>(b) * a.MB;
   const float* lrow[W];
   const float* prow[W];
-  const int RC = R / W, PC = P / W;
   for (int t0 = start; t0 < end; t0 += W) {
     const int n = std::min(W, end - t0);
     for (int j = 0; j < W; ++j) {
@@ -116,39 +190,24 @@ void mla_item(const MlaArgs& a, const T* ql, const T* qp, const T* lat, const T*
       }
     }
     const vi tpos = MLA_IOTA + t0;
-    for (int r = 0; r < rows; ++r) {
-      const int qi = r / pl.hpi;
-      if (pos[qi] < t0) continue;  // the row sees nothing of this tile
-      const float* qr = qv + static_cast<size_t>(r) * R;
-      const float* qer = qe + static_cast<size_t>(r) * P;
-      vf dots[W];
-      for (int j = 0; j < W; ++j) dots[j] = vf{};
-      for (int c = 0; c < RC; ++c) {  // q chunk loaded once for the 16 tokens
-        const vf qc = vload(qr + c * W);
-        for (int j = 0; j < W; ++j) dots[j] += qc * vload(lrow[j] + c * W);
+    for (int r0 = 0; r0 < rows;) {
+      // Rows of one query go together, up to 8: each latent vector loaded once for all of them.
+      const int qi = r0 / pl.hpi;
+      const int nb = std::min({8, pl.hpi - r0 % pl.hpi, rows - r0});
+      if (pos[qi] >= t0) {  // else the rows see nothing of this tile
+        const MlaTile t{qv, qe, acc, m, l, R, P, t0, n, pos[qi], tpos, lrow, prow};
+        switch (nb) {
+          case 8: mla_rows<8>(t, r0); break;
+          case 7: mla_rows<4>(t, r0); mla_rows<3>(t, r0 + 4); break;
+          case 6: mla_rows<4>(t, r0); mla_rows<2>(t, r0 + 4); break;
+          case 5: mla_rows<4>(t, r0); mla_rows<1>(t, r0 + 4); break;
+          case 4: mla_rows<4>(t, r0); break;
+          case 3: mla_rows<3>(t, r0); break;
+          case 2: mla_rows<2>(t, r0); break;
+          default: mla_rows<1>(t, r0); break;
+        }
       }
-      for (int c = 0; c < PC; ++c) {
-        const vf qc = vload(qer + c * W);
-        for (int j = 0; j < W; ++j) dots[j] += qc * vload(prow[j] + c * W);
-      }
-      vf s = vsum16(dots);
-      const vi valid = (tpos <= pos[qi]) & (tpos < t0 + n);
-      s = valid ? s : vsplat(NEG_INF);
-      const float mo = m[r];
-      const float mn = std::max(mo, vmaxf(s));
-      const float alpha = std::exp(mo - mn);
-      vf p = vexp(s - mn);
-      p = valid ? p : vf{};
-      l[r] = l[r] * alpha + vsum(p);
-      m[r] = mn;
-      alignas(64) float pw[W];
-      vstore(pw, p);
-      float* ac = acc + static_cast<size_t>(r) * R;
-      for (int c = 0; c < RC; ++c) {
-        vf av = vload(ac + c * W) * alpha;
-        for (int j = 0; j < n; ++j) av += vsplat(pw[j]) * vload(lrow[j] + c * W);
-        vstore(ac + c * W, av);
-      }
+      r0 += nb;
     }
   }
 

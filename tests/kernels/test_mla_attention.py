@@ -133,9 +133,10 @@ def test_paged_mla_reproduces_deepseek_v3_attention(use_kernel: bool) -> None:
 
 
 # (L, R, P, H): DeepSeek's 512 / 64 with 16 and 128 heads (the latter not at L = 40: 10 s a dtype), small and
-# odd head counts, the narrowest vectors.
+# odd head counts (row blocks of 1-8), the narrowest vectors.
 MLA_SHAPES = [(n, r, p, h) for n in (1, 6, 40)
-              for r, p, h in [(512, 64, 16), (512, 64, 128), (64, 32, 1), (64, 32, 3), (16, 16, 16), (64, 16, 20)]
+              for r, p, h in [(512, 64, 16), (512, 64, 128), (64, 32, 1), (64, 32, 3), (16, 16, 16), (64, 16, 20),
+                              (64, 32, 5), (32, 16, 14), (64, 32, 7)]
               if not (n == 40 and h == 128)]  # fmt: skip
 
 
