@@ -29,6 +29,7 @@ import argparse
 import json
 import os
 import platform
+import shutil
 import signal
 import subprocess
 import sys
@@ -241,6 +242,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     out = (args.out or args.results or ROOT / "results" / "gpu-check").resolve()
     out.mkdir(parents=True, exist_ok=True)
+    shutil.rmtree(out / "kernel-cache", ignore_errors=True)  # every run checks and times afresh
     environ = dict(os.environ)
     steps = plan(args.python, out, full=args.full, stub=args.stub, in_pytest=inside_pytest(environ),
                  system=platform.system())  # fmt: skip

@@ -73,13 +73,18 @@ def test_quick_stub_dry_run_finishes_in_time_with_one_verdict_line(tmp_path: Pat
 
 
 def test_env_step_here(tmp_path: Path) -> None:
-    """The real env step: PASS on a GPU; elsewhere SKIP, and every later step SKIP with it (no FAIL)."""
-    proc, statuses = _run("--quick", tmp_path=tmp_path)
+    """The real env step alone (never the whole check inside the suite): PASS on a GPU, SKIP elsewhere."""
+    proc, statuses = _run("--quick", "--steps", "env", tmp_path=tmp_path)
+    assert statuses == {"env": "PASS" if _gpu_here() else "SKIP"}, proc.stdout
+    if not _gpu_here():
+        assert proc.returncode == 2 and "no Metal/CUDA back-end" in (tmp_path / "env.txt").read_text()
+
+
+def test_without_a_gpu_every_step_is_skip(tmp_path: Path) -> None:
     if _gpu_here():
-        pytest.skip("a GPU is here: the full quick check is gpu_check.sh's to run, not the suite's")
-    assert set(statuses.values()) == {"SKIP"}, proc.stdout
-    assert proc.returncode == 2
-    assert "no Metal/CUDA back-end" in (tmp_path / "env.txt").read_text()
+        pytest.skip("a GPU is here: the whole quick check is gpu_check.sh's to run, not the suite's")
+    proc, statuses = _run("--quick", tmp_path=tmp_path)
+    assert set(statuses.values()) == {"SKIP"} and proc.returncode == 2, proc.stdout
 
 
 def test_the_quick_plan_fits_the_deadline_and_does_no_cpu_only_work(tmp_path: Path) -> None:
