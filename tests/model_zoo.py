@@ -123,6 +123,10 @@ FAMILIES: tuple[Family, ...] = (
                          "long_factor": [1.0 + 0.5 * i for i in range(8)]}}),
     Family("glm4", "glm4", "full (partial RoPE)", {"attention_bias": True, "partial_rotary_factor": 0.5}),
     Family("olmo2", "olmo2", "full (QK norm)", {}),
+    Family("olmo3", "olmo3", _SW_FULL + " (QK norm)", {
+        "num_hidden_layers": 4, "sliding_window": 12,
+        "layer_types": ["sliding_attention", "sliding_attention", "sliding_attention", "full_attention"]},
+        windowed=True),
     Family("smollm3", "smollm3", "full, no-RoPE layers", {"num_hidden_layers": 4, "no_rope_layer_interval": 2}),
     Family("starcoder2", "starcoder2", "full (biases, LayerNorm)", {"norm_epsilon": 1e-5, "tie_word_embeddings": True}),
     Family("internlm2", "internlm2", "full (fused wqkv)", {"bias": False}),
@@ -152,6 +156,18 @@ FAMILIES: tuple[Family, ...] = (
         "num_experts_per_tok": 2, "kv_lora_rank": 32, "q_lora_rank": 48, "qk_rope_head_dim": 8, "v_head_dim": 16,
         "qk_nope_head_dim": 16, "first_k_dense_replace": 1, "n_group": 1, "topk_group": 1,
         "topk_method": "noaux_tc", "scoring_func": "sigmoid", "routed_scaling_factor": 1.5}),
+    Family("qwen2_moe", "qwen2_moe", "full (QKV bias), MoE with a shared expert", {
+        "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+        "shared_expert_intermediate_size": 64}),
+    Family("olmoe", "olmoe", "full (QK norm), MoE", {"num_experts": 4, "num_experts_per_tok": 2}),
+    Family("granitemoe", "granitemoe", "full, multipliers, MoE", {
+        "logits_scaling": 4.0, "attention_multiplier": 0.2, "embedding_multiplier": 3.0, "residual_multiplier": 0.5,
+        "attention_bias": False, "num_local_experts": 4, "num_experts_per_tok": 2}),
+    Family("phimoe", "phimoe", "full, MoE", {"num_key_value_heads": 2, "num_local_experts": 4,
+                                             "num_experts_per_tok": 2, "router_jitter_noise": 0.0}),
+    Family("seed_oss", "seed_oss", "full", {}),
+    Family("ernie4_5", "ernie4_5", "full", {"use_bias": False}),
+    Family("hunyuan_v1_dense", "hunyuan_v1_dense", "full (QK norm)", {}),
     Family("glm4_moe_lite", "glm4_moe_lite", "MLA, MoE", {
         "moe_intermediate_size": 32, "num_key_value_heads": 4, "n_shared_experts": 1, "n_routed_experts": 4,
         "num_experts_per_tok": 2, "kv_lora_rank": 32, "q_lora_rank": 48, "qk_rope_head_dim": 8, "v_head_dim": 16,
