@@ -49,13 +49,17 @@ def _base_config(g: _Meta, weights: dict[str, mx.array], model_type: str) -> dic
     rope_dims = g.get("rope.dimension_count")
     if rope_dims is not None and int(rope_dims) != head_dim and g.arch != "phi3":
         raise g.refuse(f"partial RoPE ({rope_dims} of {head_dim} head dimensions)")
+    layers = int(g.get("block_count", required=True))
+    present = {int(m.group(1)) for k in weights if (m := _BLOCK.match(k))}
+    if present != set(range(layers)):  # also keeps a corrupt count from building millions of layers
+        raise CorruptModelFile(f"{g.path}: {g.arch}.block_count is {layers}, the file holds {len(present)} blocks")
     embed = weights.get("token_embd.weight")
     tokens = g.meta.get("tokenizer.ggml.tokens")
     vocab = embed.shape[0] if embed is not None else g.get("vocab_size") or len(tokens or ())
     return {
         "model_type": model_type,
         "hidden_size": hidden,
-        "num_hidden_layers": int(g.get("block_count", required=True)),
+        "num_hidden_layers": layers,
         "intermediate_size": int(g.get("feed_forward_length", required=True)),
         "num_attention_heads": heads,
         "num_key_value_heads": int(g.get("attention.head_count_kv", heads)),
@@ -314,6 +318,7 @@ _CONFIG_TENSORS = {
     "llama": ("rope_freqs",), "mistral3": ("rope_freqs",), "phi3": ("rope_factors_long", "rope_factors_short"),
 }
 _NORM_SHIFTED = ("gemma2", "gemma3")  # the converter stores Gemma's RMSNorm weights as 1 + w
+_BLOCK = re.compile(r"^blk\.(\d+)\.")
 _NAME = re.compile(r"^(?:blk\.(\d+)\.)?(\w+)\.(weight|bias|scales|biases)$")
 
 

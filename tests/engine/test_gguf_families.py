@@ -650,6 +650,7 @@ def _gguf_with(tmp_path: Path, arch: str, extra: dict[str, Any], tokenizer_json:
         ("starcoder2", {}, "unsupported GGUF architecture 'starcoder2'"),
         ("mistral3", {"mistral3.attention.temperature_scale": 0.1}, "attention temperature scaling"),
         ("llama", {"llama.rope.dimension_count": 8}, "partial RoPE"),
+        ("llama", {"llama.block_count": 5_000_000}, "block_count is 5000000, the file holds 2 blocks"),
         ("llama", {"llama.attention.head_count_kv": [2, 1]}, "per-layer llama.attention.head_count_kv"),
     ],
 )
