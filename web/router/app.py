@@ -57,7 +57,7 @@ def create_router_app(config: RouterConfig, router: Router, forwarder: Forwarder
     app.config["RESPONSE_TIMEOUT"] = None  # streams last as long as their generation
     api_key = config.server.api_key
 
-    install_guards(app, api_key, config.server.allowed_origins)
+    install_guards(app, api_key, config.server.allowed_origins, config.server.host)
 
     @app.errorhandler(Exception)
     async def any_error(exc: Exception) -> Response:
@@ -118,7 +118,7 @@ def create_router_app(config: RouterConfig, router: Router, forwarder: Forwarder
     async def reset_stats() -> Response | dict[str, Any]:
         # It changes what /stats reports: the API key when one is set, and never from another site's page (a
         # form POST from any page needs no CORS preflight).
-        if not same_or_allowed_origin(request.headers, config.server.allowed_origins):
+        if not same_or_allowed_origin(request.headers, config.server.allowed_origins, config.server.host):
             return error_response(APIError(403, "cross-origin request refused (see --allowed-origin)",
                                            "permission_error", "origin_not_allowed"))
         if not is_authorized(api_key, request.headers):
