@@ -7,12 +7,20 @@ cancels on the socket). At the end, once the server has settled: nothing may be 
 no KV block held (GET /stats); the server's RSS growth after --warmup is reported, as are the 5xx, resets and
 the p50/p99 latency of the well-behaved clients (those that did not disconnect).
 
+With --hostile N (issue 25) the run has two measured phases after a short warm-up: --duration seconds of
+the well-behaved load alone, then the same load (same seed) for --duration more beside N hostile clients
+(bench/soak_hostile.py: oversized bodies of every API, which must get 400s; completions fan-outs of prompts x n
+up to the server's cap; special-token floods). It reports the well-behaved clients' p99 TTFT and ITL (gaps
+between one choice's SSE chunks) in each phase and their ratio (target under --max-ratio, 1.5); a phase that
+measured no TTFT or ITL fails the run (exit 2).
+
 With no --url it starts `trillm serve` itself (the default model, --model PATH, or --mock) and samples that
 process's RSS; with --url give --server-pid so its RSS can be sampled. Exit 1 when a target is missed
 (any 5xx, reset, error event, leaked block or live request; RSS growth over --max-rss-growth-mb), 2 when it
 measured nothing.
 
     flock /tmp/trillm-bench.lock trillm bench soak --mock --duration 1800 --clients 96 --disconnect 0.3
+    flock /tmp/trillm-bench.lock trillm bench soak --duration 120 --warmup 20 --clients 8 --hostile 2
 """
 
 from __future__ import annotations
@@ -33,6 +41,7 @@ import trio_websocket
 
 from trillm.bench.results import new_results_dir, write_json, write_meta
 from trillm.bench.servers import ServerProcess, blas_env, free_port
+from trillm.bench.soak_hostile import HostileMix, HostileTally, hostile_clients, hostile_missed
 
 STOP_STRINGS = (".", "\n", " the", " a", " ab", " zz", " q")
 WORDS = ("the quick brown fox jumps over the lazy dog while a small model learns to count and write "
@@ -49,6 +58,7 @@ class Tally:
     transport_errors: Counter[str] = field(default_factory=Counter)  # resets, closed without a response
     error_events: Counter[str] = field(default_factory=Counter)  # error events/messages (by code), no [DONE]
     ttft_s: list[float] = field(default_factory=list)  # well-behaved streams
+    itl_s: list[float] = field(default_factory=list)  # well-behaved SSE streams: gaps between a choice's tokens
     e2e_s: list[float] = field(default_factory=list)  # well-behaved requests of every kind
 
     def transport(self, exc: BaseException) -> None:
@@ -98,9 +108,17 @@ def path_of(body: dict[str, Any]) -> str:
     return "/v1/chat/completions" if "messages" in body else "/v1/completions"
 
 
+def _texts(chunk: dict[str, Any]) -> list[int]:
+    """The choice indices of a chunk's choices that carry text (a chat role chunk or usage chunk has none)."""
+    return [c.get("index", 0) for c in chunk.get("choices") or ()
+            if c.get("text") or (c.get("delta") or {}).get("content")]
+
+
 async def sse(client: httpx.AsyncClient, body: dict[str, Any], cut: int | None, tally: Tally) -> None:
     t0 = time.perf_counter()
-    first: float | None = None
+    first: float | None = None  # the first chunk with text: the chat role chunk is no token
+    last: dict[int, float] = {}  # per choice, when its latest text arrived
+    gaps: list[float] = []
     async with client.stream("POST", path_of(body), json={**body, "stream": True}) as r:
         tally.statuses[r.status_code] += 1
         if r.status_code != 200:
@@ -114,12 +132,19 @@ async def sse(client: httpx.AsyncClient, body: dict[str, Any], cut: int | None, 
                 tally.completed += 1
                 if cut is None and first is not None:
                     tally.ttft_s.append(first - t0)
+                    tally.itl_s.extend(gaps)
                     tally.e2e_s.append(time.perf_counter() - t0)
                 return
-            if first is None:
-                first = time.perf_counter()
-            if line.startswith('data: {"error"'):
-                tally.error_events[json.loads(line[6:])["error"].get("code") or "?"] += 1
+            chunk = json.loads(line[6:])
+            if "error" in chunk:
+                tally.error_events[chunk["error"].get("code") or "?"] += 1
+            now = time.perf_counter()
+            for i in _texts(chunk):
+                if first is None:
+                    first = now
+                if i in last:
+                    gaps.append(now - last[i])
+                last[i] = now
             events += 1
             if cut is not None and events >= cut:
                 tally.disconnects += 1
@@ -221,8 +246,61 @@ async def settle(client: httpx.AsyncClient, timeout_s: float) -> dict[str, Any]:
         await trio.sleep(0.2)
 
 
+def merge(into: Tally, part: Tally) -> None:
+    into.requests += part.requests
+    into.completed += part.completed
+    into.disconnects += part.disconnects
+    for name in ("by_kind", "statuses", "transport_errors", "error_events"):
+        getattr(into, name).update(getattr(part, name))
+    for name in ("ttft_s", "itl_s", "e2e_s"):
+        getattr(into, name).extend(getattr(part, name))
+
+
+def well_behaved(tally: Tally) -> dict[str, Any]:
+    return {"n": len(tally.e2e_s), "ttft_p50_s": percentile(tally.ttft_s, 0.5),
+            "ttft_p99_s": percentile(tally.ttft_s, 0.99), "itl_p50_s": percentile(tally.itl_s, 0.5),
+            "itl_p99_s": percentile(tally.itl_s, 0.99), "itl_gaps": len(tally.itl_s),
+            "e2e_p50_s": percentile(tally.e2e_s, 0.5), "e2e_p99_s": percentile(tally.e2e_s, 0.99)}
+
+
+def ratio(a: float | None, b: float | None) -> float | None:
+    return None if a is None or not b else a / b
+
+
+async def phases(url: str, control: httpx.AsyncClient, args: argparse.Namespace, tally: Tally,
+                 current: list[Tally]) -> dict[str, Any]:
+    """--hostile: a warm-up (unmeasured), then the same well-behaved load alone and beside the hostile mix
+    (the same seed: the same sequence of requests), each --duration seconds, settling between them."""
+    model = (await control.get("/v1/models")).json()["data"][0]["id"]
+    mix = HostileMix(model, int(args.oversized_mb * (1 << 20)), args.fanout_prompts, args.fanout_n,
+                     args.fanout_max_tokens, args.flood_max_tokens, args.flood_n)
+    hostile = HostileTally()
+    report: dict[str, Any] = {}
+    for name, seconds in (("warmup", args.phase_warmup), ("baseline", args.duration), ("hostile", args.duration)):
+        if seconds <= 0:
+            continue
+        part = current[0] = Tally()
+        start = trio.current_time()
+        print(f"soak: phase {name}, {seconds:.0f} s", flush=True)
+        async with trio.open_nursery() as nursery:
+            if name == "hostile":
+                nursery.start_soon(hostile_clients, url, mix, args.hostile, hostile, start + seconds, args.seed)
+            nursery.start_soon(load, url, args, part, start + seconds)
+        merge(tally, part)
+        report[name] = {"seconds": trio.current_time() - start, "requests": part.requests,
+                        "statuses": dict(part.statuses), "well_behaved": well_behaved(part)}
+        await settle(control, args.settle_s)
+    base, host = report["baseline"]["well_behaved"], report["hostile"]["well_behaved"]
+    return {"clients": args.hostile, "mix": {k: v for k, v in vars(mix).items() if k != "model"},
+            "phases": report, "hostile_requests": hostile.summary(),
+            "ratio": {"ttft_p99": ratio(host["ttft_p99_s"], base["ttft_p99_s"]),
+                      "itl_p99": ratio(host["itl_p99_s"], base["itl_p99_s"])}}
+
+
 async def run(url: str, pid: int, args: argparse.Namespace) -> dict[str, Any]:
     tally = Tally()
+    current = [tally]  # what the progress line counts: the running phase's tally under --hostile
+    mixed: dict[str, Any] | None = None
     samples: list[tuple[float, float]] = []  # (seconds since start, RSS MB)
     occupancy: list[tuple[int, int]] = []  # (running, waiting) once a second: how full the batch was
     t0 = trio.current_time()
@@ -239,8 +317,11 @@ async def run(url: str, pid: int, args: argparse.Namespace) -> dict[str, Any]:
         before = (await control.get("/stats")).json()["models"][0]
         async with trio.open_nursery() as nursery:
             nursery.start_soon(sampler)
-            nursery.start_soon(progress, tally, t0, args.duration)
-            await load(url, args, tally, t0 + args.duration)
+            nursery.start_soon(progress, current, t0, args.duration * (2 if args.hostile else 1))
+            if args.hostile:
+                mixed = await phases(url, control, args, tally, current)
+            else:
+                await load(url, args, tally, t0 + args.duration)
             elapsed = trio.current_time() - t0
             model = await settle(control, args.settle_s)
             await trio.sleep(1.1)  # one more RSS sample, settled
@@ -259,9 +340,8 @@ async def run(url: str, pid: int, args: argparse.Namespace) -> dict[str, Any]:
         "engine_load": {"running_mean": sum(r for r, _ in occupancy) / len(occupancy) if occupancy else None,
                         "running_max": max((r for r, _ in occupancy), default=None),
                         "waiting_max": max((w for _, w in occupancy), default=None)},
-        "well_behaved": {"n": len(tally.e2e_s), "ttft_p50_s": percentile(tally.ttft_s, 0.5),
-                         "ttft_p99_s": percentile(tally.ttft_s, 0.99), "e2e_p50_s": percentile(tally.e2e_s, 0.5),
-                         "e2e_p99_s": percentile(tally.e2e_s, 0.99)},
+        "well_behaved": well_behaved(tally),
+        **({"hostile": mixed} if mixed is not None else {}),
         "after": {"live_requests": model["live_requests"], "running": engine.get("running"),
                   "waiting": engine.get("waiting"), "kv_blocks_used": engine.get("kv_blocks_used"),
                   "restarts": model["restarts"] - before["restarts"], "outcomes": model["requests"]},
@@ -281,9 +361,10 @@ def trend(samples: list[tuple[float, float]], points: int) -> list[tuple[int, fl
     return [(round(t), round(mb, 1)) for t, mb in picked]
 
 
-async def progress(tally: Tally, t0: float, duration: float) -> None:
+async def progress(current: list[Tally], t0: float, duration: float) -> None:
     while True:
         await trio.sleep(60)
+        tally = current[0]
         print(f"  {trio.current_time() - t0:5.0f}/{duration:.0f} s: {tally.requests} requests, {tally.completed} "
               f"completed, {tally.disconnects} disconnects, statuses {dict(tally.statuses)}", flush=True)
 
@@ -296,6 +377,14 @@ def measured_nothing(res: dict[str, Any]) -> str | None:
         return "no well-behaved request completed"
     if res["rss_mb"]["growth_after_warmup"] is None:
         return "no RSS sample after the warm-up"
+    if "hostile" in res:
+        for name in ("baseline", "hostile"):
+            wb = res["hostile"]["phases"][name]["well_behaved"]
+            if wb["ttft_p99_s"] is None or wb["itl_p99_s"] is None:
+                return f"the {name} phase measured no well-behaved stream's TTFT and ITL"
+        unanswered = [k for k, codes in res["hostile"]["hostile_requests"]["statuses"].items() if not codes]
+        if unanswered:
+            return f"the hostile phase got no response to its {', '.join(unanswered)} requests"
     return None
 
 
@@ -317,6 +406,15 @@ def verdict(res: dict[str, Any], args: argparse.Namespace) -> list[str]:
         missed.append(f"the engine restarted {after['restarts']} times")
     if rss["growth_after_warmup"] is not None and rss["growth_after_warmup"] > args.max_rss_growth_mb:
         missed.append(f"RSS grew {rss['growth_after_warmup']:.1f} MB after warm-up (> {args.max_rss_growth_mb})")
+    if "hostile" in res:
+        mixed = res["hostile"]
+        missed += hostile_missed(mixed["hostile_requests"])
+        if mixed["hostile_requests"]["transport_errors"]:
+            missed.append(f"hostile connection errors: {mixed['hostile_requests']['transport_errors']}")
+        for what, r in mixed["ratio"].items():
+            if r is not None and r > args.max_ratio:
+                missed.append(f"well-behaved p99 {what.split('_')[0].upper()} with the hostile mix is {r:.2f}x "
+                              f"without it (> {args.max_ratio})")
     return missed
 
 
@@ -338,11 +436,26 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--settle-s", type=float, default=30.0, help="wait this long at most for the server to idle")
     p.add_argument("--max-rss-growth-mb", type=float, default=50.0)
     p.add_argument("--seed", type=int, default=0)
+    h = p.add_argument_group("hostile mix (issue 25)", "with --hostile N: a warm-up, then --duration seconds of the "
+                             "well-behaved load alone and --duration more beside N hostile clients")
+    h.add_argument("--hostile", type=int, default=0, help="hostile clients (0: no hostile mix, one phase)")
+    h.add_argument("--phase-warmup", type=float, default=10.0, help="unmeasured seconds before the two phases")
+    h.add_argument("--max-ratio", type=float, default=1.5,
+                   help="target: well-behaved p99 TTFT and ITL with the hostile mix / without it")
+    h.add_argument("--oversized-mb", type=float, default=2.0,
+                   help="oversized bodies' bulk (over --max-prompt-bytes, under --max-request-bytes)")
+    h.add_argument("--fanout-prompts", type=int, default=64, help="prompts in one fan-out completions batch")
+    h.add_argument("--fanout-n", type=int, default=4, help="n of a fan-out (prompts x n: the server's cap, 256)")
+    h.add_argument("--fanout-max-tokens", type=int, default=128)
+    h.add_argument("--flood-max-tokens", type=int, default=2000, help="a special-token flood's max_tokens")
+    h.add_argument("--flood-n", type=int, default=4)
     p.add_argument("--results-dir", default="results")
     args = p.parse_args(argv)
     args.max_tokens = [int(x) for x in args.max_tokens.split(",")]
-    if not 0 <= args.disconnect <= 1 or args.clients < 1 or args.duration <= 0:
-        p.error("--disconnect must be in [0, 1], --clients >= 1 and --duration > 0")
+    if not 0 <= args.disconnect <= 1 or args.clients < 1 or args.duration <= 0 or args.hostile < 0:
+        p.error("--disconnect must be in [0, 1], --clients >= 1, --duration > 0 and --hostile >= 0")
+    if args.hostile == 1:
+        p.error("--hostile needs at least 2 clients (a fan-out and a flood run side by side)")
     if args.url is not None and args.server_pid is None:
         p.error("--url needs --server-pid (the soak measures the server's RSS)")
 
@@ -373,6 +486,13 @@ def main(argv: list[str] | None = None) -> int:
     if (why := measured_nothing(res)) is not None:
         print(f"soak: measured nothing ({why}); failing", file=sys.stderr)
         return 2
+    if "hostile" in res:
+        ph, r = res["hostile"]["phases"], res["hostile"]["ratio"]
+        print("soak: well-behaved p99 TTFT {:.3f} s -> {:.3f} s ({:.2f}x), p99 ITL {:.3f} s -> {:.3f} s ({:.2f}x) "
+              "without -> with the hostile mix".format(
+                  ph["baseline"]["well_behaved"]["ttft_p99_s"] or 0, ph["hostile"]["well_behaved"]["ttft_p99_s"] or 0,
+                  r["ttft_p99"] or 0, ph["baseline"]["well_behaved"]["itl_p99_s"] or 0,
+                  ph["hostile"]["well_behaved"]["itl_p99_s"] or 0, r["itl_p99"] or 0))
     missed = verdict(res, args)
     for line in missed:
         print(f"soak: target missed: {line}", file=sys.stderr)
