@@ -22,7 +22,15 @@ in "strict" mode, which always checks. A failure that raised (maybe transient: o
 fault) expires after FAILURE_TTL_S; a mismatch stays until the sources change. Each check case ends with
 mx.synchronize(), so a fault that surfaces at the next sync is that case's failure.
 
-    python -m trillm.kernels.selfcheck [--preset NAME ...] [--dtype ...] [--json FILE]
+On a GPU back-end (metal, cuda) a check with no cached decision behind it first runs in a child process
+(`check_in_child`): a Metal command-buffer fault or a CUDA error can abort the process rather than raise, and
+the server must survive it. One child checks every such op of a `select_kernels` call (a new child resumes
+after an op that crashed it); a crash, abort, nonzero exit or CHILD_TIMEOUT_S there sets that op's kernel
+aside like a failure that raised (cached for FAILURE_TTL_S). Only ops that pass there are checked (which
+compiles them here) and timed in this process. On CPU the check stays in-process: the CPU primitives cannot
+fault a device. TRILLM_KERNEL_ISOLATE=1 / 0 (or `isolate=`) forces the child on or off.
+
+    python -m trillm.kernels.selfcheck [--preset NAME ...] [--dtype ...] [--json FILE] [--no-isolate]
 """
 
 from __future__ import annotations
@@ -31,8 +39,11 @@ import argparse
 import hashlib
 import inspect
 import json
+import importlib
 import os
+import signal
 import statistics
+import subprocess
 import sys
 import time
 import warnings
@@ -43,7 +54,7 @@ from typing import Any
 
 import mlx.core as mx
 
-from trillm.kernels.backend import Kernel, KernelOp, forced_reference, kernel_backend
+from trillm.kernels.backend import Case, Kernel, KernelOp, forced_reference, kernel_backend
 from trillm.kernels.kv_gather import OP as KV_GATHER
 from trillm.kernels.kv_gather import KvGatherFn, kv_gather, kv_gather_ref
 from trillm.kernels.layout import ModelShapes
@@ -62,6 +73,8 @@ CACHE_ENV = "TRILLM_KERNEL_CACHE"
 # case differ by more, and a fallback decision is cached, so a coin toss would stick for every later start.
 TIE_MARGIN = 0.05
 FAILURE_TTL_S = 3600.0  # how long a failure that raised stays cached (a mismatch stays until the sources change)
+ISOLATE_ENV = "TRILLM_KERNEL_ISOLATE"  # "1": uncached checks run in a child first; "0": never; unset: on GPU
+CHILD_TIMEOUT_S = 300.0  # one child's limit (a first Metal/CUDA compile of every variant takes seconds, not minutes)
 ENGINE_OPS: tuple[KernelOp, ...] = (PAGED_ATTENTION, KV_GATHER, rms_norm_op.OP, rope_op.OP, silu_mul_op.OP, linear_op.OP,
                                     mla_op.OP)  # fmt: skip
 REFERENCE = "reference"
@@ -148,21 +161,35 @@ def cache_dir() -> Path:
 
 
 def select_kernels(
-    shapes: ModelShapes, mode: str = "auto", *, ops: Sequence[KernelOp] | None = None, timing_iters: int = 5
+    shapes: ModelShapes, mode: str = "auto", *, ops: Sequence[KernelOp] | None = None, timing_iters: int = 5,
+    isolate: bool | None = None,
 ) -> KernelSelection:
     """Check, time and choose each op's implementation for `shapes` (see the module docstring).
 
-    `ops` defaults to ENGINE_OPS; the selection runs the reference of any op `ops` leaves out.
+    `ops` defaults to ENGINE_OPS; the selection runs the reference of any op `ops` leaves out. `isolate`:
+    whether checks without a cached decision run in a child process first (None: $TRILLM_KERNEL_ISOLATE,
+    else only on the GPU back-ends).
     """
     ops = ENGINE_OPS if ops is None else ops
     if mode not in MODES:
         raise ValueError(f"kernels mode must be one of {MODES}, got {mode!r}")
     t0 = time.perf_counter()
     backend = None if mode == "ref" else kernel_backend()
+    prepared = []
+    for op in ops:  # (a loop, not a comprehension: the warnings' stacklevel counts frames)
+        prepared.append(_prepare_op(op, shapes, backend, mode))
+    child: dict[str, tuple[str | None, bool]] = {}
+    if backend is not None and isolating(backend, isolate):
+        # Only a check no earlier start has passed: a cached "kernel" decision was proven in a child then.
+        todo = [p for p in prepared if isinstance(p, _Pending) and (p.cached is None or p.cached.failed)]
+        todo = [p for p in todo if _isolatable(p.op, p.kernel)]
+        if todo:
+            child = check_in_child([(p.op, p.kernel) for p in todo], shapes)
     chosen: dict[str, Callable[..., Any]] = {}
     reports = []
-    for op in ops:
-        op_report, fn = _select_op(op, shapes, backend, mode, timing_iters)
+    for op, p in zip(ops, prepared):
+        op_report, fn = p if not isinstance(p, _Pending) else _finish_op(p, shapes, mode, timing_iters,
+                                                                          child.get(op.name))  # fmt: skip
         reports.append(op_report)
         chosen[op.name] = fn
     report = KernelReport(mode, backend, device_description(), tuple(reports), round(time.perf_counter() - t0, 3))
@@ -177,9 +204,21 @@ def select_kernels(
     )  # fmt: skip
 
 
-def _select_op(
-    op: KernelOp, shapes: ModelShapes, backend: str | None, mode: str, iters: int
-) -> tuple[OpReport, Callable[..., Any]]:
+@dataclass(frozen=True, slots=True)
+class _Pending:
+    """An op whose kernel must be checked now (or was decided by a cached check that still compiles)."""
+
+    op: KernelOp
+    kernel: Kernel
+    backend: str
+    key: str
+    cached: OpReport | None
+
+
+def _prepare_op(
+    op: KernelOp, shapes: ModelShapes, backend: str | None, mode: str
+) -> tuple[OpReport, Callable[..., Any]] | _Pending:
+    """The decision that needs no check (no kernel, forced references, a cached fallback), or what to check."""
     ref = op.reference
     if not op.applies(shapes):
         return OpReport(op.name, REFERENCE, backend, "not used by this model"), ref
@@ -199,7 +238,15 @@ def _select_op(
         if cached.failed:
             _warn(op, backend, f"cached result of an earlier start: {cached.reason}")
         return replace(cached, cached=True), ref
-    failure, deterministic = _check(op, kernel, shapes)
+    return _Pending(op, kernel, backend, key, cached)
+
+
+def _finish_op(
+    p: _Pending, shapes: ModelShapes, mode: str, iters: int, child: tuple[str | None, bool] | None
+) -> tuple[OpReport, Callable[..., Any]]:
+    """Check (unless the child already failed it), time and decide one op. `child`: the child's outcome."""
+    op, kernel, backend, key, cached, ref = p.op, p.kernel, p.backend, p.key, p.cached, p.op.reference
+    failure, deterministic = child if child is not None and child[0] is not None else _check(op, kernel, shapes)
     if failure is None and cached is not None and cached.implementation == backend:
         return replace(cached, cached=True), _routed(op, kernel.fn, cached)  # checked now; timed by an earlier start
     phases: dict[str, tuple[float, float]] = {}
@@ -272,19 +319,180 @@ def check_kernel(op: KernelOp, kernel: Kernel, shapes: ModelShapes) -> str | Non
 def _check(op: KernelOp, kernel: Kernel, shapes: ModelShapes) -> tuple[str | None, bool]:
     """(what went wrong or None, whether that is deterministic: a mismatch is, an exception may not be)."""
     for case in op.check_cases(shapes):
-        try:
-            got = kernel.fn(*case.args, **case.kwargs)
-            mx.eval(got)
-            # A GPU fault can surface at a later sync, outside this case: wait for the device here.
-            if hasattr(mx, "synchronize"):
-                mx.synchronize()
-        except Exception as exc:  # noqa: BLE001  (build errors, launch errors, anything: report it)
-            return f"{case.label}: {_error_text(exc)}", False
-        want = op.reference(*case.args, **case.kwargs)
-        mx.eval(want)
-        if (problem := compare(got, want, op.exact, op.tolerances.get(want.dtype, (0.0, 0.0)))) is not None:
-            return f"{case.label}: {problem}", True
+        if (outcome := _check_case(op, kernel, case)) is not None:
+            return outcome
     return None, True
+
+
+def _check_case(op: KernelOp, kernel: Kernel, case: Case) -> tuple[str, bool] | None:
+    try:
+        got = kernel.fn(*case.args, **case.kwargs)
+        mx.eval(got)
+        # A GPU fault can surface at a later sync, outside this case: wait for the device here.
+        if hasattr(mx, "synchronize"):
+            mx.synchronize()
+    except Exception as exc:  # noqa: BLE001  (build errors, launch errors, anything: report it)
+        return f"{case.label}: {_error_text(exc)}", False
+    want = op.reference(*case.args, **case.kwargs)
+    mx.eval(want)
+    if (problem := compare(got, want, op.exact, op.tolerances.get(want.dtype, (0.0, 0.0)))) is not None:
+        return f"{case.label}: {problem}", True
+    return None
+
+
+# ---------------------------------------------------------------- the first check in a child process
+_CHILD_TAG = "trillm-selfcheck-child "  # prefixes the child's protocol lines on stdout (anything else is noise)
+_CHILD_CODE = "from trillm.kernels.selfcheck import child_main; raise SystemExit(child_main())"
+
+
+def isolating(backend: str, isolate: bool | None = None) -> bool:
+    """Whether checks without a cached decision run in a child first (see the module docstring)."""
+    if isolate is not None:
+        return isolate
+    env = os.environ.get(ISOLATE_ENV, "").strip()
+    if env in ("0", "1"):
+        return env == "1"
+    return backend in ("metal", "cuda")
+
+
+def _fn_path(fn: Callable[..., Any]) -> str | None:
+    """'module:qualname' a child can import `fn` by, or None (a lambda, a closure, a callable object)."""
+    module, qualname = getattr(fn, "__module__", None), getattr(fn, "__qualname__", None)
+    if not isinstance(module, str) or not isinstance(qualname, str) or "<" in qualname:
+        return None
+    return f"{module}:{qualname}"
+
+
+def _resolve(path: str) -> Any:
+    module, qualname = path.split(":", 1)
+    obj: Any = importlib.import_module(module)
+    for part in qualname.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def _isolatable(op: KernelOp, kernel: Kernel) -> bool:
+    """A child can rebuild exactly this check: the op is an engine op (found by name there) and the kernel a
+    function it imports by name. Anything else (an op edited in place, a planted lambda) is checked here."""
+    if not any(o is op for o in ENGINE_OPS) or (path := _fn_path(kernel.fn)) is None:
+        return False
+    try:
+        return bool(_resolve(path) is kernel.fn)
+    except (ImportError, AttributeError, ValueError):
+        return False
+
+
+def _shapes_json(shapes: ModelShapes) -> dict[str, Any]:
+    fields: dict[str, Any] = {f: getattr(shapes, f) for f in shapes.__dataclass_fields__}
+    fields["dtype"] = str(shapes.dtype).rsplit(".", 1)[-1]  # "mlx.core.float16" -> "float16"
+    fields["layer_windows"] = list(shapes.layer_windows)
+    return fields
+
+
+def _shapes_from_json(fields: dict[str, Any]) -> ModelShapes:
+    return ModelShapes(**{**fields, "dtype": getattr(mx, fields["dtype"]),
+                          "layer_windows": tuple(fields["layer_windows"])})  # fmt: skip
+
+
+def check_in_child(
+    items: Sequence[tuple[KernelOp, Kernel]], shapes: ModelShapes, timeout_s: float | None = None
+) -> dict[str, tuple[str | None, bool]]:
+    """Each op's check cases run in a child process: op name -> (what went wrong or None, deterministic).
+
+    One child runs them all, reporting each case before it runs it; when the child dies (a signal, a nonzero
+    exit, the timeout), the op it was in fails (not deterministic: maybe a transient device fault) and a new
+    child resumes with the ops after it. A child that dies after reporting every op fails the ops it passed:
+    a fault that surfaced late is one of theirs.
+    """
+    timeout_s = CHILD_TIMEOUT_S if timeout_s is None else timeout_s
+    outcomes: dict[str, tuple[str | None, bool]] = {}
+    pending = list(items)
+    device = "gpu" if mx.default_device() == mx.gpu else "cpu"
+    while pending:
+        request = dict(shapes=_shapes_json(shapes), device=device, sys_path=sys.path,
+                       ops=[dict(op=op.name, kernel=_fn_path(k.fn)) for op, k in pending])  # fmt: skip
+        cmd = [sys.executable, "-c", _CHILD_CODE]
+        try:
+            proc = subprocess.run(cmd, input=json.dumps(request), capture_output=True, text=True, timeout=timeout_s)
+            stdout, stderr, death = proc.stdout, proc.stderr, _death(proc.returncode)
+        except subprocess.TimeoutExpired as exc:
+            stdout, stderr = _text(exc.stdout), _text(exc.stderr)
+            death = f"the check's child process did not finish within {timeout_s:g} s"
+        except OSError as exc:  # no interpreter to start: nothing to isolate with, check here as before
+            warnings.warn(f"kernel self-check: cannot start a child process ({exc}); checking in-process",
+                          RuntimeWarning, stacklevel=3)  # fmt: skip
+            return outcomes
+        done: dict[str, tuple[str | None, bool]] = {}
+        current: tuple[str, str] | None = None  # (op, case) started and not yet reported
+        for line in stdout.splitlines():
+            if not line.startswith(_CHILD_TAG):
+                continue
+            msg = json.loads(line[len(_CHILD_TAG):])
+            if "case" in msg:
+                current = (str(msg["op"]), str(msg["case"]))
+            else:
+                done[str(msg["op"])] = (msg["failure"], bool(msg["deterministic"]))
+                current = None
+        outcomes.update(done)
+        if death is None and len(done) == len(pending):
+            break
+        why = death or "the check's child process exited without reporting every op"
+        if (tail := _last_line(stderr)) is not None:
+            why += f": {tail}"
+        left = [(op, k) for op, k in pending if op.name not in done]
+        if not left:  # every op reported, then the child died: blame those it ran
+            for op, _ in pending:
+                outcomes[op.name] = (f"passed in the check's child process, which then died ({why})", False)
+            break
+        culprit = left[0][0].name
+        where = f"{current[1]}: " if current is not None and current[0] == culprit else ""
+        outcomes[culprit] = (f"{where}{why}", False)
+        pending = left[1:]
+    return outcomes
+
+
+def _death(returncode: int) -> str | None:
+    if returncode == 0:
+        return None
+    if returncode < 0:
+        try:
+            name = signal.Signals(-returncode).name
+        except ValueError:
+            name = f"signal {-returncode}"
+        return f"the check's child process was killed by {name}"
+    return f"the check's child process exited with status {returncode}"
+
+
+def _text(data: str | bytes | None) -> str:
+    return data.decode(errors="replace") if isinstance(data, bytes) else (data or "")
+
+
+def _last_line(text: str, limit: int = 300) -> str | None:
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    return lines[-1][:limit] if lines else None
+
+
+def child_main() -> int:
+    """The child's side of `check_in_child`: the request on stdin, one tagged JSON line per case and op."""
+    request = json.loads(sys.stdin.read())
+    sys.path.extend(p for p in request["sys_path"] if p not in sys.path)  # the parent's (tests' helper modules)
+    mx.set_default_device(mx.gpu if request["device"] == "gpu" else mx.cpu)
+    shapes = _shapes_from_json(request["shapes"])
+    by_name = {op.name: op for op in ENGINE_OPS}
+
+    def say(**msg: Any) -> None:
+        print(_CHILD_TAG + json.dumps(msg), flush=True)  # flushed: the next case may kill this process
+
+    for item in request["ops"]:
+        op, kernel = by_name[item["op"]], Kernel(_resolve(item["kernel"]))
+        outcome: tuple[str | None, bool] = (None, True)
+        for case in op.check_cases(shapes):
+            say(op=op.name, case=case.label)
+            if (failed := _check_case(op, kernel, case)) is not None:
+                outcome = failed
+                break
+        say(op=op.name, failure=outcome[0], deterministic=outcome[1])
+    return 0
 
 
 def compare(got: Any, want: mx.array, exact: bool, tolerance: tuple[float, float]) -> str | None:
@@ -390,6 +598,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--chunk", type=int, default=512)
     parser.add_argument("--mode", choices=MODES, default="auto")
     parser.add_argument("--json", type=Path, help="write the reports here")
+    parser.add_argument("--no-isolate", dest="isolate", action="store_const", const=False, default=None,
+                        help="run every check in this process (default: uncached checks on a GPU in a child first)")
     args = parser.parse_args(argv)
     backend = kernel_backend()
     print(f"mlx {MLX_VERSION}, device {device_description()}, kernel back-end {backend}", flush=True)
@@ -403,7 +613,7 @@ def main(argv: list[str] | None = None) -> int:
             shapes = replace(PRESETS[name], dtype=getattr(mx, dtype), max_batch=args.max_batch, chunk=args.chunk)
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore", KernelFallbackWarning)  # the report below says it
-                report = select_kernels(shapes, args.mode).report
+                report = select_kernels(shapes, args.mode, isolate=args.isolate).report
             for r in report.ops:
                 failed |= r.failed
                 timing = f" kernel {r.kernel_ms} ms vs reference {r.reference_ms} ms" if r.kernel_ms is not None else ""
