@@ -38,8 +38,9 @@ from __future__ import annotations
 import argparse
 import hashlib
 import inspect
-import json
 import importlib
+import json
+import logging
 import os
 import signal
 import statistics
@@ -80,6 +81,7 @@ ENGINE_OPS: tuple[KernelOp, ...] = (PAGED_ATTENTION, KV_GATHER, rms_norm_op.OP, 
 REFERENCE = "reference"
 MLX_VERSION = str(getattr(mx, "__version__", "unknown"))  # (mlx's stubs omit __version__)
 _PACKAGE_DIR = Path(__file__).resolve().parent
+log = logging.getLogger("trillm.kernels.selfcheck")
 
 
 class KernelCheckError(RuntimeError):
@@ -179,7 +181,13 @@ def select_kernels(
     for op in ops:  # (a loop, not a comprehension: the warnings' stacklevel counts frames)
         prepared.append(_prepare_op(op, shapes, backend, mode))
     child: dict[str, tuple[str | None, bool]] = {}
-    if backend is not None and isolating(backend, isolate):
+    isolated = backend is not None and isolating(backend, isolate)
+    if fresh := [p.op.name for p in prepared if isinstance(p, _Pending) and p.cached is None]:
+        # The pause a first start takes (every variant compiled, checked and timed): say why before it.
+        log.info("kernel self-check on %s: no cached decision for %s on these shapes; checking every variant "
+                 "against its reference%s, then timing it (decisions cached in %s)", backend, ", ".join(fresh),
+                 " in a child process first" if isolated else "", cache_dir())  # fmt: skip
+    if backend is not None and isolated:
         # Only a check no earlier start has passed: a cached "kernel" decision was proven in a child then.
         todo = [p for p in prepared if isinstance(p, _Pending) and (p.cached is None or p.cached.failed)]
         todo = [p for p in todo if _isolatable(p.op, p.kernel)]
@@ -193,6 +201,7 @@ def select_kernels(
         reports.append(op_report)
         chosen[op.name] = fn
     report = KernelReport(mode, backend, device_description(), tuple(reports), round(time.perf_counter() - t0, 3))
+    log.info("kernel self-check on %s (%s) took %.1f s: %s", backend, report.device, report.seconds, summary(report))
     pa = chosen.get(PAGED_ATTENTION.name, paged_attention_ref)
     kg = chosen.get(KV_GATHER.name, kv_gather_ref)
     return KernelSelection(
@@ -213,6 +222,19 @@ class _Pending:
     backend: str
     key: str
     cached: OpReport | None
+
+
+def summary(report: KernelReport) -> str:
+    """One line: each op the model uses and what runs it, e.g. "paged_attention=metal for decode, reference
+    for prefill, kv_gather=metal (cached), rms_norm=reference"."""
+    parts = []
+    for r in report.ops:
+        if r.reason == "not used by this model":
+            continue
+        impl = ", ".join(f"{i} for {p}" for p, i in r.phases) if r.phases else r.implementation
+        notes = [n for n, on in (("cached", r.cached), ("failed", r.failed)) if on]
+        parts.append(f"{r.op}={impl}" + (f" ({', '.join(notes)})" if notes else ""))
+    return ", ".join(parts) or "no ops"
 
 
 def _prepare_op(

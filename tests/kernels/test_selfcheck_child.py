@@ -185,3 +185,30 @@ def test_every_gpu_kernel_can_be_checked_in_a_child() -> None:
     """A Metal/CUDA kernel registered as a lambda would silently skip the child: every one has a name."""
     gpu = [(op, k) for op in selfcheck.ENGINE_OPS for b, k in op.kernels.items() if b in ("metal", "cuda")]
     assert len(gpu) >= 6 and all(selfcheck._isolatable(op, k) for op, k in gpu)
+
+
+def test_the_log_says_why_a_first_start_pauses_and_what_runs(monkeypatch: pytest.MonkeyPatch,
+                                                             caplog: pytest.LogCaptureFixture) -> None:  # fmt: skip
+    monkeypatch.setitem(ATTENTION_KERNELS, "cpu", Kernel(plants.passes))
+    with caplog.at_level("INFO", logger="trillm.kernels.selfcheck"):
+        select_kernels(SHAPES, ops=(ATTENTION_OP, GATHER_OP))
+        first = caplog.messages[:]
+        caplog.clear()
+        select_kernels(SHAPES, ops=(ATTENTION_OP, GATHER_OP))
+    assert len(first) == 2
+    assert "no cached decision for paged_attention on these shapes" in first[0]
+    assert "in a child process first" in first[0]
+    assert first[1].startswith("kernel self-check on cpu (") and first[1].endswith(
+        "paged_attention=cpu, kv_gather=reference")  # the gather has no cpu kernel: nothing to check
+    (again,) = caplog.messages  # a cached start: no pause announced
+    assert again.endswith("paged_attention=cpu (cached), kv_gather=reference")
+
+
+def test_the_summary_names_each_phase() -> None:
+    ops = (selfcheck.OpReport("paged_attention", "metal", "metal", "checked per phase", phases=(
+        ("decode", "metal"), ("prefill", "reference"))),  # fmt: skip
+           selfcheck.OpReport("kv_gather", "reference", "metal", "check failed: x", failed=True, cached=True),
+           selfcheck.OpReport("mla_attention", "reference", "metal", "not used by this model"))
+    report = selfcheck.KernelReport("auto", "metal", "gpu", ops, 1.0)
+    assert selfcheck.summary(report) == ("paged_attention=metal for decode, reference for prefill, "
+                                         "kv_gather=reference (cached, failed)")
