@@ -27,6 +27,11 @@ def root_hash(model_id: str) -> bytes:
     return hashlib.blake2b(b"trillm-prefix-v1:" + model_id.encode(), digest_size=16).digest()
 
 
+def salted_root(model_id: str, cache_salt: str) -> bytes:
+    """The root a request with this cache_salt chains its block hashes from (a router hashes it the same)."""
+    return root_hash(f"{model_id}\x00salt:{cache_salt}")
+
+
 def block_hashes(root: bytes, token_ids: Seq[int], block_size: int, max_blocks: int | None = None) -> list[bytes]:
     """The chained hashes of token_ids' full blocks (at most max_blocks), as the prefix cache computes them."""
     n = len(token_ids) // block_size if max_blocks is None else min(max_blocks, len(token_ids) // block_size)
@@ -106,7 +111,7 @@ class BlockManager:
         # A salted request's blocks hash apart from everyone else's: its prompts cannot be probed through the
         # prefix cache (or the KV events), and it hits only blocks computed under the same salt.
         salt = seq.params.cache_salt
-        return self._root if salt is None else root_hash(f"{self._model_id}\x00salt:{salt}")
+        return self._root if salt is None else salted_root(self._model_id, salt)
 
     def _looks_up(self, seq: Sequence) -> bool:
         """Whether seq may reuse cached blocks. A request for prompt logprobs may not: it needs the logits at

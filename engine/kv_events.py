@@ -12,7 +12,7 @@ import itertools
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from trillm.engine.block_manager import BlockManager, block_hashes
+from trillm.engine.block_manager import BlockManager, block_hashes, salted_root
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,12 +61,14 @@ class KVCacheSpec:
         return cls(model_id, block_manager.block_size, block_manager.hash_seed.hex(),
                    block_manager.enable_prefix_caching)
 
-    def matchable_hashes(self, token_ids: list[int]) -> list[str]:
-        """The hex hashes of the prompt's blocks a prefix-cache hit can cover (never its last token)."""
+    def matchable_hashes(self, token_ids: list[int], cache_salt: str | None = None) -> list[str]:
+        """The hex hashes of the prompt's blocks a prefix-cache hit can cover (never its last token); a salted
+        prompt's chain from its salt's root, as the engine's (BlockManager._root_of)."""
         if not self.prefix_caching or not token_ids:
             return []
         limit = (len(token_ids) - 1) // self.block_size
-        return [h.hex() for h in block_hashes(bytes.fromhex(self.hash_seed), token_ids, self.block_size, limit)]
+        root = bytes.fromhex(self.hash_seed) if cache_salt is None else salted_root(self.model_id, cache_salt)
+        return [h.hex() for h in block_hashes(root, token_ids, self.block_size, limit)]
 
 
 class KVEventLog:

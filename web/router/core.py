@@ -263,9 +263,11 @@ class Router:
         return [r.workers[r.models[0]] for r in pool]
 
     def choose(self, model: str | None, token_ids: Sequence[int] | None = None, *,
-               exclude: Iterable[str] = ()) -> Assignment | None:
+               exclude: Iterable[str] = (), cache_salt: str | None = None) -> Assignment | None:
         """Pick a worker for one request (its prompt's token ids when known) and count it as in flight there;
-        None when no replica is in the pool (after `exclude`: the replicas this request already tried)."""
+        None when no replica is in the pool (after `exclude`: the replicas this request already tried).
+        A salted request's blocks are hashed under its salt, as the replica's prefix cache hashes them: it
+        neither hits nor is steered by another salt's (or unsalted) blocks."""
         workers = self.eligible(model, exclude)
         if not workers:
             self._num_unroutable += 1
@@ -284,7 +286,7 @@ class Router:
                 blocks = -(-len(ids) // spec.block_size)
                 if self.policy.uses_kv and w.spec is not None:
                     if w.spec not in hashes_by_spec:
-                        hashes_by_spec[w.spec] = w.spec.matchable_hashes(ids)
+                        hashes_by_spec[w.spec] = w.spec.matchable_hashes(ids, cache_salt)
                     hashes = hashes_by_spec[w.spec]
             cached = w.cached(hashes) if hashes else 0
             candidates.append(Candidate(w.load, blocks, cached))

@@ -76,6 +76,13 @@ def request_model(body: Any) -> str | None:
     return model if isinstance(model, str) else None
 
 
+def request_salt(body: Any) -> str | None:
+    """The request's cache_salt (the same top-level field on every API); one the replica would refuse (empty,
+    not a string) routes unsalted, and the replica answers it with its 400."""
+    salt = body.get("cache_salt") if isinstance(body, dict) else None
+    return salt if isinstance(salt, str) and salt else None
+
+
 class Forwarder:
     def __init__(self, router: Router, client: httpx.AsyncClient, prompts: PromptSource, metrics: RouterMetrics,
                  *, replica_api_key: str | None = None) -> None:
@@ -97,7 +104,7 @@ class Forwarder:
                 body = pydantic_core.from_json(raw)
             except ValueError:
                 body = None  # the replica will say what is wrong with it (its 400)
-        model = request_model(body)
+        model, salt = request_model(body), request_salt(body)
         tokenize_s = None
         ids = None
         if kind is not None and self.router.policy.uses_kv:
@@ -111,7 +118,7 @@ class Forwarder:
         refused_body = b""
         first_attempt = True
         while True:
-            a = self.router.choose(model, ids, exclude=tried)
+            a = self.router.choose(model, ids, exclude=tried, cache_salt=salt)
             if a is None:
                 break
             replica = a.worker.replica
@@ -119,6 +126,7 @@ class Forwarder:
             if first_attempt:
                 self.metrics.on_decision(time.perf_counter() - t0, tokenize_s)
                 first_attempt = False
+            # The body goes as it came: cache_salt (and everything else) reaches the replica untouched.
             request = self.client.build_request(method, replica + target, content=raw, headers=fwd_headers)
             try:
                 response = await self.client.send(request, stream=True)

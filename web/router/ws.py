@@ -22,7 +22,7 @@ from trillm.web.errors import APIError, to_api_error
 from trillm.web.router.core import Assignment, Router
 from trillm.web.router.metrics import RouterMetrics
 from trillm.web.router.prompt import ws_request
-from trillm.web.router.proxy import request_model
+from trillm.web.router.proxy import request_model, request_salt
 from trillm.web.router.replica import failure_reason
 from trillm.web.router.tokenizers import PromptSource
 from trillm.web.ws_protocol import MAX_SEND_BYTES, BadMessage, parse_message
@@ -35,9 +35,10 @@ RETRY_CODES = frozenset({"overloaded", "model_unavailable"})
 @dataclass(eq=False, slots=True)
 class _Generation:
     gid: str | int
-    raw: str  # the client's generate message, forwarded as it came
+    raw: str  # the client's generate message, forwarded as it came (its cache_salt with it)
     model: str | None
     token_ids: list[int] | None
+    cache_salt: str | None = None
     tried: list[str] = field(default_factory=list)
     assignment: Assignment | None = None
     started: bool = False  # a delta went to the client: it can no longer move
@@ -110,7 +111,7 @@ class WSSession:
                 ids = None
                 if self.router.policy.uses_kv:
                     ids = await self.prompts.token_ids(prompt_kind, body, model)
-                gen = _Generation(gid, text, model, ids)
+                gen = _Generation(gid, text, model, ids, request_salt(body))
                 self.active[key] = gen
                 self.metrics.ws_generations += 1
                 await self.dispatch(key, gen)
@@ -122,7 +123,7 @@ class WSSession:
         while True:
             if self.active.get(key) is not gen:
                 return  # cancelled while it was between replicas
-            a = self.router.choose(gen.model, gen.token_ids, exclude=gen.tried)
+            a = self.router.choose(gen.model, gen.token_ids, exclude=gen.tried, cache_salt=gen.cache_salt)
             if a is None:
                 self.active.pop(key, None)
                 self.metrics.unroutable += 1
