@@ -212,3 +212,19 @@ def test_the_summary_names_each_phase() -> None:
     report = selfcheck.KernelReport("auto", "metal", "gpu", ops, 1.0)
     assert selfcheck.summary(report) == ("paged_attention=metal for decode, reference for prefill, "
                                          "kv_gather=reference (cached, failed)")
+
+
+def test_a_child_that_dies_before_checking_leaves_the_check_to_this_process(monkeypatch: pytest.MonkeyPatch,
+                                                                             tmp_path: Path) -> None:  # fmt: skip
+    """An environment where the child cannot start trillm is no kernel's fault: warn, check here as before."""
+    monkeypatch.setattr(selfcheck, "_CHILD_CODE", "import sys; print('ModuleNotFoundError: mlx', file=sys.stderr); "
+                                                  "sys.exit(1)")  # fmt: skip
+    monkeypatch.setitem(ATTENTION_KERNELS, "cpu", Kernel(plants.passes))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        (r,) = select_kernels(SHAPES, ops=(ATTENTION_OP,)).report.ops
+    assert r.implementation == "cpu" and not r.failed
+    assert not [w for w in caught if issubclass(w.category, KernelFallbackWarning)]
+    (w,) = [w for w in caught if "failed before it checked anything" in str(w.message)]
+    assert "exited with status 1: ModuleNotFoundError: mlx" in str(w.message)
+    assert {in_child for _, in_child in _calls(tmp_path)} == {False}
