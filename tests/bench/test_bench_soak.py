@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
+
 from trillm.bench import cli
 
 
@@ -54,10 +56,11 @@ def test_the_hostile_mix_reports_both_phases_and_their_ratio(tmp_path: Path) -> 
     assert res["5xx"] == 0 and not res["error_events"]
 
 
-def test_a_hostile_soak_whose_phases_measured_no_itl_fails(tmp_path: Path) -> None:
+def test_a_hostile_soak_whose_phases_measured_no_itl_fails(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     # One token per choice: TTFT but no inter-token gap in either phase; the run must not pass for a ratio.
     code = cli.main(["soak", "--mock", "--duration", "1", "--warmup", "0", "--phase-warmup", "0", "--clients", "2",
                      "--disconnect", "0", "--max-tokens", "1", "--hostile", "2", "--max-ratio", "1000",
                      "--max-rss-growth-mb", "1000", "--fanout-max-tokens", "4", "--flood-max-tokens", "8",
                      "--results-dir", str(tmp_path)])
     assert code == 2
+    assert "phase measured no well-behaved stream's TTFT and ITL" in capsys.readouterr().err
