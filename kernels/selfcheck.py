@@ -187,7 +187,7 @@ def select_kernels(
         log.info("kernel self-check on %s: no cached decision for %s on these shapes; checking every variant "
                  "against its reference%s, then timing it (decisions cached in %s)", backend, ", ".join(fresh),
                  " in a child process first" if isolated else "", cache_dir())  # fmt: skip
-    if backend is not None and isolated:
+    if isolated:
         # Only a check no earlier start has passed: a cached "kernel" decision was proven in a child then.
         todo = [p for p in prepared if isinstance(p, _Pending) and (p.cached is None or p.cached.failed)]
         todo = [p for p in todo if _isolatable(p.op, p.kernel)]
