@@ -13,6 +13,7 @@ class FinishReason(str, Enum):
     ABORT = "abort"  # aborted by the caller
     ERROR = "error"  # the engine failed while serving it
     GRAMMAR = "grammar"  # its grammar could not be continued (RequestOutput.error says why); the text stops there
+    TIMEOUT = "timeout"  # its deadline passed (decided by the web layer, which aborted it: its blocks are freed)
 
 
 @dataclass(frozen=True, slots=True)

@@ -280,6 +280,10 @@ class MessageTranslator:
             self.stop_reason, self.stop_sequence = "stop_sequence", finish.stop_reason
         elif finish.reason == "tool_calls":
             self.stop_reason = "tool_use"
+        elif finish.reason == "timeout":
+            # Its deadline passed. Anthropic's stop reasons are a closed set that clients switch on; a budget that
+            # ran out is max_tokens's meaning (the output is cut, not finished), so clients treat it as truncated.
+            self.stop_reason = "max_tokens"
         else:  # "stop", or "grammar" (the constrained output could not go on: it ends here)
             self.stop_reason = "end_turn"
         return self._close() + [

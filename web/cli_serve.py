@@ -78,6 +78,11 @@ def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model-alias", action="append", default=[], dest="model_aliases", metavar="NAME=SERVED",
                    help="answer requests for NAME (a name or a glob such as 'claude-*') with the served model "
                         "SERVED, for agents that send their own model names; repeatable, first match wins")
+    ops = p.add_argument_group("operations (docs/operations.md)")
+    ops.add_argument("--request-timeout", type=float, default=None, metavar="SECONDS", dest="request_timeout",
+                     help="a request's deadline: past it the generation ends with finish reason 'timeout' (Anthropic: "
+                          "max_tokens) and its KV blocks are freed; a client's X-Request-Timeout header may ask for "
+                          "less (default: none)")
     p.add_argument("--lazy-load", action="store_true", help="load each model on its first request")
     p.add_argument("--unload-after-idle", type=float, default=None, metavar="SECONDS",
                    help="free a model after this long without requests (the next request reloads it)")
@@ -170,6 +175,7 @@ def _server_config(args: argparse.Namespace, aliases: tuple[tuple[str, str], ...
                         allowed_origins=tuple(args.allowed_origins), model_aliases=aliases,
                         tool_parser=args.tool_parser, reasoning_parser=args.reasoning_parser,
                         drain_timeout_s=args.drain_timeout, keep_alive_timeout_s=args.keep_alive_timeout,
+                        request_timeout_s=args.request_timeout,
                         limits=Limits(**{name: getattr(args, name) for name in _LIMIT_FLAGS}),
                         **{name: getattr(args, name) for name in _SERVER_FLAGS})
 

@@ -38,6 +38,9 @@ class ServerConfig:
     tool_parser: str | None = None  # the tool-call format (web/tool_parsers.py); None: detected per model
     reasoning_parser: str | None = None  # the reasoning markers (web/reasoning.py); None: detected; "none": off
     model_aliases: tuple[tuple[str, str], ...] = ()  # (name or glob, served model name), tried in order
+    # A request's deadline in seconds (its X-Request-Timeout header may ask for less): past it the generation
+    # ends with finish reason "timeout" and its blocks are freed. None: no deadline unless the client asks.
+    request_timeout_s: float | None = None
 
     def __post_init__(self) -> None:
         if not 0 <= self.port < 65536:
@@ -48,6 +51,8 @@ class ServerConfig:
             raise ValueError("sse_keepalive_s must be > 0")
         if self.drain_timeout_s < 0 or self.keep_alive_timeout_s <= 0:
             raise ValueError("drain_timeout_s must be >= 0 and keep_alive_timeout_s > 0")
+        if self.request_timeout_s is not None and not 0 < self.request_timeout_s < float("inf"):
+            raise ValueError(f"request_timeout_s must be > 0, got {self.request_timeout_s}")
         if self.api_key == "" or self.internal_api_key == "":
             raise ValueError("api_key and internal_api_key must not be empty")
         self.chat_options  # validates the parser names

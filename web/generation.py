@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import fnmatch
-from collections.abc import Callable, Sequence
+import math
+from collections.abc import Callable, Mapping, Sequence
 from typing import TypeVar
 
 import trio
+from quart import has_request_context, request
 
 from trillm.engine.errors import InvalidRequest, Overloaded
 from trillm.web.config import ServerConfig
@@ -110,14 +112,41 @@ async def prepare_generation(
     return req, tokenizer
 
 
+REQUEST_TIMEOUT_HEADER = "X-Request-Timeout"
+
+
+def request_deadline(config: ServerConfig, headers: Mapping[str, str] | None) -> float | None:
+    """The trio time by which a request must be done: --request-timeout, or the client's X-Request-Timeout
+    (seconds) when that is sooner (a client may shorten the server's deadline, never lengthen it)."""
+    timeout = config.request_timeout_s
+    raw = headers.get(REQUEST_TIMEOUT_HEADER) if headers is not None else None
+    if raw is not None:
+        try:
+            asked = float(raw)
+        except ValueError:
+            asked = math.nan
+        if not 0 < asked < math.inf:
+            raise APIError(400, f"{REQUEST_TIMEOUT_HEADER} must be a number of seconds > 0, got {raw[:40]!r}",
+                           "invalid_request_error", "invalid_request_timeout")
+        timeout = asked if timeout is None else min(timeout, asked)
+    return None if timeout is None else trio.current_time() + timeout
+
+
 async def start_generation(
     service: EngineService, body: ChatCompletionRequest | CompletionRequest, config: ServerConfig, *,
     adjust: Callable[[GenerationRequest], GenerationRequest] | None = None, large: bool = False,
 ) -> tuple[GenerationRequest, GenerationHandle, TokenizerLike]:
-    """Parse and submit; typed errors (admission included) become 4xx/5xx before any byte is sent."""
+    """Parse and submit; typed errors (admission included) become 4xx/5xx before any byte is sent. The
+    request's deadline (see `request_deadline`) covers loading and parsing too: past it before the submission,
+    504."""
+    deadline = request_deadline(config, request.headers if has_request_context() else None)
     try:
-        req, tokenizer = await prepare_generation(service, body, config, adjust=adjust, large=large)
-        handle = service.submit_prompts(req.prompts, req.params, priority=req.priority)
+        with trio.move_on_at(math.inf if deadline is None else deadline) as waited:
+            req, tokenizer = await prepare_generation(service, body, config, adjust=adjust, large=large)
+        if waited.cancelled_caught:
+            raise APIError(504, "the request's deadline passed before its generation started (--request-timeout, "
+                                f"{REQUEST_TIMEOUT_HEADER})", "server_error", "request_timeout")
+        handle = service.submit_prompts(req.prompts, req.params, priority=req.priority, deadline=deadline)
     except (InvalidRequest, Overloaded, EngineUnavailable):
         service.metrics.on_outcome("rejected")
         raise

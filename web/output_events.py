@@ -29,7 +29,7 @@ from trillm.engine.outputs import FinishReason
 from trillm.web.reasoning import ReasoningFormat, ReasoningSplitter, held_back
 from trillm.web.tool_parsers import ParsedCall, ToolFormat
 
-FinishKind = Literal["stop", "length", "tool_calls", "grammar", "abort", "error"]
+FinishKind = Literal["stop", "length", "tool_calls", "grammar", "abort", "error", "timeout"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -213,6 +213,8 @@ class ChoiceParser:
             kind = "abort"
         elif reason is FinishReason.ERROR:
             kind = "error"
+        elif reason is FinishReason.TIMEOUT:
+            kind = "timeout"
         else:
             kind = "tool_calls" if self._tools is not None and self._tools.num_calls else "stop"
         events.append(Finish(kind, stop_reason, error))

@@ -447,6 +447,8 @@ def _finish_reason(reason: FinishReason | None) -> str | None:
         return None
     if reason is FinishReason.GRAMMAR:
         return "grammar"
+    if reason is FinishReason.TIMEOUT:  # the request's deadline (--request-timeout, X-Request-Timeout) passed
+        return "timeout"
     return "length" if reason is FinishReason.LENGTH else "stop"
 
 

@@ -334,6 +334,10 @@ class ResponseTranslator:
             out = self._close("incomplete")
             self.status, self.incomplete_reason = "incomplete", "max_output_tokens"
             return out + [self._event("response.incomplete", response=self.response())]
+        if finish.reason == "timeout":  # its deadline passed: cut short, as by a budget
+            out = self._close("incomplete")
+            self.status, self.incomplete_reason = "incomplete", "timeout"
+            return out + [self._event("response.incomplete", response=self.response())]
         if finish.reason == "grammar":  # the constrained output could not go on: not a valid answer
             out = self._close("incomplete")
             self.status = "failed"

@@ -23,6 +23,7 @@ stop, so shutting down never waits for a model load to finish.
 from __future__ import annotations
 
 import enum
+import heapq
 import itertools
 import logging
 import math
@@ -132,6 +133,7 @@ class EngineService:
         self._unapplied = 0  # submissions in the inbox or in flight: not yet in the engine's waiting count
         self._wakeup = trio.Event()
         self._live: dict[str, GenerationHandle] = {}
+        self._deadlines: list[tuple[float, int, GenerationHandle]] = []  # a heap of handles with a deadline
         self._reports: deque[StepReport] = deque(maxlen=config.max_reports)
         self._ids = itertools.count()
         self._num_restarts = 0
@@ -416,19 +418,20 @@ class EngineService:
     # ---- requests (trio thread) ----
 
     def submit(self, prompt_token_ids: list[int], params: SamplingParams | list[SamplingParams],
-               *, priority: int = 0) -> GenerationHandle:
+               *, priority: int = 0, deadline: float | None = None) -> GenerationHandle:
         """Queue one prompt for n = len(params) generations; the caller must `close()` the handle.
 
         Admission is decided here, synchronously: EngineUnavailable while the model loads or restarts,
         InvalidRequest for what could never be served, Overloaded when the waiting queue is full.
         """
         return self.submit_prompts([prompt_token_ids], params if isinstance(params, list) else [params],
-                                   priority=priority)
+                                   priority=priority, deadline=deadline)
 
     def submit_prompts(self, prompts: Sequence[list[int]], params: list[SamplingParams], *,
-                       priority: int = 0) -> GenerationHandle:
+                       priority: int = 0, deadline: float | None = None) -> GenerationHandle:
         """Queue each prompt for len(params) generations, all behind one handle (request ids prompt-major: one
-        prompt's n, then the next's); the engine batches them like any other requests. Admitted all or none."""
+        prompt's n, then the next's); the engine batches them like any other requests. Admitted all or none.
+        `deadline` (trio time): past it the handle ends them with FinishReason.TIMEOUT and aborts them."""
         if self.state is not ServiceState.READY or self.limits is None:
             raise self.unavailable()
         for prompt in prompts:
@@ -442,8 +445,15 @@ class EngineService:
             raise Overloaded(f"the waiting queue is full ({self.limits.max_waiting} requests)")
         rids = tuple(f"req-{next(self._ids)}" for _ in range(total))
         handle = GenerationHandle(rids, abort=self._abort, channel_size=self._config.channel_size,
-                                  max_buffered_bytes=self._config.max_buffered_bytes, metrics=self.metrics)
+                                  max_buffered_bytes=self._config.max_buffered_bytes, metrics=self.metrics,
+                                  deadline=deadline,
+                                  prompt_lengths=tuple(len(prompt) for prompt in prompts for _ in params))
         work = ((prompt, p) for prompt in prompts for p in params)
+        if deadline is not None:
+            if len(self._deadlines) > 2 * len(self._live) + 64:  # drop handles that are done with
+                self._deadlines = [d for d in self._deadlines if not d[2].expire()]
+                heapq.heapify(self._deadlines)
+            heapq.heappush(self._deadlines, (deadline, id(handle), handle))
         for rid, (prompt, p) in zip(rids, work):
             self._live[rid] = handle
             self._inbox.append(Submit(rid, list(prompt), p, priority, group=rids[0]))
@@ -507,6 +517,9 @@ class EngineService:
     def _deliver(self, result: StepResult) -> list[Work]:
         """Hand one step's results to their handles; returns the work that arrived meanwhile."""
         self._raise_declared_failure()
+        now = trio.current_time()
+        while self._deadlines and self._deadlines[0][0] <= now:  # past their deadline: end and abort them
+            heapq.heappop(self._deadlines)[2].expire()
         self._stats = result.statistics
         if result.report is not None:
             self._reports.append(result.report)

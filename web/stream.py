@@ -6,6 +6,7 @@ Concurrency invariant: every method here runs on the trio thread. The engine thr
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
@@ -13,7 +14,7 @@ from typing import TYPE_CHECKING
 import trio
 
 from trillm.engine.errors import EngineError
-from trillm.engine.outputs import FinishReason, RequestOutput
+from trillm.engine.outputs import FinishReason, RequestOutput, Usage
 
 if TYPE_CHECKING:
     from trillm.web.metrics import ModelMetrics
@@ -42,6 +43,9 @@ class GenerationHandle:
     unread output (text, token ids and logprobs, see `buffered_size`) the handle fails with a clear error and its
     requests are aborted; a single delta over that size is delivered when nothing else is unread. A failure (the engine refused a request
     while adding it, the engine failed, the client lagged) is raised by the next `receive`.
+
+    `deadline` (trio time): once it passes, the next `receive` ends every unfinished request with
+    FinishReason.TIMEOUT (after what was already buffered) and aborts it, which frees its KV blocks.
     """
 
     def __init__(
@@ -52,8 +56,13 @@ class GenerationHandle:
         channel_size: int,
         max_buffered_bytes: int,
         metrics: ModelMetrics | None = None,
+        deadline: float | None = None,
+        prompt_lengths: tuple[int, ...] | None = None,
     ) -> None:
         self.request_ids = request_ids
+        self.deadline = deadline
+        # Each request's latest usage, for the final delta a timeout writes (before any delta: its prompt length).
+        self._usage = {rid: Usage(n, 0, 0) for rid, n in zip(request_ids, prompt_lengths or ())}
         self._abort = abort
         self._max_buffered_bytes = max_buffered_bytes
         self._metrics = metrics
@@ -74,6 +83,7 @@ class GenerationHandle:
         if self._closed or rid not in self._unfinished:
             return
         self._observe(output)
+        self._usage[rid] = output.usage
         if output.finish_reason is FinishReason.ERROR:
             self.fail(GenerationFailed(output.error or "the engine failed while serving this request"))
             return
@@ -116,9 +126,36 @@ class GenerationHandle:
 
     # ---- client side ----
 
+    def _time_out(self) -> None:
+        """The deadline passed: end each unfinished request with TIMEOUT, behind its unread deltas, and abort it."""
+        timed_out = [rid for rid in self.request_ids if rid in self._unfinished]
+        if not timed_out or self._closed or self._failure is not None:
+            return
+        for rid in timed_out:
+            final = RequestOutput(rid, (), "", FinishReason.TIMEOUT, self._usage.get(rid, Usage(0, 0, 0)))
+            pending = self._pending.get(rid)
+            self._pending[rid] = final if pending is None else RequestOutput.concat([pending, final])
+            self._unfinished.discard(rid)
+            self._abort(rid)
+        if self._metrics is not None:
+            self._metrics.on_outcome("timeout")
+        self._send.close()  # the pending finals follow what the channel holds
+
+    def expire(self) -> bool:
+        """Time out now if the deadline has passed (the service calls it each step, so a deadline frees the
+        blocks even while the client is not reading); whether the handle is done with."""
+        if self._past_deadline():
+            self._time_out()
+        return self._closed or not self._unfinished
+
+    def _past_deadline(self) -> bool:
+        return self.deadline is not None and bool(self._unfinished) and trio.current_time() >= self.deadline
+
     def receive_nowait(self) -> RequestOutput:
         """The next delta if one is ready: `trio.WouldBlock` if none, `trio.EndOfChannel` after the last."""
         self._raise_if_failed()
+        if self._past_deadline():
+            self._time_out()
         try:
             output = self._recv.receive_nowait()
         except (trio.WouldBlock, trio.EndOfChannel):
@@ -135,13 +172,15 @@ class GenerationHandle:
         except trio.WouldBlock:
             pass
         try:
-            output = await self._recv.receive()
+            with trio.move_on_at(math.inf if self.deadline is None else self.deadline):
+                output = await self._recv.receive()
+                self._raise_if_failed()  # it may have failed while we waited
+                self._taken(output)
+                return output
         except trio.EndOfChannel:
             self._raise_if_failed()
             raise
-        self._raise_if_failed()  # it may have failed while we waited
-        self._taken(output)
-        return output
+        return self.receive_nowait()  # the deadline passed: the timeout's finals
 
     def _taken(self, output: RequestOutput) -> None:
         self._buffered_bytes -= buffered_size(output)
