@@ -13,9 +13,13 @@ from array import array
 from collections import OrderedDict
 from collections.abc import Callable, Sequence as Seq
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from trillm.kernels.layout import RESERVED_BLOCK
 from trillm.engine.sequence import Sequence
+
+if TYPE_CHECKING:
+    from trillm.engine.state_pool import StateSlots
 
 
 def hash_block(parent: bytes, token_ids: Seq[int]) -> bytes:
@@ -51,7 +55,9 @@ class Block:
 
 
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int, *, model_id: str = "", enable_prefix_caching: bool = True) -> None:
+    def __init__(self, num_blocks: int, block_size: int, *, model_id: str = "", enable_prefix_caching: bool = True,
+                 state_slots: StateSlots | None = None) -> None:
+        """state_slots: a hybrid model's recurrent-state slots, taken and freed with each sequence's blocks."""
         assert num_blocks >= 2
         self.block_size = block_size
         self.num_blocks = num_blocks
@@ -68,6 +74,7 @@ class BlockManager:
         # Optional KV-event hook for a KV-aware router: ("stored", hash, parent hash or None) when a full block
         # enters the prefix cache, ("removed", hash, None) when it is evicted. Called on the engine's thread.
         self.on_kv_event: Callable[[str, bytes, bytes | None], None] | None = None
+        self.state_slots = state_slots
 
     # ---- sizes -------------------------------------------------------------------------------------------
     @property
@@ -158,6 +165,8 @@ class BlockManager:
 
     # ---- allocation --------------------------------------------------------------------------------------
     def can_allocate(self, seq: Sequence) -> bool:
+        if self.state_slots is not None and self.state_slots.num_free == 0:
+            return False
         hits = self._match(seq)
         need = self.blocks_needed(seq.num_tokens) - len(hits)
         # Hit blocks that are free now stop being free once taken.
@@ -177,6 +186,8 @@ class BlockManager:
         seq.block_table = hits + [self._take_free() for _ in range(self.blocks_needed(seq.num_tokens) - len(hits))]
         seq.num_computed_tokens = len(hits) * self.block_size
         seq.num_hashed_blocks = len(hits)
+        if self.state_slots is not None:
+            self.state_slots.take(seq)
         self.num_queried_tokens += seq.num_tokens
         self.num_hit_tokens += seq.num_computed_tokens
 
@@ -206,6 +217,8 @@ class BlockManager:
         seq.block_table = []
         seq.num_computed_tokens = 0
         seq.num_hashed_blocks = 0
+        if self.state_slots is not None:
+            self.state_slots.release(seq)
 
     def can_append(self, seq: Sequence, num_new_tokens: int = 1) -> bool:
         return self.blocks_needed(seq.num_computed_tokens + num_new_tokens) - len(seq.block_table) <= self.num_free_blocks
@@ -248,3 +261,5 @@ class BlockManager:
         for h, b in self._cached.items():
             assert self.blocks[b].hash == h
         assert self._num_cached_free == sum(1 for b in self._free if self.blocks[b].hash is not None)
+        if self.state_slots is not None:
+            self.state_slots.check_invariants(live)

@@ -13,6 +13,10 @@ sliding window, if any, is passed to the kernel with the layer's sinks). Any oth
 built itself, as MLA's RoPE scores or Llama 4's chunks; keys the model transformed after the fetch) runs
 mlx-lm's original on the dense gathered K/V with the model's own mask: slower, never wrong. MLX's laziness
 means the unused gather costs nothing when the paged path is taken.
+
+A hybrid model's recurrent layers (linear attention, state-space mixers, short convolutions) keep no K/V: the
+pool's `states` (engine/state_pool.py) holds their per-sequence state, and `caches()` hands the model a list
+shaped as its own `make_cache()`, paged caches and recurrent-state caches where the model has each.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 
+from trillm.engine.state_pool import CacheNode, LayerState, StatePool, StateRows, StateSlots, bytes_per_slot
 from trillm.kernels import kv_write
 from trillm.kernels.selfcheck import KernelSelection, unchecked
 
@@ -40,6 +45,7 @@ class BatchLayout:
     max_context_len: int  # host copy of max(context_lens)
     uniform_offset: int | None  # the rows' common first position, if they share one
     num_new_tokens: int  # L
+    states: StateRows | None = None  # the rows' recurrent-state slots (hybrid models only)
 
 
 @dataclass(frozen=True, slots=True)
@@ -63,6 +69,10 @@ class KVLayout:
     layer's K/V, as Gemma 4's, have none)."""
 
     layers: tuple[LayerKV, ...]
+    # Hybrid models: each recurrent layer's per-sequence state (engine/state_pool.py), and where each of the
+    # model's caches comes from (None: cache i is pool layer i, the plain case).
+    states: tuple[LayerState, ...] = ()
+    plan: tuple[CacheNode, ...] | None = None
 
     @classmethod
     def uniform(cls, num_layers: int, num_kv_heads: int, head_dim: int) -> KVLayout:
@@ -76,13 +86,18 @@ class KVLayout:
     def bytes_per_block(self, block_size: int, dtype: mx.Dtype) -> int:
         return block_size * sum(layer.elements_per_token for layer in self.layers) * dtype.size
 
+    @property
+    def state_bytes_per_sequence(self) -> int:
+        """What one running sequence's recurrent state costs (0 without recurrent layers)."""
+        return bytes_per_slot(self.states)
+
 
 class KVPool:
     """Per-layer K and V pools, [num_blocks, block_size, num_kv_heads, k_dim | v_dim] each."""
 
     def __init__(self, layout: KVLayout, num_blocks: int, block_size: int, dtype: mx.Dtype, *,
                  kernels: KernelSelection | None = None,
-                 layer_kernels: list[KernelSelection] | None = None) -> None:
+                 layer_kernels: list[KernelSelection] | None = None, state_slots: StateSlots | None = None) -> None:
         self.block_size = block_size
         self.kv_layout = layout
         # The attention and gather implementations the engine's self-check chose; else the dispatchers.
@@ -93,6 +108,11 @@ class KVPool:
         self.keys = [mx.zeros((num_blocks, block_size, lay.num_kv_heads, lay.k_dim), dtype) for lay in layout.layers]
         self.values = [mx.zeros((num_blocks, block_size, lay.num_kv_heads, lay.v_dim), dtype) for lay in layout.layers]
         mx.eval(self.keys, self.values)
+        # The recurrent layers' states, one slot per running sequence (state_slots: the block manager's).
+        self.states: StatePool | None = None
+        if layout.states:
+            assert state_slots is not None, "a model with recurrent layers needs state slots"
+            self.states = StatePool(layout.states, state_slots)
         self.layout: BatchLayout | None = None
         # The masks `make_mask` built for the current forward, by id, with their sliding window: the seam's proof
         # that a mask is a plain causal (or windowed) one. Cleared with the layout.
@@ -100,21 +120,45 @@ class KVPool:
 
     @property
     def nbytes(self) -> int:
-        return sum(a.nbytes for a in self.keys) + sum(a.nbytes for a in self.values)
+        return (sum(a.nbytes for a in self.keys) + sum(a.nbytes for a in self.values)
+                + (self.states.nbytes if self.states is not None else 0))
 
-    def caches(self) -> list[PagedKVCache]:
-        return [PagedKVCache(self, i) for i in range(len(self.keys))]
+    def caches(self) -> list[Any]:
+        """The caches the model's own code drives, shaped as its `make_cache()` (see KVLayout.plan)."""
+        paged = [PagedKVCache(self, i) for i in range(len(self.keys))]
+        plan = self.kv_layout.plan
+        if plan is None:
+            return list(paged)
+        from mlx_lm.models.cache import CacheList
+
+        states = self.states.caches() if self.states is not None else []
+
+        def build(node: CacheNode) -> Any:
+            if node.kind == "list":
+                return CacheList(*(build(child) for child in node.children))
+            return paged[node.index] if node.kind == "kv" else states[node.index]
+
+        return [build(node) for node in plan]
 
     def arrays(self) -> list[mx.array]:
-        return self.keys + self.values
+        return self.keys + self.values + (self.states.arrays() if self.states is not None else [])
 
     def begin(self, layout: BatchLayout) -> None:
-        """Describe the next forward (call `end` after it)."""
+        """Describe the next forward (call `commit`, if it succeeded, then `end` after it)."""
         self.layout = layout
+        if self.states is not None:
+            self.states.begin(layout.states)
+
+    def commit(self) -> None:
+        """Keep what the forward wrote outside the K/V pools (the recurrent layers' new states)."""
+        if self.states is not None:
+            self.states.commit()
 
     def end(self) -> None:
         self.layout = None
         self.masks.clear()
+        if self.states is not None:
+            self.states.end()
 
 
 class PagedKVCache:

@@ -32,6 +32,7 @@ if TYPE_CHECKING:
     from trillm.engine.kv_cache import KVLayout, KVPool
     from trillm.engine.mock.model import MockLoadedModel
     from trillm.engine.model_probe import ProbeResult
+    from trillm.engine.state_pool import StateSlots
     from trillm.kernels.selfcheck import KernelReport
 
 _RATE_WINDOW_S = 10.0
@@ -65,9 +66,9 @@ class StepInfo:
 
 
 def make_kv_pool(lm: LoadedModel, config: EngineConfig, num_blocks: int, max_model_len: int,
-                 layout: KVLayout | None = None) -> KVPool:
+                 layout: KVLayout | None = None, state_slots: StateSlots | None = None) -> KVPool:
     """The paged KV pool for `lm` (its `kv_layout` unless given), with the kernels the start-up self-check
-    picks for each distinct layer shape.
+    picks for each distinct layer shape; for a hybrid model, its recurrent-state pool over `state_slots`.
 
     Call it on the engine thread: the kernels compile (and their check runs) on the stream serving uses.
     """
@@ -116,7 +117,8 @@ def make_kv_pool(lm: LoadedModel, config: EngineConfig, num_blocks: int, max_mod
             except KernelCheckError as exc:
                 raise ModelLoadError(f"--kernels strict: {exc}") from exc
         per_layer.append(selections[key])
-    return KVPool(layout, num_blocks, config.block_size, lm.dtype, kernels=primary, layer_kernels=per_layer)
+    return KVPool(layout, num_blocks, config.block_size, lm.dtype, kernels=primary, layer_kernels=per_layer,
+                  state_slots=state_slots)
 
 
 class LLMEngine:
@@ -140,21 +142,40 @@ class LLMEngine:
 
         bs = config.block_size
         self.kv_layout: KVLayout | None = None  # a real model's caches, asked of the model (the mock has none)
+        # A hybrid model's recurrent layers: one state slot per running sequence (engine/state_pool.py).
+        self.state_slots: StateSlots | None = None
+        state_bytes = 0
         if isinstance(lm, LoadedModel) and runner_factory is None:
             from trillm.engine.paged_model import kv_layout
 
             self.kv_layout = kv_layout(lm.model, lm.name)
             per_block = self.kv_layout.bytes_per_block(bs, lm.dtype)
+            if self.kv_layout.states:
+                from trillm.engine.state_pool import StateSlots
+
+                self.state_slots = StateSlots(config.max_num_seqs)
+                state_bytes = config.max_num_seqs * self.kv_layout.state_bytes_per_sequence
         else:
             per_block = 2 * lm.num_layers * bs * lm.num_kv_heads * lm.head_dim * lm.dtype.size
         if config.num_kv_blocks is not None:
             num_blocks = config.num_kv_blocks
         else:
-            budget = int(config.kv_cache_memory_gb * 1e9) // per_block
+            # The state pool comes out of the same memory budget as the KV blocks.
+            memory = int(config.kv_cache_memory_gb * 1e9)
+            if state_bytes >= memory:
+                raise ModelLoadError(f"{lm.name}: the recurrent state of --max-num-seqs {config.max_num_seqs} "
+                                     f"sequences takes {state_bytes / 1e9:.2f} GB, more than --kv-cache-memory-gb "
+                                     f"{config.kv_cache_memory_gb}; lower the first or raise the second")
+            budget = (memory - state_bytes) // max(per_block, 1)
             useful = config.max_num_seqs * -(-self.max_model_len // bs) + 1
             num_blocks = max(2, min(budget, useful))
-        self.block_manager = BlockManager(num_blocks, bs, model_id=lm.model_id,
-                                          enable_prefix_caching=config.enable_prefix_caching)
+        # Recurrent state cannot be rebuilt from a shared KV prefix: a hybrid model's sequences never hit or
+        # publish prefix-cache blocks (state checkpoints at block boundaries would lift this; not built yet).
+        prefix_caching = config.enable_prefix_caching and self.state_slots is None
+        if config.enable_prefix_caching and not prefix_caching:
+            log.info("%s has recurrent layers: prefix caching is off for it", lm.name)
+        self.block_manager = BlockManager(num_blocks, bs, model_id=lm.model_id, enable_prefix_caching=prefix_caching,
+                                          state_slots=self.state_slots)
         # Token ids must index both the tokenizer and the logits: a tokenizer with added tokens and no resize
         # of the embedding has more ids than the LM head has rows.
         rows = getattr(lm, "vocab_size", 0) or self.tokenizer.vocab_size
@@ -206,7 +227,7 @@ class LLMEngine:
         from trillm.engine.sampler import Sampler
 
         assert isinstance(self.loaded, LoadedModel), "the MLX runner needs a loaded model"
-        pool = make_kv_pool(self.loaded, self.config, num_blocks, self.max_model_len, self.kv_layout)
+        pool = make_kv_pool(self.loaded, self.config, num_blocks, self.max_model_len, self.kv_layout, self.state_slots)
         self.kernel_report = pool.kernels.report
         # Padded embeddings (more logits than tokens) must never yield an id the tokenizer cannot decode.
         return ModelRunner(self.loaded.model, pool, Sampler(self.config.seed, vocab_size=self.tokenizer.vocab_size))

@@ -20,6 +20,7 @@ from trillm.engine.runner import Launch, RowsFn
 from trillm.engine.sampler import LazySample, Sampler
 from trillm.engine.scheduler import PrefillChunk, SampledToken, ScheduledBatch
 from trillm.engine.sequence import Sequence
+from trillm.engine.state_pool import StateSlots, pads_safely, state_rows
 from trillm.kernels.layout import RESERVED_BLOCK
 
 
@@ -35,10 +36,11 @@ class ForwardInputs:
 
 
 def prepare_inputs(seqs: list[Sequence], starts: list[int], lengths: list[int], block_size: int,
-                   tokens: mx.array | None = None) -> ForwardInputs:
+                   tokens: mx.array | None = None, state_slots: StateSlots | None = None) -> ForwardInputs:
     """Rows of new tokens, right-padded to a common L. Padding writes its K/V to the reserved block and sits
     after every real token, so causal attention never lets a real query see it. `tokens` [B, L], when given,
-    replaces the host token ids (a pipelined decode feeds the previous step's unread samples)."""
+    replaces the host token ids (a pipelined decode feeds the previous step's unread samples). `state_slots`
+    (hybrid models): the rows' recurrent-state slots, and their real lengths, so recurrent layers mask padding."""
     L = max(lengths)
     trash = RESERVED_BLOCK * block_size
     width = max(max(len(s.block_table) for s in seqs), max(-(-(st + L) // block_size) for st in starts))
@@ -58,6 +60,7 @@ def prepare_inputs(seqs: list[Sequence], starts: list[int], lengths: list[int], 
         max_context_len=max(ctx),
         uniform_offset=starts[0] if len(set(starts)) == 1 else None,
         num_new_tokens=L,
+        states=None if state_slots is None else state_rows([state_slots.slot(s) for s in seqs], starts, lengths),
     )
     token_array = mx.array(host_tokens, mx.int32) if tokens is None else tokens
     return ForwardInputs(token_array, layout, mx.array([n - 1 for n in lengths], mx.int32))
@@ -91,17 +94,22 @@ class ModelRunner:
         self.attention_variants = install_attention_variants(model)  # layers that write their scores out
         self.fused_ops = install_fused_ops(model)  # linear, RMSNorm, RoPE, SwiGLU through trillm.kernels
         self.head = ModelHead(model)  # the model's own tail, on the last positions only
+        self.state_slots = pool.states.slots if pool.states is not None else None  # hybrid models' recurrent state
+        # Ragged prefill rows are right-padded; a model whose recurrent layers do not mask padding gets chunks of
+        # one length per forward (engine/state_pool.py).
+        self.max_waste = 1.5 if self.state_slots is None or pads_safely(model) else 1.0
 
     def prepare_decode(self, seqs: list[Sequence], tokens: mx.array | None = None) -> ForwardInputs:
         # tokens: [B, 1], each row's one pending token (from the host, or the previous step's lazy samples).
         # The step is already committed, so each row's new token sits at num_computed_tokens - 1.
         return prepare_inputs(seqs, [s.num_computed_tokens - 1 for s in seqs], [1] * len(seqs),
-                              self.pool.block_size, None if tokens is None else tokens.reshape(-1, 1).astype(mx.int32))
+                              self.pool.block_size, None if tokens is None else tokens.reshape(-1, 1).astype(mx.int32),
+                              self.state_slots)
 
     def prepare_prefill(self, chunks: list[PrefillChunk]) -> ForwardInputs:
         # tokens: [B, L], one chunk per row
         return prepare_inputs([c.seq for c in chunks], [c.start for c in chunks], [c.num_tokens for c in chunks],
-                              self.pool.block_size)
+                              self.pool.block_size, state_slots=self.state_slots)
 
     def forward(self, inputs: ForwardInputs) -> mx.array:
         """Logits [B, V] at each row's last real position (and, if asked, `inputs.hidden`)."""
@@ -109,6 +117,7 @@ class ModelRunner:
         with fused_ops(self.pool.kernels):
             try:
                 logits, hidden = self.head.forward(inputs.tokens, self.caches, inputs.last_index)
+                self.pool.commit()  # a forward that raised leaves every recurrent state as it was
                 if inputs.keep_hidden:
                     inputs.hidden = hidden
                 return logits
@@ -141,7 +150,7 @@ class ModelRunner:
             logits.append(out)
             sampled += batch.decodes
         scores: list[PendingScores] = []
-        for group in group_chunks(batch.prefills):
+        for group in group_chunks(batch.prefills, self.max_waste):
             if check_abort is not None:
                 check_abort()
             inputs = self.prepare_prefill(group)

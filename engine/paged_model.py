@@ -1,8 +1,10 @@
 """What the engine needs of a real mlx-lm model, asked of the model itself rather than re-implemented per family.
 
 - `kv_layout(model)`: the caches the model makes (`make_cache`, as mlx-lm's generate uses) and the K/V shape
-  each holds per token, read off one token run through the model with its own caches. Cache kinds the paged
-  pool cannot stand in for (recurrent state, chunked or quantized caches) refuse the model in one line.
+  each holds per token, read off one token run through the model with its own caches; for a hybrid model's
+  recurrent layers (`ArraysCache`, alone or in a `CacheList` with the layer's KVCache), the per-sequence state
+  each holds, read off the same run (engine/state_pool.py). Cache kinds the paged pool cannot stand in for
+  (quantized caches, models with no attention layer at all) refuse the model in one line.
 - `ModelHead`: runs the model's own `__call__` with its decoder stack (the module holding `layers`) wrapped,
   so that only the positions the engine needs reach the model's own tail: whatever head it has (`lm_head`,
   `output`, a tied embedding) and whatever it applies to the final logits (soft-capping, logit scaling).
@@ -18,6 +20,7 @@ import mlx.nn as nn
 
 from trillm.engine.errors import UnsupportedModel
 from trillm.engine.kv_cache import KVLayout, LayerKV
+from trillm.engine.state_pool import CacheNode, LayerState, StateEntry
 
 # Where mlx-lm's Model classes keep their decoder stack (Gemma 3's multimodal wrapper nests a text Model).
 _STACK_NAMES = ("model", "language_model", "transformer", "backbone")
@@ -118,9 +121,8 @@ class ModelHead:
 # ---- the KV layout -------------------------------------------------------------------------------------------
 
 _PAGEABLE = ("KVCache", "RotatingKVCache")
+_RECURRENT = ("ArraysCache", "MambaCache")  # per-sequence state, held by the state pool
 _WHY = {
-    "ArraysCache": "recurrent layers (linear attention / state-space state)",
-    "MambaCache": "recurrent layers (state-space state)",
     "ChunkedKVCache": "chunked attention (Llama 4 style)",
     "QuantizedKVCache": "a quantized KV cache",
     "CacheList": "layers with several caches each (hybrid or compressed attention)",
@@ -151,6 +153,9 @@ def describe(layout: KVLayout) -> str:
         if layer.k_dim != layer.v_dim:
             kind += f" (K {layer.k_dim} / V {layer.v_dim} wide)"
         kinds[kind] = kinds.get(kind, 0) + 1
+    for state in layout.states:
+        kind = f"recurrent state ({state.nbytes} bytes per sequence)"
+        kinds[kind] = kinds.get(kind, 0) + 1
     return ", ".join(f"{n} x {kind}" for kind, n in kinds.items())
 
 
@@ -159,15 +164,31 @@ def kv_layout(model: nn.Module, name: str = "model") -> KVLayout:
     caches = make_model_cache(model, name)
     _check_caches(caches, name, model)
     model(mx.zeros((1, 1), mx.int32), cache=caches)
-    layers = []
-    for i, c in enumerate(caches):
+    layers: list[LayerKV] = []
+    states: list[LayerState] = []
+
+    def node(c: Any, i: int) -> CacheNode:
+        kind = type(c).__name__
+        if kind == "CacheList":
+            return CacheNode("list", children=tuple(node(child, i) for child in c.caches))
+        if kind in _RECURRENT:
+            if any(a is None for a in c.cache):
+                raise UnsupportedModel(f"{name}: not supported yet: the recurrent state of cache {i} is never written")
+            states.append(LayerState(tuple(StateEntry(tuple(int(d) for d in a.shape[1:]), a.dtype) for a in c.cache),
+                                     kind))
+            return CacheNode("state", len(states) - 1)
         if c.keys is None:
             raise UnsupportedModel(f"{name}: not supported yet: cache {i} is never written")
         _, h, _, dk = c.keys.shape
-        window = int(c.max_size) if type(c).__name__ == "RotatingKVCache" else None
-        chunk = int(c.chunk_size) if type(c).__name__ == "ChunkedKVCache" else None
+        window = int(c.max_size) if kind == "RotatingKVCache" else None
+        chunk = int(c.chunk_size) if kind == "ChunkedKVCache" else None
         layers.append(LayerKV(int(h), int(dk), int(c.values.shape[-1]), window, chunk))
-    return KVLayout(tuple(layers))
+        return CacheNode("kv", len(layers) - 1)
+
+    plan = tuple(node(c, i) for i, c in enumerate(caches))
+    if not states:
+        return KVLayout(tuple(layers))
+    return KVLayout(tuple(layers), states=tuple(states), plan=plan)
 
 
 def _check_caches(caches: list[Any], name: str, model: nn.Module) -> None:
@@ -177,9 +198,13 @@ def _check_caches(caches: list[Any], name: str, model: nn.Module) -> None:
 
     chunked_ok = any((c.__module__, c.__name__) in CHUNKED_STACKS  # (the adapter subclasses the stack's class)
                      for _, m in model.named_modules() for c in type(m).__mro__)
-    for i, c in enumerate(caches):
+    flat = [(i, child) for i, c in enumerate(caches) for child in _children(c)]
+    if not any(type(c).__name__ not in _RECURRENT for _, c in flat):
+        raise UnsupportedModel(f"{name}: not supported yet: every layer is recurrent (state-space state, no attention "
+                               f"layer); the paged engine serves recurrent layers only beside attention (hybrids)")
+    for i, c in flat:
         kind = type(c).__name__
-        if kind == "ChunkedKVCache" and chunked_ok:
+        if (kind == "ChunkedKVCache" and chunked_ok) or kind in _RECURRENT:
             continue
         if kind not in _PAGEABLE:
             why = _WHY.get(kind, f"its {kind} caches")
@@ -188,3 +213,14 @@ def _check_caches(caches: list[Any], name: str, model: nn.Module) -> None:
         if kind == "RotatingKVCache" and (getattr(c, "keep", None) or 0) > 0:
             raise UnsupportedModel(f"{name}: not supported yet: layer {i} keeps {c.keep} sink tokens in a rotating "
                                    f"cache")
+
+
+def _children(c: Any) -> list[Any]:
+    """A layer's caches: a CacheList's own (one level: Falcon-H1's mixer state and attention), else itself. A
+    CacheList without recurrent state (indexer keys beside the KV) is refused as a whole, as before."""
+    if type(c).__name__ != "CacheList":
+        return [c]
+    children = list(c.caches)
+    if not any(type(x).__name__ in _RECURRENT for x in children):
+        return [c]
+    return children

@@ -36,7 +36,7 @@ SEEDS = 8  # weight seeds tried before the builder gives up on a margin
 MARGIN = 0.05  # smallest top-1 minus top-2 logit gap accepted on the builder's probe (fp32 noise is ~1e-5)
 DOCS = Path(__file__).resolve().parent.parent / "docs" / "supported_models.md"
 CHECKS = ("single", "batched (ragged)", "long prompt (across blocks and windows)",
-          "staggered arrivals, chunked prefill mixed with decodes", "preemption",
+          "staggered arrivals, chunked prefill mixed with decodes", "preemption", "abort mid-prefill",
           "prefix-cache hit (full and partial)", "prompt logprobs")
 
 
@@ -71,7 +71,7 @@ _BASE: dict[str, Any] = {
 }
 
 _SW_FULL = "sliding window + full"
-_HYBRID = "hybrid (refused)"
+_HYBRID = "hybrid"
 
 
 def _alt(n: int, first: str = "sliding_attention", second: str = "full_attention") -> list[str]:
@@ -189,13 +189,15 @@ FAMILIES: tuple[Family, ...] = (
         "rope_scaling": {"type": "longrope", "original_max_position_embeddings": 32,
                          "short_factor": [1.0 + 0.1 * i for i in range(4)],
                          "long_factor": [1.0 + 0.5 * i for i in range(4)]}}),
-    # Hybrid recurrent families: the engine refuses them at load until the companion issue lands.
+    # Hybrid recurrent families: recurrent state in the engine's state pool (engine/state_pool.py), attention
+    # layers paged; no prefix caching for them yet (their state cannot be rebuilt from a shared KV prefix).
     Family("qwen3_next", "qwen3_next", _HYBRID + ": gated delta + full", {
         "num_hidden_layers": 4, "linear_num_value_heads": 4, "linear_num_key_heads": 2, "linear_key_head_dim": 16,
         "linear_value_head_dim": 16, "linear_conv_kernel_dim": 4, "num_experts": 4, "num_experts_per_tok": 2,
         "decoder_sparse_step": 1, "shared_expert_intermediate_size": 64, "mlp_only_layers": [],
-        "moe_intermediate_size": 32, "partial_rotary_factor": 0.25, "full_attention_interval": 2}, expect="refused"),
-    Family("qwen3_5", "qwen3_5", _HYBRID + ": gated delta + full", {}, base=False, expect="refused", text_config={
+        "moe_intermediate_size": 32, "partial_rotary_factor": 0.25, "full_attention_interval": 2},
+        prefix_caching=False),
+    Family("qwen3_5", "qwen3_5", _HYBRID + ": gated delta + full", {}, base=False, prefix_caching=False, text_config={
         "model_type": "qwen3_5_text", "num_hidden_layers": 4, "linear_num_value_heads": 4, "linear_num_key_heads": 2,
         "linear_key_head_dim": 16, "linear_value_head_dim": 16, "linear_conv_kernel_dim": 4,
         "full_attention_interval": 2,
@@ -204,15 +206,16 @@ FAMILIES: tuple[Family, ...] = (
     Family("lfm2", "lfm2", _HYBRID + ": short conv + full", {
         "num_hidden_layers": 4, "norm_eps": 1e-5, "conv_bias": False, "conv_L_cache": 3, "block_dim": 64,
         "block_multiple_of": 16, "block_ffn_dim_multiplier": 1.0, "block_auto_adjust_ff_dim": False,
-        "block_ff_dim": 128, "full_attn_idxs": [1, 3]}, expect="refused"),
-    Family("nemotron_h", "nemotron_h", _HYBRID + ": mamba2 + full", {
+        "block_ff_dim": 128, "full_attn_idxs": [1, 3]}, prefix_caching=False),
+    Family("nemotron_h", "nemotron_h", _HYBRID + ": mamba2 + full (prefill rows of one length per forward)", {
         "num_hidden_layers": 4, "hybrid_override_pattern": "M*M-", "mamba_num_heads": 4, "mamba_head_dim": 16,
         "mamba_proj_bias": False, "ssm_state_size": 16, "conv_kernel": 4, "n_groups": 1, "mlp_bias": False,
         "layer_norm_epsilon": 1e-5, "use_bias": False, "use_conv_bias": True, "attention_bias": False},
-        expect="refused"),
+        prefix_caching=False),
     Family("falcon_h1", "falcon_h1", _HYBRID + ": parallel mamba2 + attention", {
         "num_hidden_layers": 2, "mamba_d_conv": 4, "mamba_d_head": 16, "mamba_d_ssm": 64, "mamba_d_state": 16,
-        "mamba_n_heads": 4, "mamba_chunk_size": 16, "tie_word_embeddings": True}, expect="refused"),
+        "mamba_n_heads": 4, "mamba_chunk_size": 16, "tie_word_embeddings": True}, prefix_caching=False),
+    # No attention layer at all: refused (the engine serves recurrent layers beside attention only).
     Family("mamba2", "mamba2", "state space only (refused)", {
         "num_heads": 8, "head_dim": 16, "intermediate_size": 128, "expand": 2, "state_size": 16, "num_hidden_layers": 2,
         "layer_norm_epsilon": 1e-5, "conv_kernel": 4, "n_groups": 1, "use_bias": False, "use_conv_bias": True,
@@ -392,9 +395,11 @@ def supported_models_markdown() -> str:
     ]
     for f in FAMILIES:
         ok = f.expect == "identical"
-        checked = "all checks" if ok else "refused at load in one line"
+        checked = ("all checks" if f.prefix_caching else "all checks (a repeated prompt must not hit)") if ok else \
+            "refused at load in one line"
+        caching = "yes" if ok and f.prefix_caching else "no (recurrent state is not cached yet)" if ok else "no"
         lines.append(f"| {f.name} | `{f.model_type}` | {f.attention} | {'identical' if ok else 'refused at load'} | "
-                     f"{checked} | {'yes' if ok and f.prefix_caching else 'no'} |")
+                     f"{checked} | {caching} |")
     return "\n".join(lines) + "\n"
 
 

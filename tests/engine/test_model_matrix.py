@@ -3,7 +3,9 @@ own generation of the same folder (greedy, fp32, its own caches).
 
 A family expected "identical" must give mlx-lm's greedy tokens and logprobs (chosen and top-3, within tolerance)
 for one request, three ragged requests batched, a prompt across several KV blocks and every sliding window
-(in one prefill and in chunks), preemption and resume, a prefix-cache hit, and prompt logprobs. A family
+(in one prefill and in chunks), preemption and resume, an abort mid-prefill (its blocks and, for hybrids, its
+recurrent-state slot freed), a prefix-cache hit (or, for hybrids, declared without prefix caching, none), and
+prompt logprobs. A family
 expected "refused" must raise UnsupportedModel (a ModelLoadError) with a one-line message at load, never fail
 at request time.
 Nothing here is skipped or xfailed: a family the engine gets wrong is a failing test naming what differs.
@@ -239,6 +241,31 @@ def test_preemption_and_resume(case: Case) -> None:
     assert eng.statistics().num_preemptions > before, "the tiny pool did not force a preemption"
     _check(case, "preempted", outs, names)
     assert eng.statistics().num_blocks_used == 0
+
+
+def test_abort_mid_prefill_frees_its_blocks_and_state(case: Case) -> None:
+    # The long prompt is aborted after two chunks (16-token steps), batched with another request's prefill and
+    # then its decode: the other is untouched, every block (and a hybrid's state slot) comes back, and the long
+    # prompt run again afterwards (maybe on the aborted one's slot) is mlx-lm's.
+    eng = case.engine("chunked")
+    eng.add_request("abort-short", _prompts("short")[0], _params("abort"))
+    eng.add_request("abort-long", _prompts("long")[0], _params("abort"))
+    deltas: list[RequestOutput] = []
+    deltas += eng.step()
+    deltas += eng.step()
+    seq = next(s for s in eng.scheduler.running if s.request_id == "abort-long")
+    assert 0 < seq.num_computed_tokens < seq.num_prompt_tokens, "not mid-prefill"
+    eng.abort("abort-long")
+    while eng.has_unfinished_requests():
+        deltas += eng.step()
+    short = RequestOutput.concat([d for d in deltas if d.request_id == "abort-short"])
+    assert not any(d.request_id == "abort-long" for d in deltas)
+    assert eng.statistics().num_blocks_used == 0
+    slots = eng.state_slots
+    if slots is not None:
+        assert slots.num_free == slots.num_slots, "an aborted sequence kept its state slot"
+    again = eng.generate(_prompts("long"), _params("abort"))[0]
+    _check(case, "after an abort mid-prefill", [short, again], ["short", "long"])
 
 
 def test_prefix_cache_hit(case: Case) -> None:

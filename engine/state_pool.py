@@ -1,0 +1,260 @@
+"""Per-sequence recurrent state beside the paged KV pool, for the recurrent layers of hybrid models (gated delta
+nets, Mamba-2 mixers, short convolutions).
+
+A recurrent layer keeps no per-token K/V but a fixed-size state per sequence: whatever mlx-lm's `ArraysCache`
+holds for it (a convolution window, an SSM or delta-net state), shapes read off the model's own caches after
+one token (`paged_model.kv_layout`). The pool holds one slot per running sequence for every such layer;
+`StateSlots` (pure Python) hands slots out at admission with the sequence's KV blocks and takes them back with
+them (finish, abort, preemption).
+
+For one forward, `RecurrentStateCache` stands in for the layer's `ArraysCache`, driven unmodified by the model's
+own code: it gathers the batch rows' states by slot (zeros for a row whose first forward this is: position 0,
+so a preempted sequence's recompute starts from a zero state whatever its slot held), collects what the layer
+writes back, and `StatePool.commit` scatters the new states into the rows' slots. Ragged rows are right-padded
+(model_runner.prepare_inputs); the cache's `lengths` (each row's real token count, as mlx-lm's own batched path
+sets them with right padding) make `make_mask` mask the padding, so padding never advances the recurrence and
+each row's conv window is read at its last real token.
+
+Not every mlx-lm model masks padding in every recurrent layer (Nemotron-H's Mamba-2 mixer does not pass the
+lengths to its scan, so padding after a row's last token leaks into its state): only the families listed in
+`RAGGED_OK`, each checked by the test matrix's ragged batches, batch prefill rows of different lengths; every
+other model with recurrent layers batches only chunks of equal length (no padding at all, so nothing to mask).
+
+Hybrid sequences never hit or publish prefix-cache blocks (the engine turns the prefix cache off for them):
+their recurrent state cannot be rebuilt from a shared KV prefix.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import mlx.core as mx
+
+if TYPE_CHECKING:
+    from trillm.engine.sequence import Sequence
+
+
+# mlx-lm model modules whose recurrent layers mask right padding themselves (through `lengths` and the mask),
+# checked by tests/engine/test_model_matrix.py's ragged batches.
+RAGGED_OK = frozenset({"mlx_lm.models.qwen3_next", "mlx_lm.models.qwen3_5", "mlx_lm.models.lfm2",
+                       "mlx_lm.models.falcon_h1"})
+
+
+def pads_safely(model: Any) -> bool:
+    """May prefill rows of different lengths (right-padded) share a forward of this model's recurrent layers."""
+    return type(model).__module__ in RAGGED_OK
+
+
+@dataclass(frozen=True, slots=True)
+class StateEntry:
+    """One array a recurrent layer keeps per sequence (without the batch axis)."""
+
+    shape: tuple[int, ...]
+    dtype: mx.Dtype
+
+    @property
+    def nbytes(self) -> int:
+        n = self.dtype.size
+        for d in self.shape:
+            n *= d
+        return n
+
+
+@dataclass(frozen=True, slots=True)
+class LayerState:
+    """A recurrent layer's per-sequence state: its `ArraysCache` entries, in order."""
+
+    entries: tuple[StateEntry, ...]
+    kind: str = "ArraysCache"  # mlx-lm's cache class, for messages
+
+    @property
+    def nbytes(self) -> int:
+        return sum(e.nbytes for e in self.entries)
+
+
+@dataclass(frozen=True, slots=True)
+class CacheNode:
+    """Where one of the model's caches comes from: pool layer `index` ("kv"), state layer `index` ("state"),
+    or a list of caches for one layer ("list", mlx-lm's CacheList: Falcon-H1's mixer and attention)."""
+
+    kind: str
+    index: int = -1
+    children: tuple[CacheNode, ...] = ()
+
+
+def bytes_per_slot(layers: tuple[LayerState, ...]) -> int:
+    return sum(layer.nbytes for layer in layers)
+
+
+class StateSlots:
+    """Which state slot each running sequence holds (pure Python; the block manager takes and frees them)."""
+
+    def __init__(self, num_slots: int) -> None:
+        assert num_slots >= 1
+        self.num_slots = num_slots
+        self._free = list(range(num_slots - 1, -1, -1))  # popped from the end: slot 0 first
+        self._of: dict[Sequence, int] = {}  # identity-keyed: Sequence defines no __eq__
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    def holds(self, seq: Sequence) -> bool:
+        return seq in self._of
+
+    def take(self, seq: Sequence) -> int:
+        assert seq not in self._of, "a sequence holds one slot"
+        slot = self._free.pop()
+        self._of[seq] = slot
+        return slot
+
+    def release(self, seq: Sequence) -> None:
+        slot = self._of.pop(seq, None)
+        if slot is not None:
+            self._free.append(slot)
+
+    def slot(self, seq: Sequence) -> int:
+        return self._of[seq]
+
+    def check_invariants(self, live: list[Sequence]) -> None:
+        """Each live sequence holds exactly one slot, no slot is held twice, and every other slot is free."""
+        held = [self._of[s] for s in live]
+        assert set(self._of) == set(live), (len(self._of), len(live))
+        assert len(set(held)) == len(held)
+        assert sorted(held + self._free) == list(range(self.num_slots))
+
+
+@dataclass(frozen=True, slots=True)
+class StateRows:
+    """The rows of one forward, as the state pool needs them."""
+
+    slots: mx.array  # int32 [B]: each row's slot
+    fresh: mx.array | None  # bool [B]: rows at position 0 (their state starts at zero); None: no such row
+    all_fresh: bool
+    lengths: mx.array | None  # int32 [B]: real tokens per row, when rows are ragged (right padding); else None
+
+
+def state_rows(slots: list[int], starts: list[int], lengths: list[int]) -> StateRows:
+    fresh = [st == 0 for st in starts]
+    return StateRows(mx.array(slots, mx.int32), mx.array(fresh) if any(fresh) else None, all(fresh),
+                     mx.array(lengths, mx.int32) if len(set(lengths)) > 1 else None)
+
+
+class StatePool:
+    """One [num_slots, *entry shape] array per recurrent layer and entry."""
+
+    def __init__(self, layers: tuple[LayerState, ...], slots: StateSlots) -> None:
+        self.layers = layers
+        self.slots = slots
+        self.arrays_by_layer = [[mx.zeros((slots.num_slots, *e.shape), e.dtype) for e in layer.entries]
+                                for layer in layers]
+        mx.eval(self.arrays())
+        self.rows: StateRows | None = None
+        self._caches = [RecurrentStateCache(self, j) for j in range(len(layers))]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(a.nbytes for a in self.arrays())
+
+    def arrays(self) -> list[mx.array]:
+        return [a for layer in self.arrays_by_layer for a in layer]
+
+    def caches(self) -> list[RecurrentStateCache]:
+        return self._caches
+
+    def begin(self, rows: StateRows | None) -> None:
+        assert rows is not None, "a forward of a model with recurrent layers needs its rows' state slots"
+        self.rows = rows
+        for c in self._caches:
+            c.begin(rows)
+
+    def commit(self) -> None:
+        """Scatter the states the layers wrote this forward into the rows' slots."""
+        rows = self.rows
+        assert rows is not None
+        B = rows.slots.shape[0]
+        for j, c in enumerate(self._caches):
+            for e, new in c.written.items():
+                pool = self.arrays_by_layer[j][e]
+                index = rows.slots.reshape(B, *([1] * (pool.ndim - 1)))
+                self.arrays_by_layer[j][e] = mx.put_along_axis(pool, index, new.astype(pool.dtype), axis=0)
+
+    def end(self) -> None:
+        self.rows = None
+        for c in self._caches:
+            c.end()
+
+
+class RecurrentStateCache:
+    """One recurrent layer's stand-in for mlx-lm's `ArraysCache` during one forward (see the module docstring)."""
+
+    def __init__(self, pool: StatePool, layer: int) -> None:
+        self.pool = pool
+        self.layer = layer
+        self.lengths: mx.array | None = None  # as ArraysCache's: real tokens left per row (right padding)
+        self.left_padding: mx.array | None = None  # never: rows are right-padded
+        self._rows: StateRows | None = None
+        self._read: dict[int, mx.array] = {}
+        self.written: dict[int, mx.array] = {}
+
+    def begin(self, rows: StateRows) -> None:
+        self._rows = rows
+        self.lengths = rows.lengths
+        self._read.clear()
+        self.written.clear()
+
+    def end(self) -> None:
+        self._rows = None
+        self.lengths = None
+        self._read.clear()
+        self.written.clear()
+
+    def __getitem__(self, idx: int) -> mx.array:
+        if idx in self.written:
+            return self.written[idx]
+        if idx not in self._read:
+            rows = self._rows
+            assert rows is not None, "begin the forward first"
+            pool = self.pool.arrays_by_layer[self.layer][idx]
+            B = rows.slots.shape[0]
+            if rows.all_fresh:
+                state = mx.zeros((B, *pool.shape[1:]), pool.dtype)
+            else:
+                state = pool[rows.slots]
+                if rows.fresh is not None:
+                    state = mx.where(rows.fresh.reshape(B, *([1] * (pool.ndim - 1))), mx.zeros_like(state), state)
+            self._read[idx] = state
+        return self._read[idx]
+
+    def __setitem__(self, idx: int, value: mx.array) -> None:
+        self.written[idx] = value
+
+    @property
+    def cache(self) -> list[mx.array]:
+        return [self[i] for i in range(len(self.pool.layers[self.layer].entries))]
+
+    def advance(self, N: int) -> None:
+        if self.lengths is not None:
+            self.lengths = self.lengths - N
+
+    def make_mask(self, N: int, **_: Any) -> mx.array | None:
+        """[B, N] bool, True at each row's real tokens; None when no row is padded (mlx-lm's own convention)."""
+        if self.lengths is None:
+            return None
+        return mx.arange(N)[None, :] < self.lengths[:, None]
+
+    # mlx-lm's cache protocol, for code that inspects caches.
+    @property
+    def batch_size(self) -> int:
+        return 0 if self._rows is None else int(self._rows.slots.shape[0])
+
+    def is_trimmable(self) -> bool:
+        return False
+
+    def empty(self) -> bool:
+        return False
+
+    @property
+    def nbytes(self) -> int:
+        return sum(a.nbytes for a in self.pool.arrays_by_layer[self.layer])
