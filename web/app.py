@@ -22,7 +22,8 @@ from trillm.web.config import ServerConfig
 from trillm.web.errors import APIError, to_api_error
 from trillm.web.http import event_stream_response, json_body, json_response, large_body, started
 from trillm.web.generation import ModelRegistry, any_tokenizer, off_thread, start_generation
-from trillm.web.metrics import render_kernel_metrics, render_metrics
+from trillm.web.keys import KeyRing, install_key_limits, offered_key
+from trillm.web.metrics import render_key_metrics, render_kernel_metrics, render_metrics
 from trillm.web.playground import register_playground
 from trillm.web.openai_schema import (
     ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest, OPENAI_ROUTES, openapi_document,
@@ -127,18 +128,25 @@ def same_or_allowed_origin(headers: Any, allowed_origins: Sequence[str], bind_ho
 
 
 def install_guards(app: QuartTrio, api_key: str | None, allowed_origins: Sequence[str],
-                   bind_host: str = "127.0.0.1", internal_api_key: str | None = None) -> None:
+                   bind_host: str = "127.0.0.1", internal_api_key: str | None = None,
+                   key_ring: KeyRing | None = None) -> None:
     """The checks every trillm front makes (a server and the router alike): the API key on protected paths,
     a browser's Origin on the websockets and /internal/*, and HTTP errors in the shape of the API at that path.
     `bind_host`: the address the server listens on (what an Origin is judged against). `internal_api_key`:
-    when set, the only key /internal/* takes (the rest of the API takes it too)."""
+    when set, the only key /internal/* takes (the rest of the API takes it too). `key_ring`: the named keys of
+    --api-key-file, taken beside `api_key`."""
 
     def authorized(path: str, headers: Any, offered: bytes | None = None) -> bool:
         if internal_api_key is not None and is_authorized(internal_api_key, headers, offered):
             return True
         if internal_api_key is not None and path.startswith("/internal/"):
             return False
-        return not is_protected(path) or is_authorized(api_key, headers, offered)
+        if not is_protected(path):
+            return True
+        if key_ring is not None:  # then a key is needed even without --api-key
+            return (key_ring.identify(offered_key(headers, offered)) is not None
+                    or (api_key is not None and is_authorized(api_key, headers, offered)))
+        return is_authorized(api_key, headers, offered)
 
     def origin_refused() -> Response:
         return error_response(APIError(403, "cross-origin request refused: this page's origin may not use this "
@@ -181,7 +189,10 @@ def create_app(services: Sequence[EngineService], config: ServerConfig = ServerC
     registry = ModelRegistry(services, config.model_aliases)
     app.extensions["trillm.registry"] = registry
 
-    install_guards(app, config.api_key, config.allowed_origins, config.host, config.internal_api_key)
+    key_ring = KeyRing(config.api_keys) if config.api_keys else None
+    install_guards(app, config.api_key, config.allowed_origins, config.host, config.internal_api_key, key_ring)
+    if key_ring is not None:
+        install_key_limits(app, key_ring, is_protected, error_response)
 
     @app.errorhandler(Exception)
     async def any_error(exc: Exception) -> Response:
@@ -243,6 +254,8 @@ def create_app(services: Sequence[EngineService], config: ServerConfig = ServerC
                                for s in registry.services})
         text += render_kernel_metrics({s.model_name: s.kernel_report.implementations()
                                        for s in registry.services if s.kernel_report is not None})
+        if key_ring is not None:
+            text += render_key_metrics(key_ring.statistics())
         return Response(text, content_type="text/plain; version=0.0.4; charset=utf-8")
 
     @app.post("/tokenize")

@@ -83,6 +83,14 @@ def configure(p: argparse.ArgumentParser) -> None:
                      help="a request's deadline: past it the generation ends with finish reason 'timeout' (Anthropic: "
                           "max_tokens) and its KV blocks are freed; a client's X-Request-Timeout header may ask for "
                           "less (default: none)")
+    ops.add_argument("--api-key-file", default=None, metavar="PATH",
+                     help="several API keys, one a line: 'NAME KEY [rpm=N] [concurrent=N]'; each key's name (never "
+                          "the key) is in logs and /metrics; over a limit, 429 with Retry-After")
+    ops.add_argument("--key-rpm", type=int, default=None, metavar="N",
+                     help="--api-key-file: requests per minute of each key without its own rpm= (default: none)")
+    ops.add_argument("--key-max-concurrent", type=int, default=None, metavar="N",
+                     help="--api-key-file: requests in flight (a stream until its end) of each key without its own "
+                          "concurrent= (default: none)")
     p.add_argument("--lazy-load", action="store_true", help="load each model on its first request")
     p.add_argument("--unload-after-idle", type=float, default=None, metavar="SECONDS",
                    help="free a model after this long without requests (the next request reloads it)")
@@ -171,7 +179,14 @@ def parse_model_aliases(values: list[str]) -> tuple[tuple[str, str], ...]:
 
 
 def _server_config(args: argparse.Namespace, aliases: tuple[tuple[str, str], ...]) -> ServerConfig:
-    return ServerConfig(host=args.host, port=args.port, api_key=args.api_key, internal_api_key=args.internal_api_key,
+    from trillm.web.keys import load_key_file
+
+    for flag, value in (("--key-rpm", args.key_rpm), ("--key-max-concurrent", args.key_max_concurrent)):
+        if value is not None and value < 1:
+            raise ValueError(f"{flag} must be >= 1")
+    keys = () if args.api_key_file is None else tuple(load_key_file(
+        args.api_key_file, default_rpm=args.key_rpm, default_concurrent=args.key_max_concurrent))
+    return ServerConfig(api_keys=keys, host=args.host, port=args.port, api_key=args.api_key, internal_api_key=args.internal_api_key,
                         allowed_origins=tuple(args.allowed_origins), model_aliases=aliases,
                         tool_parser=args.tool_parser, reasoning_parser=args.reasoning_parser,
                         drain_timeout_s=args.drain_timeout, keep_alive_timeout_s=args.keep_alive_timeout,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from trillm.web.keys import ApiKey
 from trillm.web.protocol import Limits
 from trillm.web.structured import ChatOptions
 
@@ -41,6 +42,7 @@ class ServerConfig:
     # A request's deadline in seconds (its X-Request-Timeout header may ask for less): past it the generation
     # ends with finish reason "timeout" and its blocks are freed. None: no deadline unless the client asks.
     request_timeout_s: float | None = None
+    api_keys: tuple[ApiKey, ...] = ()  # --api-key-file's named keys, each with its limits (web/keys.py)
 
     def __post_init__(self) -> None:
         if not 0 <= self.port < 65536:

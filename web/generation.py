@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import fnmatch
 import math
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from typing import TypeVar
 
 import trio
 from quart import has_request_context, request
+from werkzeug.datastructures import Headers
 
 from trillm.engine.errors import InvalidRequest, Overloaded
 from trillm.web.config import ServerConfig
@@ -115,7 +116,7 @@ async def prepare_generation(
 REQUEST_TIMEOUT_HEADER = "X-Request-Timeout"
 
 
-def request_deadline(config: ServerConfig, headers: Mapping[str, str] | None) -> float | None:
+def request_deadline(config: ServerConfig, headers: Headers | None) -> float | None:
     """The trio time by which a request must be done: --request-timeout, or the client's X-Request-Timeout
     (seconds) when that is sooner (a client may shorten the server's deadline, never lengthen it)."""
     timeout = config.request_timeout_s

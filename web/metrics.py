@@ -244,6 +244,20 @@ def _render_vllm(models: Mapping[str, tuple[ModelMetrics, EngineStatistics | Non
             yield from getattr(m, attr).vllm.render(name, _vllm_labels(model))
 
 
+def render_key_metrics(keys: Mapping[str, Mapping[str, int]]) -> str:
+    """Per API key name (--api-key-file; never the key): requests by outcome, and requests in flight."""
+    lines = ["# HELP trillm_api_key_requests_total Requests per API key name: admitted, or refused by a limit.",
+             "# TYPE trillm_api_key_requests_total counter"]
+    for name, s in keys.items():
+        for outcome in ("admitted", "rate_limited", "concurrency_limited"):
+            lines.append(f'trillm_api_key_requests_total{{key_name="{_escape(name)}",outcome="{outcome}"}} {s[outcome]}')
+    lines += ["# HELP trillm_api_key_requests_in_flight Requests of each API key name being served now.",
+              "# TYPE trillm_api_key_requests_in_flight gauge"]
+    for name, s in keys.items():
+        lines.append(f'trillm_api_key_requests_in_flight{{key_name="{_escape(name)}"}} {s["in_flight"]}')
+    return "\n".join(lines) + "\n"
+
+
 def render_kernel_metrics(models: Mapping[str, Mapping[str, str]]) -> str:
     """Which implementation each kernel op runs, per model: op -> "metal" / "cuda" / "cpu" / "reference"."""
     lines = ["# HELP trillm_kernel_implementation 1 for the implementation each kernel op runs (start-up self-check).",
