@@ -58,6 +58,7 @@ class StepResult:
     report: StepReport | None  # None when no step ran
     step_s: float  # how long the step takes: the mock's simulated duration, or the measured wall time
     ran: bool  # whether the engine ran a step (False: idle, or a step that scheduled nothing)
+    prefilling: tuple[str, ...] = ()  # request ids with a prefill chunk in the step (a request's first: its queue ended)
 
 
 class EngineDriver:
@@ -78,12 +79,14 @@ class EngineDriver:
         report = None
         step_s = 0.0
         ran = False
+        prefilling: tuple[str, ...] = ()
         if self.engine.has_unfinished_requests():
             t0 = time.perf_counter()
             outputs = self.engine.step(check_abort=check_abort)
             wall = time.perf_counter() - t0
             info = self.engine.last_step
             ran = info is not None
+            prefilling = tuple(c.seq.request_id for c in info.batch.prefills) if info is not None else ()
             step_s = info.virtual_seconds if info is not None and info.virtual_seconds is not None else wall
         stats = self.engine.statistics()
         if ran:
@@ -91,7 +94,7 @@ class EngineDriver:
             load = StepLoad(self.num_steps, self._wall_clock(), stats.num_running, stats.num_waiting,
                             stats.num_blocks_used, stats.num_blocks_total, step_s)
             report = StepReport(load, self._events.take())
-        return StepResult(outputs, rejected, stats, report, step_s, ran)
+        return StepResult(outputs, rejected, stats, report, step_s, ran, prefilling)
 
     def _apply(self, work: Sequence[Work]) -> list[Rejected]:
         rejected = []

@@ -83,6 +83,10 @@ def configure(p: argparse.ArgumentParser) -> None:
                      help="a request's deadline: past it the generation ends with finish reason 'timeout' (Anthropic: "
                           "max_tokens) and its KV blocks are freed; a client's X-Request-Timeout header may ask for "
                           "less (default: none)")
+    ops.add_argument("--otlp-traces-endpoint", default=None, metavar="URL",
+                     help="export an OpenTelemetry trace of each request (spans: queue, prefill, decode, stream; the "
+                          "caller's W3C traceparent honoured) to this OTLP/HTTP collector, e.g. "
+                          "http://localhost:4318/v1/traces (needs trillm[otel])")
     ops.add_argument("--api-key-file", default=None, metavar="PATH",
                      help="several API keys, one a line: 'NAME KEY [rpm=N] [concurrent=N]'; each key's name (never "
                           "the key) is in logs and /metrics; over a limit, 429 with Retry-After")
@@ -179,7 +183,11 @@ def parse_model_aliases(values: list[str]) -> tuple[tuple[str, str], ...]:
 
 
 def _server_config(args: argparse.Namespace, aliases: tuple[tuple[str, str], ...]) -> ServerConfig:
+    from trillm.web import tracing
     from trillm.web.keys import load_key_file
+
+    if args.otlp_traces_endpoint is not None:
+        tracing.configure(args.otlp_traces_endpoint)
 
     for flag, value in (("--key-rpm", args.key_rpm), ("--key-max-concurrent", args.key_max_concurrent)):
         if value is not None and value < 1:

@@ -8,10 +8,11 @@ from collections.abc import Callable, Sequence
 from typing import TypeVar
 
 import trio
-from quart import has_request_context, request
+from quart import g, has_request_context, request
 from werkzeug.datastructures import Headers
 
 from trillm.engine.errors import InvalidRequest, Overloaded
+from trillm.web import tracing
 from trillm.web.config import ServerConfig
 from trillm.web.errors import APIError
 from trillm.web.openai_schema import ChatCompletionRequest, CompletionRequest
@@ -140,15 +141,27 @@ async def start_generation(
     """Parse and submit; typed errors (admission included) become 4xx/5xx before any byte is sent. The
     request's deadline (see `request_deadline`) covers loading and parsing too: past it before the submission,
     504."""
-    deadline = request_deadline(config, request.headers if has_request_context() else None)
+    headers = request.headers if has_request_context() else None
+    deadline = request_deadline(config, headers)
+    trace = tracing.start_request(
+        headers, **{"gen_ai.operation.name": "chat" if isinstance(body, ChatCompletionRequest) else "text_completion",
+                    "gen_ai.request.model": service.model_name, "gen_ai.request.max_tokens": body.max_tokens,
+                    "http.route": request.path if headers is not None else None, "trillm.stream": bool(body.stream),
+                    # the key's name (--api-key-file), never the key
+                    "trillm.api_key.name": g.get("trillm_api_key_name") if headers is not None else None})
     try:
         with trio.move_on_at(math.inf if deadline is None else deadline) as waited:
             req, tokenizer = await prepare_generation(service, body, config, adjust=adjust, large=large)
         if waited.cancelled_caught:
             raise APIError(504, "the request's deadline passed before its generation started (--request-timeout, "
                                 f"{REQUEST_TIMEOUT_HEADER})", "server_error", "request_timeout")
-        handle = service.submit_prompts(req.prompts, req.params, priority=req.priority, deadline=deadline)
-    except (InvalidRequest, Overloaded, EngineUnavailable):
-        service.metrics.on_outcome("rejected")
+        handle = service.submit_prompts(req.prompts, req.params, priority=req.priority, deadline=deadline,
+                                        trace=trace)
+    except BaseException as exc:
+        if trace is not None:
+            trace.fail(exc)
+            trace.end()
+        if isinstance(exc, (InvalidRequest, Overloaded, EngineUnavailable)):
+            service.metrics.on_outcome("rejected")
         raise
     return req, handle, tokenizer

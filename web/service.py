@@ -46,6 +46,7 @@ from trillm.engine.model_probe import ProbeResult
 from trillm.kernels.selfcheck import KernelReport
 from trillm.web.metrics import ModelMetrics
 from trillm.web.stream import GenerationFailed, GenerationHandle
+from trillm.web.tracing import RequestTrace
 
 log = logging.getLogger("trillm.web.service")
 
@@ -428,7 +429,8 @@ class EngineService:
                                    priority=priority, deadline=deadline)
 
     def submit_prompts(self, prompts: Sequence[list[int]], params: list[SamplingParams], *,
-                       priority: int = 0, deadline: float | None = None) -> GenerationHandle:
+                       priority: int = 0, deadline: float | None = None,
+                       trace: RequestTrace | None = None) -> GenerationHandle:
         """Queue each prompt for len(params) generations, all behind one handle (request ids prompt-major: one
         prompt's n, then the next's); the engine batches them like any other requests. Admitted all or none.
         `deadline` (trio time): past it the handle ends them with FinishReason.TIMEOUT and aborts them."""
@@ -446,8 +448,10 @@ class EngineService:
         rids = tuple(f"req-{next(self._ids)}" for _ in range(total))
         handle = GenerationHandle(rids, abort=self._abort, channel_size=self._config.channel_size,
                                   max_buffered_bytes=self._config.max_buffered_bytes, metrics=self.metrics,
-                                  deadline=deadline,
+                                  deadline=deadline, trace=trace,
                                   prompt_lengths=tuple(len(prompt) for prompt in prompts for _ in params))
+        if trace is not None:
+            trace.on_submitted(rids)
         work = ((prompt, p) for prompt in prompts for p in params)
         if deadline is not None:
             if len(self._deadlines) > 2 * len(self._live) + 64:  # drop handles that are done with
@@ -521,6 +525,10 @@ class EngineService:
         while self._deadlines and self._deadlines[0][0] <= now:  # past their deadline: end and abort them
             heapq.heappop(self._deadlines)[2].expire()
         self._stats = result.statistics
+        for rid in result.prefilling:  # the request left the queue (traces' queue and prefill spans)
+            handle = self._live.get(rid)
+            if handle is not None and handle.trace is not None:
+                handle.trace.on_prefill()
         if result.report is not None:
             self._reports.append(result.report)
         if result.ran:

@@ -18,6 +18,7 @@ from trillm.engine.outputs import FinishReason, RequestOutput, Usage
 
 if TYPE_CHECKING:
     from trillm.web.metrics import ModelMetrics
+    from trillm.web.tracing import RequestTrace
 
 
 def buffered_size(output: RequestOutput) -> int:
@@ -58,8 +59,10 @@ class GenerationHandle:
         metrics: ModelMetrics | None = None,
         deadline: float | None = None,
         prompt_lengths: tuple[int, ...] | None = None,
+        trace: RequestTrace | None = None,
     ) -> None:
         self.request_ids = request_ids
+        self.trace = trace  # OpenTelemetry (web/tracing.py): fed each output, ended by close
         self.deadline = deadline
         # Each request's latest usage, for the final delta a timeout writes (before any delta: its prompt length).
         self._usage = {rid: Usage(n, 0, 0) for rid, n in zip(request_ids, prompt_lengths or ())}
@@ -84,6 +87,8 @@ class GenerationHandle:
             return
         self._observe(output)
         self._usage[rid] = output.usage
+        if self.trace is not None:
+            self.trace.on_output(output)
         if output.finish_reason is FinishReason.ERROR:
             self.fail(GenerationFailed(output.error or "the engine failed while serving this request"))
             return
@@ -120,6 +125,8 @@ class GenerationHandle:
         """End the stream with `error` (the next `receive` raises it) and abort what is still running."""
         if self._failure is None and not self._closed:
             self._failure = error
+            if self.trace is not None:
+                self.trace.fail(error)
             if self._metrics is not None:
                 self._metrics.on_outcome("rejected" if isinstance(error, EngineError) else "error")
         self.close()
@@ -183,6 +190,8 @@ class GenerationHandle:
         return self.receive_nowait()  # the deadline passed: the timeout's finals
 
     def _taken(self, output: RequestOutput) -> None:
+        if self.trace is not None:
+            self.trace.on_read()
         self._buffered_bytes -= buffered_size(output)
         if self._buffered_bytes <= 0:
             self._exempt_bytes = 0
@@ -206,6 +215,8 @@ class GenerationHandle:
         if self._closed:
             return
         self._closed = True
+        if self.trace is not None:
+            self.trace.end()
         if self._unfinished and self._failure is None and self._metrics is not None:
             self._metrics.on_outcome("abort")
         for rid in self.request_ids:
