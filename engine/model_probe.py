@@ -24,7 +24,7 @@ if TYPE_CHECKING:
     from trillm.engine.llm_engine import LLMEngine
 
 PROBE_SALT = "trillm-load-probe"  # keeps the probe's blocks apart from every request's prefix-cache entries
-DECODE_TOKENS = 6
+DECODE_TOKENS = 8
 MAX_PROBE_LEN = 1100  # covers Gemma 3's 1024-token window; longer windows are checked up to here only
 # |logprob difference| allowed, by compute dtype: kernels and fused ops reorder sums, nothing more.
 TOLERANCE = {mx.float32: 2e-2, mx.float16: 0.25, mx.bfloat16: 0.35}
@@ -55,7 +55,9 @@ def probe_prompts(engine: LLMEngine) -> list[list[int]]:
     bs = engine.config.block_size
     windows = [w for w in (engine.kv_layout.windows if engine.kv_layout else ()) if w]
     cap = min(MAX_PROBE_LEN, engine.max_model_len - DECODE_TOKENS - 1)
-    lengths = [min(5, cap), min(2 * bs + 3, cap)]
+    # 2 * bs + 3 and (2 * bs + 3) // 3 + 1 share one right-padded prefill forward (group_chunks pads at most
+    # 1.5x), so the shorter row carries as much padding as serving ever gives it
+    lengths = [min(5, cap), min(2 * bs + 3, cap), min((2 * bs + 3) // 3 + 1, cap)]
     if windows:
         lengths.append(min(max(windows) + bs + 3, cap))
     return [[ordinary[(7 * n + 13 * j) % len(ordinary)] for j in range(n)] for n in lengths]

@@ -126,3 +126,15 @@ def test_tensor_parallel_refuses_what_its_uniform_pool_cannot_hold(tmp_path: Pat
         check_shardable(deepseek.model, "deepseek_v3", 2)
     llama = load_model(str(model_zoo.build("llama", tmp_path / "ll")))
     check_shardable(llama.model, "llama", 2)
+
+
+def test_recurrent_families_outside_the_checked_list_are_refused_by_name(tmp_path: Path,
+                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    from trillm.engine import paged_model
+
+    path = model_zoo.build("lfm2", tmp_path / "lfm2")
+    load_model(str(path))  # checked: loads
+    monkeypatch.setattr(paged_model, "VERIFIED_RECURRENT", frozenset({"qwen3_next"}))
+    with pytest.raises(UnsupportedModel) as info:
+        load_model(str(path))
+    assert "\n" not in str(info.value) and "lfm2 has recurrent layers" in str(info.value)
