@@ -252,6 +252,7 @@ def install_key_limits(app: QuartTrio, ring: KeyRing, protected: Callable[[str],
         if refusal is not None:
             return refused(key, refusal, request.path)
         g.trillm_api_key_name = key.name  # for logs and traces: the name, never the key
+        log.debug("key %s: %s %s", key.name, request.method, request.path)
         g.trillm_key_lease = _Lease(ring, key)
         return None
 

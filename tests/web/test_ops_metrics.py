@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.web.conftest import MockFactory, running_app
+from conftest import MockFactory, running_app
 from trillm.web.metrics import (
     VLLM_FAMILIES, VLLM_ITL_BUCKETS, VLLM_REQUEST_LATENCY_BUCKETS, VLLM_TTFT_BUCKETS,
 )
