@@ -80,14 +80,6 @@ async def test_keys_authenticate_and_rpm_refuses_with_retry_after(autojump_clock
                               json={"model": "mock-model", "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]})
         assert r.status_code == 429 and "Retry-After" in r.headers
         assert (await r.get_json())["type"] == "error" and (await r.get_json())["error"]["type"] == "rate_limit_error"
-        # The OpenAI SDK's own classification of the response: a RateLimitError.
-        import httpx
-        import openai
-
-        raw = httpx.Response(429, headers={"Retry-After": r.headers["Retry-After"]}, json={"error": err},
-                             request=httpx.Request("POST", "http://t/v1/completions"))
-        exc = openai.OpenAI(api_key="x", base_url="http://t/v1")._make_status_error_from_response(raw)
-        assert isinstance(exc, openai.RateLimitError)
         await trio.sleep(31)  # a token came back
         assert (await client.post("/v1/completions", json=COMPLETION, headers=bearer(ALICE))).status_code == 200
         for _ in range(5):  # --api-key itself is not limited
@@ -128,3 +120,22 @@ async def test_concurrency_per_key_counts_streams_to_their_end(autojump_clock: t
         assert 'trillm_api_key_requests_in_flight{key_name="bob"} 0' in metrics
         assert (await client.post("/v1/completions", json=COMPLETION, headers=bearer(BOB))).status_code == 200
         assert 'key_name="bob",outcome="concurrency_limited"} 1' in metrics
+
+
+async def test_the_official_sdks_see_a_rate_limit_error() -> None:
+    """Through a live server: OpenAI's and Anthropic's own clients raise their RateLimitError, with Retry-After."""
+    import anthropic
+    import openai
+
+    from conftest import MockFactory, running_server
+
+    async with running_server(MockFactory(), api_keys=tuple(parse_key_file(f"alice {ALICE} rpm=1"))) as serving:
+        oai = openai.AsyncOpenAI(base_url=serving.url + "/v1", api_key=ALICE, max_retries=0)
+        await oai.completions.create(model="mock-model", prompt="a", max_tokens=2)
+        with pytest.raises(openai.RateLimitError) as info:
+            await oai.completions.create(model="mock-model", prompt="a", max_tokens=2)
+        assert int(info.value.response.headers["retry-after"]) >= 1
+        claude = anthropic.AsyncAnthropic(base_url=serving.url, api_key=ALICE, max_retries=0)
+        with pytest.raises(anthropic.RateLimitError) as ainfo:
+            await claude.messages.create(model="mock-model", max_tokens=2, messages=[{"role": "user", "content": "hi"}])
+        assert ainfo.value.body["error"]["type"] == "rate_limit_error"  # type: ignore[index]
