@@ -56,6 +56,10 @@ VLLM_FAMILIES: dict[str, str] = {
     "vllm:inter_token_latency_seconds": "histogram",
     "vllm:time_per_output_token_seconds": "histogram",
     "vllm:e2e_request_latency_seconds": "histogram",
+    "vllm:request_queue_time_seconds": "histogram",
+    "vllm:request_prefill_time_seconds": "histogram",
+    "vllm:request_decode_time_seconds": "histogram",
+    "vllm:request_inference_time_seconds": "histogram",
 }
 
 
@@ -113,6 +117,12 @@ class ModelMetrics:
         # As vLLM counts them: a request's prompt once its first token is out, each token as it is generated.
         self.live_prompt_tokens = 0
         self.live_generation_tokens = 0
+        # A finished request's phases, as vLLM splits them: waiting, prefill (to the first token), decode
+        # (first to last token); inference is prefill + decode.
+        self.queue_time = Histogram(VLLM_REQUEST_LATENCY_BUCKETS)
+        self.prefill_time = Histogram(VLLM_REQUEST_LATENCY_BUCKETS)
+        self.decode_time = Histogram(VLLM_REQUEST_LATENCY_BUCKETS)
+        self.inference_time = Histogram(VLLM_REQUEST_LATENCY_BUCKETS)
 
     def on_outcome(self, outcome: str) -> None:
         self.outcomes[outcome] += 1
@@ -122,6 +132,12 @@ class ModelMetrics:
         if first:
             self.live_prompt_tokens += output.usage.prompt_tokens
         self.live_generation_tokens += len(output.new_token_ids)
+
+    def on_phases(self, *, queue: float, prefill: float, decode: float) -> None:
+        self.queue_time.observe(max(0.0, queue))
+        self.prefill_time.observe(max(0.0, prefill))
+        self.decode_time.observe(max(0.0, decode))
+        self.inference_time.observe(max(0.0, prefill) + max(0.0, decode))
 
     def on_finished(self, output: RequestOutput) -> None:
         assert output.finish_reason is not None
@@ -232,6 +248,17 @@ def _render_vllm(models: Mapping[str, tuple[ModelMetrics, EngineStatistics | Non
         for reason in VLLM_FINISHED_REASONS:
             yield (f'vllm:request_success_total{{{_vllm_labels(model)},finished_reason="{reason}"}} '
                    f"{float(by_reason[reason])}")
+    for name, help_text, attr in (
+        ("vllm:request_queue_time_seconds", "Histogram of time spent in WAITING phase for request.", "queue_time"),
+        ("vllm:request_prefill_time_seconds", "Histogram of time spent in PREFILL phase for request.",
+         "prefill_time"),
+        ("vllm:request_decode_time_seconds", "Histogram of time spent in DECODE phase for request.", "decode_time"),
+        ("vllm:request_inference_time_seconds", "Histogram of time spent in RUNNING phase for request.",
+         "inference_time"),
+    ):
+        yield from family(name, help_text)
+        for model, (m, _, _) in models.items():
+            yield from getattr(m, attr).render(name, _vllm_labels(model))
     for name, help_text, attr in (
         ("vllm:time_to_first_token_seconds", "Histogram of time to first token in seconds.", "ttft"),
         ("vllm:inter_token_latency_seconds", "Histogram of inter-token latency in seconds.", "inter_token"),

@@ -525,10 +525,10 @@ class EngineService:
         while self._deadlines and self._deadlines[0][0] <= now:  # past their deadline: end and abort them
             heapq.heappop(self._deadlines)[2].expire()
         self._stats = result.statistics
-        for rid in result.prefilling:  # the request left the queue (traces' queue and prefill spans)
+        for rid in result.prefilling:  # the request left the queue (its queue time; traces' spans)
             handle = self._live.get(rid)
-            if handle is not None and handle.trace is not None:
-                handle.trace.on_prefill()
+            if handle is not None:
+                handle.on_prefill(rid)
         if result.report is not None:
             self._reports.append(result.report)
         if result.ran:

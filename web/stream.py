@@ -78,6 +78,8 @@ class GenerationHandle:
         self._closed = False
         self._t_submit = time.perf_counter()
         self._t_last: dict[str, float] = {}
+        self._t_prefill: dict[str, float] = {}  # when each request's first prefill chunk was scheduled
+        self._t_first: dict[str, float] = {}
 
     # ---- engine side (called by EngineService on the trio thread) ----
 
@@ -130,6 +132,12 @@ class GenerationHandle:
             if self._metrics is not None:
                 self._metrics.on_outcome("rejected" if isinstance(error, EngineError) else "error")
         self.close()
+
+    def on_prefill(self, request_id: str) -> None:
+        """The engine scheduled a prefill chunk of `request_id` (its first: the request left the queue)."""
+        self._t_prefill.setdefault(request_id, time.perf_counter())
+        if self.trace is not None:
+            self.trace.on_prefill()
 
     # ---- client side ----
 
@@ -242,9 +250,15 @@ class GenerationHandle:
         if n:
             if last is None:
                 self._metrics.ttft.observe(now - self._t_submit)
+                self._t_first[output.request_id] = now
             else:
                 self._metrics.inter_token.observe((now - last) / n)
             self._t_last[output.request_id] = now
         if output.finished and output.finish_reason is not FinishReason.ERROR:
             self._metrics.e2e.observe(now - self._t_submit)
             self._metrics.on_finished(output)
+            rid = output.request_id
+            started = self._t_prefill.get(rid, self._t_first.get(rid, now))
+            first = self._t_first.get(rid, now)
+            self._metrics.on_phases(queue=started - self._t_submit, prefill=first - started,
+                                    decode=self._t_last.get(rid, now) - first)

@@ -25,6 +25,8 @@ VLLM_EXPECTED = {
     "vllm:prefix_cache_queries": "counter", "vllm:prefix_cache_hits": "counter", "vllm:num_preemptions": "counter",
     "vllm:time_to_first_token_seconds": "histogram", "vllm:inter_token_latency_seconds": "histogram",
     "vllm:time_per_output_token_seconds": "histogram", "vllm:e2e_request_latency_seconds": "histogram",
+    "vllm:request_queue_time_seconds": "histogram", "vllm:request_prefill_time_seconds": "histogram",
+    "vllm:request_decode_time_seconds": "histogram", "vllm:request_inference_time_seconds": "histogram",
 }
 VLLM_BUCKETS = {
     "vllm:time_to_first_token_seconds": [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5,
@@ -35,6 +37,8 @@ VLLM_BUCKETS = {
                                          60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0],
 }
 VLLM_BUCKETS["vllm:time_per_output_token_seconds"] = VLLM_BUCKETS["vllm:inter_token_latency_seconds"]
+for _phase in ("queue", "prefill", "decode", "inference"):  # vLLM's request_latency_buckets, as for e2e
+    VLLM_BUCKETS[f"vllm:request_{_phase}_time_seconds"] = VLLM_BUCKETS["vllm:e2e_request_latency_seconds"]
 
 
 async def _scrape(client: Any) -> dict[str, Any]:
@@ -74,6 +78,14 @@ async def test_vllm_names_types_labels_and_buckets() -> None:
     assert value("vllm:prompt_tokens", "vllm:prompt_tokens_total") > 0
     assert value("vllm:time_to_first_token_seconds", "vllm:time_to_first_token_seconds_count") == 3
     assert value("vllm:e2e_request_latency_seconds", "vllm:e2e_request_latency_seconds_count") == 3
+    for phase in ("queue", "prefill", "decode", "inference"):
+        name = f"vllm:request_{phase}_time_seconds"
+        assert value(name, name + "_count") == 3
+    # The phases add up: each request's queue + inference is its e2e latency (to within the clock's reads).
+    e2e = value("vllm:e2e_request_latency_seconds", "vllm:e2e_request_latency_seconds_sum")
+    parts = value("vllm:request_queue_time_seconds", "vllm:request_queue_time_seconds_sum") + value(
+        "vllm:request_inference_time_seconds", "vllm:request_inference_time_seconds_sum")
+    assert parts == pytest.approx(e2e, rel=0.05, abs=1e-3)
     assert value("vllm:inter_token_latency_seconds", "vllm:inter_token_latency_seconds_count") == 3 + 2 + 2
     assert value("vllm:prefix_cache_queries", "vllm:prefix_cache_queries_total") >= value(
         "vllm:prefix_cache_hits", "vllm:prefix_cache_hits_total")
@@ -177,3 +189,26 @@ def test_dashboard_matches_grafana_schema() -> None:
     assert model.title and model.uid and model.panels
     for p in _panels(raw["panels"]):
         assert p["type"] in ("row", "timeseries", "stat"), p["type"]
+
+
+async def test_queue_time_is_the_wait_for_a_slot() -> None:
+    """One running slot, two requests at once: the second waits out the first's ~10 steps of 10 ms."""
+    import trio
+
+    from trillm.engine.config import EngineConfig
+
+    one_slot = EngineConfig(num_kv_blocks=512, max_num_seqs=1, max_num_batched_tokens=64)
+    async with running_app(MockFactory(config=one_slot, step_delay=0.01)) as client:
+        async def one() -> None:
+            await client.post("/v1/completions", json={"prompt": "a b", "max_tokens": 10, "ignore_eos": True})
+
+        async with trio.open_nursery() as nursery:
+            for _ in range(2):
+                nursery.start_soon(one)
+        families = await _scrape(client)
+    samples = {s.name: s.value for s in families["vllm:request_queue_time_seconds"].samples
+               if not s.name.endswith("_bucket")}
+    assert samples["vllm:request_queue_time_seconds_count"] == 2
+    assert samples["vllm:request_queue_time_seconds_sum"] >= 0.08
+    decode = {s.name: s.value for s in families["vllm:request_decode_time_seconds"].samples}
+    assert decode["vllm:request_decode_time_seconds_sum"] >= 2 * 9 * 0.01 * 0.8
