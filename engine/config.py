@@ -31,8 +31,8 @@ class EngineConfig:
     verify_model: bool = True  # at load, compare the paged forward with mlx-lm's own (engine/model_probe.py)
     allow_unverified_model: bool = False  # serve a model that fails that comparison anyway (loudly)
     # Waiting requests: "fcfs" ignores their `priority`; "priority" admits lower values first (vLLM's
-    # semantics), aged so nothing starves: one step of priority is worth `priority_aging` admissions of
-    # head start (0: strict priority, which can starve the lower classes).
+    # semantics), aged so nothing starves: one step of priority is worth `priority_aging` rounds of the fair
+    # queue's virtual time of head start (0: strict priority, which can starve the lower classes).
     scheduling_policy: str = "fcfs"
     priority_aging: int = 64
 
@@ -80,8 +80,8 @@ _FLAGS: dict[str, tuple[str, str]] = {
                                "wrong; logged and shown in /health)"),
     "scheduling_policy": ("--scheduling-policy", "fcfs: waiting requests in arrival order (fair between requests), "
                                                  "their priority ignored; priority: lower 'priority' values first"),
-    "priority_aging": ("--priority-aging", "--scheduling-policy priority: admissions one step of priority is worth, "
-                                           "so lower classes wait a bounded time; 0: strict (can starve)"),
+    "priority_aging": ("--priority-aging", "--scheduling-policy priority: rounds of admission one step of priority "
+                                           "is worth, so lower classes wait a bounded time; 0: strict (can starve)"),
 }
 
 

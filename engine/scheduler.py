@@ -19,9 +19,11 @@ sequence of a group at that bound is passed over, which is the only way the head
 
 Scheduling policy (`EngineConfig.scheduling_policy`, vLLM's names): under "fcfs" a request's `priority` is
 ignored (the order above). Under "priority" lower values go first, aged so that nothing starves: priority p
-is folded into the tag as a head start of p x `priority_aging` virtual-time units (admissions), so a class-p
-sequence is overtaken by at most that many later arrivals of class 0, and the order stays a static key (the
-waiting list stays sorted; the fair queueing between groups is unchanged within a class). `priority_aging`
+is folded into the tag as a head start of p x `priority_aging` rounds of virtual time (a round: the virtual
+time moving on by one as tags are admitted), so a class-p sequence is overtaken only by sequences arriving
+within that many rounds after it; the waiting queue is bounded, so each round is finite and its wait is too.
+The order stays a static key (the waiting list stays sorted; the fair queueing between groups is unchanged
+within a class). `priority_aging`
 0 is strict priority: (priority, tag, arrival), which lets a stream of class-0 work starve the rest.
 
 One step's flow (nano-vllm's, with vLLM v1's accounting):
