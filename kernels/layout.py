@@ -21,7 +21,8 @@ Per step the engine passes:
 
 Queries are [B, Hq, L, D] with Hq a multiple of num_kv_heads (GQA/MQA); query i of row b sits at absolute
 position context_lens[b] - L + i and attends causally to positions <= its own (optionally only the last
-`window` of them), so decode is L == 1 and a prefill chunk attends to its cached prefix through the table.
+`window` of them, or only those of its own aligned `chunk`), so decode is L == 1 and a prefill chunk attends
+to its cached prefix through the table.
 
 Block 0 is never handed to a sequence: the engine reserves it as the padding target, so a stray read of
 padding lands in memory that exists.
@@ -34,6 +35,9 @@ the start-up self-check builds its cases from):
     window: int|None      sliding window: query at pos sees positions > pos - window only; per layer
                           (ModelShapes.layer_windows lists every layer's, None for full attention, so the
                           self-check compiles and checks each distinct window's variant)
+    chunk: int|None       chunked attention (Llama 4): query at pos sees positions >= pos - pos % chunk only,
+                          i.e. k // chunk == pos // chunk, its own aligned chunk (ModelShapes.attention_chunk:
+                          `ModelShapes.chunk` is the prefill chunk). With a window too, both bounds apply.
     sinks: [Hq] | None    attention sinks (gpt-oss): one extra logit per head in the softmax, with no value
                           (ModelShapes.sinks)
 
@@ -82,6 +86,10 @@ class ModelShapes:
     # Attention variants beyond `window` / `sinks` (see the module docstring).
     softcap: float | None = None  # logit soft-capping (Gemma 2): scores = tanh(scores / softcap) * softcap
     layer_windows: tuple[int | None, ...] = ()  # every layer's window (None: full attention); (): `window`
+    # Chunked attention (Llama 4; the kernels' `chunk` keyword): keys of the query's own aligned chunk of this
+    # many positions only; None: none. Beside `window` (both set: both bounds), one per shapes: the engine
+    # builds shapes per distinct layer kind.
+    attention_chunk: int | None = None
     kv_lora_rank: int = 0  # MLA (DeepSeek V2/V3): the latent's width; 0: no MLA layers
     qk_rope_head_dim: int = 0  # MLA: the RoPE part's width (k_pe)
 
@@ -114,6 +122,8 @@ class ModelShapes:
         for w in (self.window, *self.layer_windows):
             if w is not None and w < 1:
                 raise ValueError(f"window must be >= 1, got {w}")
+        if self.attention_chunk is not None and self.attention_chunk < 1:
+            raise ValueError(f"attention_chunk must be >= 1, got {self.attention_chunk}")
         if self.softcap is not None and not self.softcap > 0:
             raise ValueError(f"softcap must be > 0, got {self.softcap}")
         if min(self.kv_lora_rank, self.qk_rope_head_dim) < 0 or (self.kv_lora_rank > 0) != (self.qk_rope_head_dim > 0):

@@ -51,7 +51,8 @@ TOLERANCES: dict[mx.Dtype, tuple[float, float]] = {
 
 _MAIN_INPUTS = ("q", "k_pool", "v_pool", "block_tables", "context_lens", "sinks", "scale", "meta")
 
-# Template constants: T, D, BS, HKV, HQ, HPG, QT, NW, WINDOW (0 = none), HAS_SOFTCAP, HAS_SINKS.
+# Template constants: T, D, BS, HKV, HQ, HPG, QT, NW, WINDOW (0 = none), CHUNK (0 = none), HAS_SOFTCAP,
+# HAS_SINKS.
 # meta (int32): [max_blocks, num_parts, part_size, L]; scale (float32): [scale, softcap (0 = none)]. Every
 # input has >= 8 elements (see backend.int32_params), so MLX builds one variant per template tuple.
 _MAIN_BODY = """
@@ -60,6 +61,7 @@ _MAIN_BODY = """
   constexpr int REP = HQ / HKV;
   constexpr int KV_ROW = HKV * D;
   constexpr int KV_BLOCK = BS * KV_ROW;
+  constexpr int CHUNK_DIV = CHUNK > 0 ? CHUNK : 1;  // never % 0, even in the branch CHUNK == 0 skips
   const int max_blocks = meta[0];
   const int num_parts = meta[1];
   const int part_size = meta[2];
@@ -87,6 +89,9 @@ _MAIN_BODY = """
     const int i = qtile * QT + qi;
     pos[qi] = (i < L) ? ctx - L + i : -1;
     lo[qi] = (WINDOW > 0) ? MAXI(0, pos[qi] - WINDOW + 1) : 0;
+    if (CHUNK > 0 && i < L) {  // chunked attention: the query's own aligned chunk only
+      lo[qi] = MAXI(lo[qi], pos[qi] - pos[qi] % CHUNK_DIV);
+    }
     if (i < L) {
       tok_lo = MINI(tok_lo, lo[qi]);
       tok_hi = MAXI(tok_hi, pos[qi] + 1);
@@ -345,13 +350,14 @@ def paged_attention_kernel(
     window: int | None = None,
     sinks: mx.array | None = None,
     softcap: float | None = None,
+    chunk: int | None = None,
 ) -> mx.array:
     """Launch the paged attention kernels on `backend` (any name in backend.FACTORIES). Shapes as the reference."""
     check_shapes(q, k_pool, v_pool, block_tables, context_lens)
     b, hq, length, d = q.shape
     _, bs, hkv, _ = k_pool.shape
     max_blocks = block_tables.shape[1]
-    _check_variant(window, softcap)
+    _check_variant(window, softcap, chunk)
     if k_pool.dtype != q.dtype or v_pool.dtype != q.dtype:
         raise ValueError(f"q {q.dtype} and the pools {k_pool.dtype}/{v_pool.dtype} must share a dtype")
     plan = launch_plan(backend, b, hq, hkv, length, d, max_blocks * bs)
@@ -363,8 +369,8 @@ def paged_attention_kernel(
     inputs = [q, k_pool, v_pool, at_least_8(tables), at_least_8(lens), sinks_in, float32_params(scale, softcap or 0.0), meta]
     template = [
         ("T", q.dtype), ("D", d), ("BS", bs), ("HKV", hkv), ("HQ", hq), ("HPG", plan.hpg),
-        ("QT", plan.qt), ("NW", NUM_SIMDGROUPS), ("WINDOW", window or 0), ("HAS_SOFTCAP", softcap is not None),
-        ("HAS_SINKS", sinks is not None),
+        ("QT", plan.qt), ("NW", NUM_SIMDGROUPS), ("WINDOW", window or 0), ("CHUNK", chunk or 0),
+        ("HAS_SOFTCAP", softcap is not None), ("HAS_SINKS", sinks is not None),
     ]  # fmt: skip
     grid = (plan.threadgroups_per_row * nt, hq // plan.hpg, b)
     if plan.num_parts == 1:
@@ -390,9 +396,11 @@ def paged_attention_kernel(
 
 
 # ---------------------------------------------------------------- reference
-def _check_variant(window: int | None, softcap: float | None) -> None:
+def _check_variant(window: int | None, softcap: float | None, chunk: int | None = None) -> None:
     if window is not None and window < 1:
         raise ValueError(f"window must be >= 1, got {window}")
+    if chunk is not None and chunk < 1:
+        raise ValueError(f"chunk must be >= 1, got {chunk}")
     if softcap is not None and not softcap > 0:
         raise ValueError(f"softcap must be > 0, got {softcap}")
 
@@ -408,24 +416,27 @@ def paged_attention_ref(
     window: int | None = None,
     sinks: mx.array | None = None,
     softcap: float | None = None,
+    chunk: int | None = None,
 ) -> mx.array:
     """Pure-mx paged attention: gather K/V through the tables, mask, then `mx.fast` SDPA (GQA native).
 
     Shapes: q [B, Hq, L, D]; k_pool, v_pool [num_blocks, bs, Hkv, D]; block_tables int32 [B, max_blocks];
     context_lens int32 [B]; sinks [Hq] or None -> [B, Hq, L, D] in q's dtype.
     Query i of row b sits at position context_lens[b] - L + i and sees positions <= its own
-    (and > pos - window when window is set) that the table holds. softcap (Gemma 2's logit soft-capping):
-    scores = tanh(scores / softcap) * softcap after the scale, before the mask, the sinks and the softmax.
+    (and > pos - window when window is set; and, chunked as Llama 4's, >= pos - pos % chunk: its own aligned
+    chunk of `chunk` positions, when chunk is set; both set: both bounds) that the table holds.
+    softcap (Gemma 2's logit soft-capping): scores = tanh(scores / softcap) * softcap after the scale, before
+    the mask, the sinks and the softmax.
     The whole table width is gathered, so pass a table trimmed to the batch's longest row; reading
     max(context_lens) here would force a host sync every layer.
     """
-    _check_variant(window, softcap)
+    _check_variant(window, softcap, chunk)
     if q.shape[2] == 1:
-        return _decode_ref(q, k_pool, v_pool, block_tables, context_lens, scale, window, sinks, softcap)
+        return _decode_ref(q, k_pool, v_pool, block_tables, context_lens, scale, window, sinks, softcap, chunk)
     n = block_tables.shape[1] * k_pool.shape[1]
     keys = kv_gather_ref(k_pool, block_tables, n)  # [B, Hkv, N, D]
     values = kv_gather_ref(v_pool, block_tables, n)
-    mask = attention_mask(context_lens, q.shape[2], n, window)
+    mask = attention_mask(context_lens, q.shape[2], n, window, chunk)
     if softcap is not None:  # mx.fast SDPA has no soft-capping: the scores written out
         return _prefill_softcap_ref(q, keys, values, mask, scale, sinks, softcap)
     if sinks is not None and sinks.dtype != q.dtype:
@@ -462,6 +473,7 @@ def _prefill_softcap_ref(
 def _decode_ref(
     q: mx.array, k_pool: mx.array, v_pool: mx.array, block_tables: mx.array, context_lens: mx.array,
     scale: float, window: int | None, sinks: mx.array | None, softcap: float | None = None,
+    chunk: int | None = None,
 ) -> mx.array:  # fmt: skip
     """Decode without the head-major transpose: block-diagonal queries against [B, N, Hkv * D] K/V.
 
@@ -480,7 +492,7 @@ def _decode_ref(
     scores = (q_bd @ keys.swapaxes(1, 2)).astype(mx.float32)  # [B, Hq, N]
     if softcap is not None:
         scores = mx.tanh(scores / softcap) * softcap
-    mask = attention_mask(context_lens, 1, n, window).reshape(b, 1, n)
+    mask = attention_mask(context_lens, 1, n, window, chunk).reshape(b, 1, n)
     scores = mx.where(mask, scores, mx.array(-mx.inf, mx.float32))
     probs = _softmax_with_sinks(scores, sinks)
     out = (probs.astype(values.dtype) @ values).reshape(b, hkv, rep, hkv, d)  # [B, group, rep, slice, D]
@@ -488,10 +500,12 @@ def _decode_ref(
     return out.reshape(b, hq, 1, d).astype(q.dtype)
 
 
-def attention_mask(context_lens: mx.array, num_queries: int, num_keys: int, window: int | None) -> mx.array:
+def attention_mask(context_lens: mx.array, num_queries: int, num_keys: int, window: int | None,
+                   chunk: int | None = None) -> mx.array:  # fmt: skip
     """Boolean [B, 1, L, N]: True where query i of row b may attend to key position j.
 
-    Query i sits at pos = context_lens[b] - L + i; allowed: j <= pos and (window is None or j > pos - window).
+    Query i sits at pos = context_lens[b] - L + i; allowed: j <= pos and (window is None or j > pos - window)
+    and (chunk is None or j // chunk == pos // chunk, i.e. j >= pos - pos % chunk: Llama 4's chunked attention).
     """
     pos = context_lens.astype(mx.int32)[:, None, None, None] - num_queries + mx.arange(num_queries)[:, None]
     j = mx.arange(num_keys)
@@ -500,6 +514,10 @@ def attention_mask(context_lens: mx.array, num_queries: int, num_keys: int, wind
         if window < 1:
             raise ValueError(f"window must be >= 1, got {window}")
         allowed = allowed & (j > pos - window)
+    if chunk is not None:
+        if chunk < 1:
+            raise ValueError(f"chunk must be >= 1, got {chunk}")
+        allowed = allowed & (j >= pos - pos % chunk)  # pos >= 0 wherever j <= pos, so % is floor-mod here
     return allowed
 
 
@@ -515,11 +533,12 @@ def paged_attention_metal(
     window: int | None = None,
     sinks: mx.array | None = None,
     softcap: float | None = None,
+    chunk: int | None = None,
 ) -> mx.array:
     """`paged_attention` as Metal kernels. Shapes as the reference."""
     return paged_attention_kernel(
         "metal", q, k_pool, v_pool, block_tables, context_lens, scale=scale, window=window, sinks=sinks,
-        softcap=softcap,
+        softcap=softcap, chunk=chunk,
     )
 
 
@@ -534,11 +553,12 @@ def paged_attention_cuda(
     window: int | None = None,
     sinks: mx.array | None = None,
     softcap: float | None = None,
+    chunk: int | None = None,
 ) -> mx.array:
     """`paged_attention` as CUDA kernels. Shapes as the reference."""
     return paged_attention_kernel(
         "cuda", q, k_pool, v_pool, block_tables, context_lens, scale=scale, window=window, sinks=sinks,
-        softcap=softcap,
+        softcap=softcap, chunk=chunk,
     )
 
 
@@ -553,6 +573,7 @@ def paged_attention_cpu(
     window: int | None = None,
     sinks: mx.array | None = None,
     softcap: float | None = None,
+    chunk: int | None = None,
 ) -> mx.array:
     """`paged_attention` as a primitive of trillm's CPU extension (kernels/cpu/paged_attention.cpp).
 
@@ -563,9 +584,9 @@ def paged_attention_cpu(
     ext = cpu_ext.load()
     if ext is None:
         raise RuntimeError(f"trillm's CPU extension is unavailable: {cpu_ext.status().reason}")
-    _check_variant(window, softcap)
+    _check_variant(window, softcap, chunk)
     out: mx.array = ext.paged_attention(q, k_pool, v_pool, block_tables, context_lens, scale=scale,
-                                        window=window or 0, sinks=sinks, softcap=softcap or 0.0)
+                                        window=window or 0, sinks=sinks, softcap=softcap or 0.0, chunk=chunk or 0)
     return out
 
 
@@ -595,6 +616,7 @@ class PagedAttentionFn(Protocol):
     def __call__(
         self, q: mx.array, k_pool: mx.array, v_pool: mx.array, block_tables: mx.array, context_lens: mx.array,
         *, scale: float, window: int | None = None, sinks: mx.array | None = None, softcap: float | None = None,
+        chunk: int | None = None,
     ) -> mx.array: ...  # fmt: skip
 
 
@@ -610,6 +632,7 @@ def paged_attention(
     window: int | None = None,
     sinks: mx.array | None = None,
     softcap: float | None = None,
+    chunk: int | None = None,
 ) -> mx.array:
     """Causal attention of q [B, Hq, L, D] over each row's cached K/V -> [B, Hq, L, D] in q's dtype.
 
@@ -622,11 +645,11 @@ def paged_attention(
     kernel = None
     if k_pool.dtype == q.dtype:
         shapes = ModelShapes(q.shape[1], k_pool.shape[2], q.shape[3], k_pool.shape[1], q.dtype, window,
-                             sinks is not None, softcap=softcap)  # fmt: skip
+                             sinks is not None, softcap=softcap, attention_chunk=chunk)  # fmt: skip
         kernel = OP.kernel_for(kernel_backend(), shapes)
     impl: PagedAttentionFn = kernel.fn if kernel is not None else paged_attention_ref
     return impl(q, k_pool, v_pool, block_tables, context_lens, scale=scale, window=window, sinks=sinks,
-                softcap=softcap)
+                softcap=softcap, chunk=chunk)
 
 
 # ---------------------------------------------------------------- self-check cases
@@ -642,9 +665,12 @@ def _case(shapes: ModelShapes, label: str, lens: list[int], num_queries: int, se
     if shapes.sinks:
         sinks = mx.random.normal((shapes.num_q_heads,), key=mx.random.key(seed + 1)) * 2
     args = (batch.q, batch.k_pool, batch.v_pool, batch.block_tables, batch.context_lens)
-    kwargs = {"scale": shapes.head_dim**-0.5, "window": window, "sinks": sinks, "softcap": shapes.softcap}
+    kwargs = {"scale": shapes.head_dim**-0.5, "window": window, "sinks": sinks, "softcap": shapes.softcap,
+              "chunk": shapes.attention_chunk}
     if window is not None:
         label += f" window {window}"
+    if shapes.attention_chunk is not None:
+        label += f" chunk {shapes.attention_chunk}"
     return Case(label, args, kwargs)
 
 
@@ -652,7 +678,9 @@ def _check_cases(shapes: ModelShapes) -> list[Case]:
     """Every variant serving launches: decode with one and with several partitions, prefill tiles, B in {1, 9}
     (a whole chunk at one batch only),
     for each window the model's layers use (the first in full; the others, each a kernel variant of its
-    own, at B = 9 only), with the model's sinks and soft-capping."""
+    own, at B = 9 only), with the model's sinks, soft-capping and attention chunk. A chunked model's
+    contexts also reach past one chunk (its first and a later chunk's queries, a prefill crossing a chunk
+    boundary)."""
     cases: list[Case] = []
     top = shapes.max_context
     for k, window in enumerate(shapes.windows):
@@ -671,6 +699,16 @@ def _check_cases(shapes: ModelShapes) -> list[Case]:
                         lens[-1] = min(max(CHECK_LONG_CONTEXT, num_queries), top)
                     label = f"B={batch} L={num_queries} contexts {min(lens)}..{max(lens)}"
                     cases.append(_case(shapes, label, lens, num_queries, seed=len(cases), window=window))
+            c = shapes.attention_chunk
+            if c is not None and c < top:
+                # Contexts ending just before, at and after chunk boundaries (a prefill crossing one); the
+                # whole prefill chunk at one row only, as above: its reference scores are L x the context.
+                around = [c - 1, c, c + 1, c + (num_queries + 1) // 2, 2 * c + 3, 3 * c - 1]
+                if num_queries == min(shapes.chunk, top) and num_queries not in CHECK_QUERIES:
+                    around = around[3:4]
+                lens = [min(max(n, num_queries), top) for n in around]
+                label = f"B={len(lens)} L={num_queries} contexts {min(lens)}..{max(lens)} across chunks"
+                cases.append(_case(shapes, label, lens, num_queries, seed=len(cases), window=window))
     return cases
 
 

@@ -615,6 +615,9 @@ PRESETS: dict[str, ModelShapes] = {
     "llama-3-8b": ModelShapes(32, 8, 128, 16, mx.float32),
     "sinks-window": ModelShapes(64, 8, 64, 16, mx.float32, window=128, sinks=True),
     "gemma-2-2b": ModelShapes(8, 4, 256, 16, mx.float32, softcap=50.0, layer_windows=(4096, None)),
+    # Llama 4 Scout's heads with chunked attention; its 8192-token chunk shrunk to 1000 (not a multiple of
+    # the block size) so the check cases' chunk boundaries fall within max_context
+    "llama-4-chunked": ModelShapes(40, 8, 128, 16, mx.float32, attention_chunk=1000),
     # MLA: the latent pool is one 512-wide head (kv_lora_rank), k_pe 64 wide; 16 query heads
     "deepseek-v2-lite": ModelShapes(16, 1, 512, 16, mx.float32, kv_lora_rank=512, qk_rope_head_dim=64),
 }

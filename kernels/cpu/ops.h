@@ -17,15 +17,18 @@ namespace trillm_cpu {
 // (L > 1) with the cached prefix, reading K/V through the block tables. Shapes as paged_attention_ref:
 // q [B, Hq, L, D]; k_pool, v_pool [num_blocks, bs, Hkv, D]; block_tables int32 [B, max_blocks];
 // context_lens int32 [B]; sinks [Hq] or none; window 0 = none; softcap 0 = none (else scores =
-// softcap * tanh(scores / softcap) after the scale, before the mask) -> [B, Hq, L, D] in q's dtype.
+// softcap * tanh(scores / softcap) after the scale, before the mask); chunk 0 = none (else chunked attention,
+// Llama 4's: the query at pos sees keys >= pos - pos % chunk only) -> [B, Hq, L, D] in q's dtype.
 mx::array paged_attention(const mx::array& q, const mx::array& k_pool, const mx::array& v_pool,
                           const mx::array& block_tables, const mx::array& context_lens, float scale, int window,
-                          const std::optional<mx::array>& sinks, float softcap = 0.0f, mx::StreamOrDevice s = {});
+                          const std::optional<mx::array>& sinks, float softcap = 0.0f, int chunk = 0,
+                          mx::StreamOrDevice s = {});
 
 class PagedAttention : public mx::Primitive {
  public:
-  PagedAttention(mx::Stream stream, float scale, int window, bool has_sinks, float softcap)
-      : mx::Primitive(stream), scale_(scale), window_(window), has_sinks_(has_sinks), softcap_(softcap) {}
+  PagedAttention(mx::Stream stream, float scale, int window, bool has_sinks, float softcap, int chunk)
+      : mx::Primitive(stream), scale_(scale), window_(window), has_sinks_(has_sinks), softcap_(softcap),
+        chunk_(chunk) {}
 
   void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override;
   void eval_gpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override;
@@ -39,6 +42,7 @@ class PagedAttention : public mx::Primitive {
   int window_;
   bool has_sinks_;
   float softcap_;
+  int chunk_;
 };
 
 // Paged MLA attention (DeepSeek V2/V3's latent cache; trillm.kernels.mla_attention): q_latent [B, H, L, R]

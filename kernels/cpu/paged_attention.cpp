@@ -40,6 +40,7 @@ struct AttnArgs {
   int part_size;  // context tokens per partition (attention_partitions)
   float scale;
   int window;  // 0: none
+  int chunk;  // chunked attention's chunk (Llama 4); 0: none
   float softcap;  // 0: none
   const int32_t* tables;
   const int32_t* lens;
@@ -204,6 +205,9 @@ void attn_item(const AttnArgs& a, const T* q, const T* kp, const T* vp, int item
     const int i = qtile * a.qt + qi;
     pos[qi] = i < a.L ? ctx - a.L + i : -1;
     lo[qi] = a.window > 0 ? std::max(0, pos[qi] - a.window + 1) : 0;
+    // Chunked: the query's own aligned chunk only. The item's token range (and so its partitions and the
+    // blocks it reads) starts at the lowest such bound, so earlier chunks are never read.
+    if (a.chunk > 0 && i < a.L) lo[qi] = std::max(lo[qi], pos[qi] - pos[qi] % a.chunk);
     if (i < a.L) {
       tok_lo = std::min(tok_lo, lo[qi]);
       tok_hi = std::max(tok_hi, pos[qi] + 1);
@@ -381,7 +385,7 @@ int decode_heads_per_item(int batch, int num_q_heads, int num_kv_heads, int head
 
 mx::array paged_attention(const mx::array& q, const mx::array& k_pool, const mx::array& v_pool,
                           const mx::array& block_tables, const mx::array& context_lens, float scale, int window,
-                          const std::optional<mx::array>& sinks, float softcap, mx::StreamOrDevice s) {
+                          const std::optional<mx::array>& sinks, float softcap, int chunk, mx::StreamOrDevice s) {
   if (q.ndim() != 4 || k_pool.ndim() != 4 || v_pool.ndim() != 4) {
     throw std::invalid_argument("[trillm paged_attention] q and the pools must be 4-D");
   }
@@ -404,6 +408,7 @@ mx::array paged_attention(const mx::array& q, const mx::array& k_pool, const mx:
     throw std::invalid_argument("[trillm paged_attention] block_tables [B, n] and context_lens [B] expected");
   }
   if (window < 0) throw std::invalid_argument("[trillm paged_attention] window must be >= 0");
+  if (chunk < 0) throw std::invalid_argument("[trillm paged_attention] chunk must be >= 0 (0: none)");
   if (!(softcap >= 0.0f)) throw std::invalid_argument("[trillm paged_attention] softcap must be >= 0 (0: none)");
   if (sinks && (sinks->ndim() != 1 || sinks->shape(0) != HQ)) {
     throw std::invalid_argument("[trillm paged_attention] sinks must be [Hq]");
@@ -414,7 +419,7 @@ mx::array paged_attention(const mx::array& q, const mx::array& k_pool, const mx:
       mx::contiguous(mx::astype(block_tables, mx::int32, stream), false, stream),
       mx::contiguous(mx::astype(context_lens, mx::int32, stream), false, stream)};
   if (sinks) inputs.push_back(mx::contiguous(mx::astype(*sinks, mx::float32, stream), false, stream));
-  return mx::array(q.shape(), q.dtype(), std::make_shared<PagedAttention>(stream, scale, window, bool(sinks), softcap),
+  return mx::array(q.shape(), q.dtype(), std::make_shared<PagedAttention>(stream, scale, window, bool(sinks), softcap, chunk),
                    std::move(inputs));
 }
 
@@ -444,6 +449,7 @@ void PagedAttention::eval_cpu(const std::vector<mx::array>& inputs, std::vector<
   a.num_qtiles = (a.L + a.qt - 1) / a.qt;
   a.scale = scale_;
   a.window = window_;
+  a.chunk = chunk_;
   a.softcap = softcap_;
   a.tables = tables.data<int32_t>();
   a.lens = lens.data<int32_t>();
@@ -473,7 +479,8 @@ void PagedAttention::eval_gpu(const std::vector<mx::array>&, std::vector<mx::arr
 
 bool PagedAttention::is_equivalent(const mx::Primitive& other) const {
   const auto& o = static_cast<const PagedAttention&>(other);
-  return scale_ == o.scale_ && window_ == o.window_ && has_sinks_ == o.has_sinks_ && softcap_ == o.softcap_;
+  return scale_ == o.scale_ && window_ == o.window_ && has_sinks_ == o.has_sinks_ && softcap_ == o.softcap_ &&
+         chunk_ == o.chunk_;
 }
 
 }  // namespace trillm_cpu

@@ -1,9 +1,10 @@
-"""The attention variants issue 23 adds (soft-capping, several windows per model, with sinks; MLA) in the
+"""The attention variants issue 23 adds (soft-capping, several windows per model, with sinks; chunked; MLA) in the
 host-side compile checks: the Metal stand-in (g++) and nvcc for sm_90, on the variants the self-check launches.
 
 The default compile sets (kernels/tools/variants.py DEFAULT_SHAPES) cover window + sinks; these shapes add
-soft-capping alone and with them, a model whose layers alternate a window and full attention, and the MLA
-kernels (recorded here from their own launcher: tools/variants.py records paged attention and kv_gather).
+soft-capping alone and with them, a model whose layers alternate a window and full attention, chunked attention
+(Llama 4), and the MLA kernels (recorded here from their own launcher: tools/variants.py records paged attention
+and kv_gather).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from trillm.kernels.tools.variants import Variant, _recording_factory, all_dtype
 VARIANT_SHAPES = (
     ModelShapes(8, 4, 64, 16, mx.float16, softcap=50.0, layer_windows=(64, None), chunk=64, max_batch=9),  # Gemma 2
     ModelShapes(16, 2, 64, 16, mx.float32, sinks=True, softcap=30.0, window=128, chunk=64, max_batch=9),
+    ModelShapes(8, 2, 64, 16, mx.float16, attention_chunk=200, chunk=64, max_batch=9),  # Llama 4's chunked layers
 )
 
 
