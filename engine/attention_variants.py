@@ -31,10 +31,11 @@ def _gemma2_attention(base: type) -> type:
             queries = self.rope(queries, offset=cache.offset)
             keys = self.rope(keys, offset=cache.offset)
             fetched = cache.update_and_fetch(keys, values)
-            paged, window = cache.paged_window(*fetched, mask)
+            paged, window, chunk = cache.paged_window(*fetched, mask)
             if not paged:
                 raise NotImplementedError("Gemma 2 attention with a mask of the model's own on a paged cache")
-            out = cache.attend(queries, scale=self.scale, window=window, softcap=float(self.attn_logit_softcapping))
+            out = cache.attend(queries, scale=self.scale, window=window, chunk=chunk,
+                               softcap=float(self.attn_logit_softcapping))
             projected: mx.array = self.o_proj(out.transpose(0, 2, 1, 3).reshape(B, L, -1))
             return projected
 
@@ -49,8 +50,8 @@ def _mla_attention(base: type) -> type:
         weights times the latent, then `unembed_out`, as mlx-lm's own decode does."""
 
         def __call__(self, x: mx.array, mask: Any = None, cache: Any = None) -> mx.array:
-            plain, window = cache.known_mask(mask) if isinstance(cache, PagedKVCache) else (False, None)
-            if not plain or window is not None:
+            plain, window, chunk = cache.known_mask(mask) if isinstance(cache, PagedKVCache) else (False, None, None)
+            if not plain or window is not None or chunk is not None:
                 original: mx.array = super().__call__(x, mask, cache)
                 return original
             B, L, _ = x.shape

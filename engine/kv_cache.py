@@ -9,8 +9,8 @@ in the model's own modules to `paged_sdpa`, which sends paged caches to paged at
 the engine's start-up kernel self-check chose: a kernel, or the pure-mx reference) and everything else to
 mlx-lm's original. The paged path is taken only when the call is provably plain attention over this layer's
 cache: the keys and values are the ones `update_and_fetch` returned, and the mask is one `make_mask` built (its
-sliding window, if any, is passed to the kernel with the layer's sinks). Any other call (a mask the model
-built itself, as MLA's RoPE scores or Llama 4's chunks; keys the model transformed after the fetch) runs
+sliding window or attention chunk, if any, is passed to the kernel with the layer's sinks). Any other call (a
+mask the model built itself, as MLA's RoPE scores; keys the model transformed after the fetch) runs
 mlx-lm's original on the dense gathered K/V with the model's own mask: slower, never wrong. MLX's laziness
 means the unused gather costs nothing when the paged path is taken.
 
@@ -114,9 +114,9 @@ class KVPool:
             assert state_slots is not None, "a model with recurrent layers needs state slots"
             self.states = StatePool(layout.states, state_slots)
         self.layout: BatchLayout | None = None
-        # The masks `make_mask` built for the current forward, by id, with their sliding window: the seam's proof
-        # that a mask is a plain causal (or windowed) one. Cleared with the layout.
-        self.masks: dict[int, tuple[mx.array, int | None]] = {}
+        # The masks `make_mask` built for the current forward, by id, with their sliding window and attention
+        # chunk: the seam's proof that a mask is a plain causal (windowed, chunked) one. Cleared with the layout.
+        self.masks: dict[int, tuple[mx.array, int | None, int | None]] = {}
 
     @property
     def nbytes(self) -> int:
@@ -218,38 +218,36 @@ class PagedKVCache:
         if chunk_size is not None:
             mask = mask & (k_pos // chunk_size == q_pos // chunk_size)
         mask = mask[:, None]
-        # A chunked mask has no kernel variant: it is registered as unknown, so the seam runs it dense.
-        if chunk_size is None:
-            self.pool.masks[id(mask)] = (mask, window_size)
+        self.pool.masks[id(mask)] = (mask, window_size, chunk_size)
         return mask
 
-    def paged_window(self, keys: mx.array, values: mx.array, mask: Any) -> tuple[bool, int | None]:
-        """(may the paged kernel answer this call, its sliding window): only for the K/V this layer fetched
-        and no mask or one `make_mask` built."""
+    def paged_window(self, keys: mx.array, values: mx.array, mask: Any) -> tuple[bool, int | None, int | None]:
+        """(may the paged kernel answer this call, its sliding window, its attention chunk): only for the K/V
+        this layer fetched and no mask or one `make_mask` built."""
         fetched = self._fetched
         if fetched is None or keys is not fetched[0] or values is not fetched[1]:
-            return False, None
+            return False, None, None
         if keys.shape[-1] != values.shape[-1]:  # K and V of different widths (MLA without a latent cache)
-            return False, None
+            return False, None, None
         return self.known_mask(mask)
 
-    def known_mask(self, mask: Any) -> tuple[bool, int | None]:
-        """(is `mask` None or one `make_mask` built this forward, its sliding window)."""
+    def known_mask(self, mask: Any) -> tuple[bool, int | None, int | None]:
+        """(is `mask` None or one `make_mask` built this forward, its sliding window, its attention chunk)."""
         if mask is None:
-            return True, None
+            return True, None, None
         known = self.pool.masks.get(id(mask))
         if known is None or known[0] is not mask:
-            return False, None
-        return True, known[1]
+            return False, None, None
+        return True, known[1], known[2]
 
     def attend(self, queries: mx.array, *, scale: float, sinks: mx.array | None = None, window: int | None = None,
-               **variant: Any) -> mx.array:
+               chunk: int | None = None, **variant: Any) -> mx.array:
         """Paged attention of `queries` [B, Hq, L, Dk] over this layer's pool. `variant`: the kernels' other
         options (softcap)."""
         lay = self._layout
         attention = self.pool.layer_kernels[self.layer].paged_attention
-        return attention(queries, self.pool.keys[self.layer], self.pool.values[self.layer],
-                         lay.block_tables, lay.context_lens, scale=scale, window=window, sinks=sinks, **variant)
+        return attention(queries, self.pool.keys[self.layer], self.pool.values[self.layer], lay.block_tables,
+                         lay.context_lens, scale=scale, window=window, sinks=sinks, chunk=chunk, **variant)
 
     def attend_mla(self, q_latent: mx.array, q_pe: mx.array, *, scale: float) -> mx.array:
         """MLA attention over this layer's latent (K pool) and RoPE keys (V pool): [B, H, L, kv_lora_rank]."""
@@ -287,9 +285,9 @@ class PagedSDPA:
     def __call__(self, queries: mx.array, keys: mx.array, values: mx.array, cache: Any, scale: float,
                  mask: Any = None, sinks: mx.array | None = None, **kwargs: Any) -> mx.array:
         if isinstance(cache, PagedKVCache):
-            paged, window = cache.paged_window(keys, values, mask)
+            paged, window, chunk = cache.paged_window(keys, values, mask)
             if paged and not kwargs:
-                return cache.attend(queries, scale=scale, sinks=sinks, window=window)
+                return cache.attend(queries, scale=scale, sinks=sinks, window=window, chunk=chunk)
         return self.original(queries, keys, values, cache=cache, scale=scale, mask=mask, sinks=sinks, **kwargs)
 
 

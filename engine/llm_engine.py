@@ -91,18 +91,20 @@ def make_kv_pool(lm: LoadedModel, config: EngineConfig, num_blocks: int, max_mod
     mla_ranks = next(((int(m.kv_lora_rank), int(m.qk_rope_head_dim)) for _, m in lm.model.named_modules()
                       if type(m).__name__ == "DeepseekV3Attention"), None)
     args = getattr(lm.model, "args", None)  # mlx-lm's ModelArgs; 0: the kernels derive a size
-    selections: dict[tuple[int, int, int | None], KernelSelection] = {}
+    selections: dict[tuple[int, int, int | None, int | None], KernelSelection] = {}
     primary: KernelSelection | None = None
     per_layer = []
     for layer in layout.layers:
         # Layers whose V differs from K (MLA's latent and RoPE keys) never take the paged kernel (see
-        # kv_cache); they get the dispatchers, checked on layer 0's shapes like the rest.
-        key = (layer.num_kv_heads, layer.k_dim, layer.window) if layer.k_dim == layer.v_dim else (0, 0, None)
+        # kv_cache); they get the dispatchers, checked on layer 0's shapes like the rest. A sliding window and
+        # an attention chunk (Llama 4) are kernel variants of their own: each is checked on its layers' shapes.
+        key = ((layer.num_kv_heads, layer.k_dim, layer.window, layer.chunk) if layer.k_dim == layer.v_dim
+               else (0, 0, None, None))
         if key not in selections:
             mla = mla_ranks if layer.k_dim != layer.v_dim and mla_ranks else (0, 0)
             shapes = ModelShapes(lm.num_attention_heads, key[0] or lm.num_kv_heads, key[1] or lm.head_dim,
-                                 config.block_size, lm.dtype, window=key[2], sinks=sinks, softcap=softcap,
-                                 kv_lora_rank=mla[0], qk_rope_head_dim=mla[1],
+                                 config.block_size, lm.dtype, window=key[2], attention_chunk=key[3], sinks=sinks,
+                                 softcap=softcap, kv_lora_rank=mla[0], qk_rope_head_dim=mla[1],
                                  max_batch=config.max_num_seqs, chunk=config.max_num_batched_tokens,
                                  max_context=max_model_len, hidden_size=int(getattr(args, "hidden_size", 0) or 0),
                                  intermediate_size=int(getattr(args, "intermediate_size", 0) or 0),

@@ -45,9 +45,9 @@ def test_a_planted_seam_bug_is_refused_at_load_in_one_line(gemma3: LoadedModel,
     # The bug issue 23 found: the seam drops each layer's sliding window (every layer attends to everything).
     original = PagedKVCache.known_mask
 
-    def windowless(self: PagedKVCache, mask: object) -> tuple[bool, int | None]:
-        plain, _ = original(self, mask)
-        return plain, None
+    def windowless(self: PagedKVCache, mask: object) -> tuple[bool, int | None, int | None]:
+        plain, _, chunk = original(self, mask)
+        return plain, None, chunk
 
     monkeypatch.setattr(PagedKVCache, "known_mask", windowless)
     with pytest.raises(UnverifiedModel) as info:
@@ -59,7 +59,7 @@ def test_a_planted_seam_bug_is_refused_at_load_in_one_line(gemma3: LoadedModel,
 
 def test_allow_unverified_model_serves_it_flagged(gemma3: LoadedModel, monkeypatch: pytest.MonkeyPatch) -> None:
     original = PagedKVCache.known_mask
-    monkeypatch.setattr(PagedKVCache, "known_mask", lambda self, mask: (original(self, mask)[0], None))
+    monkeypatch.setattr(PagedKVCache, "known_mask", lambda self, mask: (original(self, mask)[0], None, None))
     engine = LLMEngine(dataclasses.replace(CONFIG, allow_unverified_model=True), loaded=gemma3)
     result = engine.probe_result
     assert result is not None and not result.verified and result.allowed_anyway
@@ -77,7 +77,7 @@ def test_a_crashing_forward_is_refused_not_a_traceback_later(gemma3: LoadedModel
 
 
 def test_no_probe_when_disabled(gemma3: LoadedModel, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(PagedKVCache, "known_mask", lambda self, mask: (True, None))
+    monkeypatch.setattr(PagedKVCache, "known_mask", lambda self, mask: (True, None, None))
     engine = LLMEngine(dataclasses.replace(CONFIG, verify_model=False), loaded=gemma3)
     assert engine.probe_result is None
 
