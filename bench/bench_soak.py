@@ -7,7 +7,7 @@ cancels on the socket). At the end, once the server has settled: nothing may be 
 no KV block held (GET /stats); the server's RSS growth after --warmup is reported, as are the 5xx, resets and
 the p50/p99 latency of the well-behaved clients (those that did not disconnect).
 
-With --hostile N (issue 25) the run has two measured phases after a short warm-up: --duration seconds of
+With --hostile N the run has two measured phases after a short warm-up: --duration seconds of
 the well-behaved load alone, then the same load (same seed) for --duration more beside N hostile clients
 (bench/soak_hostile.py: oversized bodies of every API, which must get 400s; completions fan-outs of prompts x n
 up to the server's cap; special-token floods). It reports the well-behaved clients' p99 TTFT and ITL (gaps
@@ -436,7 +436,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--settle-s", type=float, default=30.0, help="wait this long at most for the server to idle")
     p.add_argument("--max-rss-growth-mb", type=float, default=50.0)
     p.add_argument("--seed", type=int, default=0)
-    h = p.add_argument_group("hostile mix (issue 25)", "with --hostile N: a warm-up, then --duration seconds of the "
+    h = p.add_argument_group("hostile mix", "with --hostile N: a warm-up, then --duration seconds of the "
                              "well-behaved load alone and --duration more beside N hostile clients")
     h.add_argument("--hostile", type=int, default=0, help="hostile clients (0: no hostile mix, one phase)")
     h.add_argument("--phase-warmup", type=float, default=10.0, help="unmeasured seconds before the two phases")

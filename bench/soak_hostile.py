@@ -1,4 +1,4 @@
-"""The hostile mix of `trillm bench soak --hostile N`: clients that try to hurt the well-behaved ones (issue 25).
+"""The hostile mix of `trillm bench soak --hostile N`: clients that try to hurt the well-behaved ones.
 
 Each hostile client loops over five kinds of request:
 - oversized bodies of every API, their bulk not message content (chat `tool_calls[].function.arguments`,

@@ -1,4 +1,4 @@
-"""Tiny random-weight model folders of every mlx-lm family the engine is asked to serve (issue 23's matrix).
+"""Tiny random-weight model folders of every mlx-lm family the engine serves or refuses (the model matrix).
 
 Each `Family` declares a config built from that family's mlx-lm `ModelArgs` with tiny dims, small sliding
 windows (5 to 16 tokens) in patterns that mix sliding and full layers, and few experts, plus what the engine is

@@ -1,4 +1,4 @@
-"""Issue 23's matrix: every mlx-lm family in tests/model_zoo.py through trillm's paged engine, against mlx-lm's
+"""The model matrix: every mlx-lm family in tests/model_zoo.py through trillm's paged engine, against mlx-lm's
 own generation of the same folder (greedy, fp32, its own caches).
 
 A family expected "identical" must give mlx-lm's greedy tokens and logprobs (chosen and top-3, within tolerance)

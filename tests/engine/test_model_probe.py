@@ -42,7 +42,7 @@ def test_a_sound_model_is_verified_and_its_probe_leaves_no_trace(gemma3: LoadedM
 
 def test_a_planted_seam_bug_is_refused_at_load_in_one_line(gemma3: LoadedModel,
                                                           monkeypatch: pytest.MonkeyPatch) -> None:
-    # The bug issue 23 found: the seam drops each layer's sliding window (every layer attends to everything).
+    # The bug this guards against: a seam that drops each layer's sliding window (every layer attends to everything).
     original = PagedKVCache.known_mask
 
     def windowless(self: PagedKVCache, mask: object) -> tuple[bool, int | None, int | None]:

@@ -1,4 +1,4 @@
-"""The attention variants issue 23 adds (soft-capping, several windows per model, with sinks; chunked; MLA) in the
+"""The attention variants beyond plain causal attention (soft-capping, several windows per model, with sinks; chunked; MLA) in the
 host-side compile checks: the Metal stand-in (g++) and nvcc for sm_90, on the variants the self-check launches.
 
 The default compile sets (kernels/tools/variants.py DEFAULT_SHAPES) cover window + sinks; these shapes add

@@ -1,4 +1,4 @@
-"""GPU kernels, round 2 (issue 28): launch plan, empty rows, shape checks and the check cases, without a GPU.
+"""The GPU kernels' launch plan, empty rows, shape checks and the check cases, without a GPU.
 
 Numbers come from the g++ emulator running the real Metal/CUDA bodies (tests/kernels/kernel_emulator.py);
 launches are recorded (tools/variants.py).

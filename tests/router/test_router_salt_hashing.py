@@ -1,6 +1,6 @@
 """The router hashes a salted prompt under its cache_salt, as the replicas' prefix cache does: its prediction
 equals the cached tokens a real engine (the mock's scheduler and block manager) reports, salt by salt, and a
-salted request neither hits nor is steered by another salt's blocks (issue 25)."""
+salted request neither hits nor is steered by another salt's blocks."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Fairness in TTFT terms (issue 25): a short request's time to first token while one request fans out to the
+"""Fairness in TTFT terms: a short request's time to first token while one request fans out to the
 cap, against its TTFT on an idle server and beside one other running request.
 
 The mock engine through the service, in real time, priced by its default timing model (SmolLM2-135M's

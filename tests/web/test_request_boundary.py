@@ -1,4 +1,4 @@
-"""Round 2 of the request boundary (issue 25): what one request may cost, and what it may not break.
+"""The request boundary's bounds on cost: what one request may cost, and what it may not break.
 
 Each test here failed before its fix: malformed grammar options, seeds near the top of their range, oversized
 single deltas, grammars evicted from the compiler's cache, oversized bodies of every API, fan-out and response

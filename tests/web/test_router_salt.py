@@ -1,6 +1,6 @@
 """cache_salt through `trillm route`, on every surface it proxies (chat, completions, Messages, Responses, the
 websocket): the salt reaches the replica (whose prefix cache then keeps salts apart: its own usage says so),
-and the router predicts hits only under the same salt (issue 25)."""
+and the router predicts hits only under the same salt."""
 
 from __future__ import annotations
 
