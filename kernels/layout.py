@@ -141,15 +141,11 @@ class PagedBatch:
     context_lens: mx.array  # int32 [B]
 
 
-def random_batch(shapes: ModelShapes, lens: list[int], num_queries: int, seed: int = 0) -> PagedBatch:
-    """A batch laid out as above: block 0 reserved, rows in shuffled blocks, one padding column per table.
-
-    Pool slots no row owns hold random values too, so a kernel that reads outside a row's blocks shows.
-    """
-    bs, hkv, d = shapes.block_size, shapes.num_kv_heads, shapes.head_dim
-    per_row = [-(-n // bs) for n in lens]
+def shuffled_tables(lens: list[int], block_size: int, seed: int) -> tuple[int, list[list[int]]]:
+    """(pool blocks, block tables) for rows of `lens` tokens: block 0 reserved, each row's blocks shuffled
+    across the pool, one padding column (RESERVED_BLOCK) per table, one spare block at the end."""
+    per_row = [-(-n // block_size) for n in lens]
     num_blocks = 1 + sum(per_row) + 1
-    k2, k3, k4 = mx.random.split(mx.random.key(seed), 3)
     order = list(range(1, num_blocks))
     random.Random(seed).shuffle(order)
     width = max(per_row) + 1
@@ -157,6 +153,17 @@ def random_batch(shapes: ModelShapes, lens: list[int], num_queries: int, seed: i
     for n_blocks in per_row:
         row, order = order[:n_blocks], order[n_blocks:]
         tables.append(row + [RESERVED_BLOCK] * (width - n_blocks))
+    return num_blocks, tables
+
+
+def random_batch(shapes: ModelShapes, lens: list[int], num_queries: int, seed: int = 0) -> PagedBatch:
+    """A batch laid out as above: block 0 reserved, rows in shuffled blocks, one padding column per table.
+
+    Pool slots no row owns hold random values too, so a kernel that reads outside a row's blocks shows.
+    """
+    bs, hkv, d = shapes.block_size, shapes.num_kv_heads, shapes.head_dim
+    num_blocks, tables = shuffled_tables(lens, bs, seed)
+    k2, k3, k4 = mx.random.split(mx.random.key(seed), 3)
     pool_shape = (num_blocks, bs, hkv, d)
     return PagedBatch(
         q=mx.random.normal((len(lens), shapes.num_q_heads, num_queries, d), key=k2).astype(shapes.dtype),

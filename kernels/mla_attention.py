@@ -23,7 +23,6 @@ self-check, which runs it only for models whose shapes declare MLA (`ModelShapes
 
 from __future__ import annotations
 
-import random
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -33,7 +32,7 @@ from trillm.kernels import cpu_ext
 from trillm.kernels.backend import (
     Case, Kernel, KernelOp, KernelSpec, at_least_8, build, float32_params, int32_params, kernel_backend,
 )  # fmt: skip
-from trillm.kernels.layout import RESERVED_BLOCK, ModelShapes
+from trillm.kernels.layout import ModelShapes, shuffled_tables
 from trillm.kernels.paged_attention import (
     ATTN_REDUCE, GPU_DTYPES, MAX_ROWS_X_D, NUM_SIMDGROUPS, TOLERANCES, attention_mask, launch_plan,
 )  # fmt: skip
@@ -411,15 +410,7 @@ def random_mla_batch(shapes: ModelShapes, lens: list[int], num_queries: int, see
     """As `layout.random_batch`, for the MLA pools: block 0 reserved, one padding column per table, random
     values in slots no row owns (a kernel reading outside a row's blocks shows)."""
     bs, r, p = shapes.block_size, shapes.kv_lora_rank, shapes.qk_rope_head_dim
-    per_row = [-(-n // bs) for n in lens]
-    num_blocks = 1 + sum(per_row) + 1
-    order = list(range(1, num_blocks))
-    random.Random(seed).shuffle(order)
-    width = max(per_row) + 1
-    tables = []
-    for n_blocks in per_row:
-        row, order = order[:n_blocks], order[n_blocks:]
-        tables.append(row + [RESERVED_BLOCK] * (width - n_blocks))
+    num_blocks, tables = shuffled_tables(lens, bs, seed)
     k1, k2, k3, k4 = mx.random.split(mx.random.key(seed), 4)
     b, h = len(lens), shapes.num_q_heads
     return MlaBatch(
