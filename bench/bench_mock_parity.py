@@ -58,7 +58,7 @@ def main(argv: list[str] | None = None) -> int:
     from trillm.engine.mock import MockModelSpec, load_perf_model, make_mock_engine, synthetic_trace
     from trillm.engine.sampling_params import SamplingParams
     from trillm.bench.simulate import simulate, simulate_async
-    from trillm.web.service import EngineService
+    from trillm.web.service.engine_service import EngineService
 
     out = new_results_dir(args.results_dir)
     write_meta(out, "bench mock-parity", list(sys.argv[1:] if argv is None else argv), vars(args))

@@ -36,10 +36,10 @@ from trillm.engine.mock import (
 )
 from trillm.engine.outputs import EngineStatistics
 from trillm.engine.sampling_params import SamplingParams
-from trillm.web.service import EngineService
+from trillm.web.service.engine_service import EngineService
 from trillm.web.router.core import Hello, Router, WorkerKey
 from trillm.web.router.policy import CostWeights, Policy
-from trillm.web.stream import GenerationFailed, GenerationHandle
+from trillm.web.service.stream import GenerationFailed, GenerationHandle
 
 HELP = "replay a request trace on the mock engine in virtual time"
 

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from trillm.web.keys import ApiKey
-from trillm.web.protocol import Limits
-from trillm.web.structured import ChatOptions
+from trillm.web.chat.features import ChatOptions
+from trillm.web.http.keys import ApiKey
+from trillm.web.openai.request import Limits
 
 
 class ServeError(Exception):
@@ -36,13 +36,13 @@ class ServerConfig:
     keep_alive_timeout_s: float = 75.0
     drain_timeout_s: float = 10.0  # on SIGTERM: open requests may finish for this long, then end with an error
     allowed_origins: tuple[str, ...] = ()  # web pages (besides the server's own) that may open its websockets
-    tool_parser: str | None = None  # the tool-call format (web/tool_parsers.py); None: detected per model
-    reasoning_parser: str | None = None  # the reasoning markers (web/reasoning.py); None: detected; "none": off
+    tool_parser: str | None = None  # the tool-call format (web/chat/tool_parsers.py); None: detected per model
+    reasoning_parser: str | None = None  # the reasoning markers (web/chat/reasoning.py); None: detected; "none": off
     model_aliases: tuple[tuple[str, str], ...] = ()  # (name or glob, served model name), tried in order
     # A request's deadline in seconds (its X-Request-Timeout header may ask for less): past it the generation
     # ends with finish reason "timeout" and its blocks are freed. None: no deadline unless the client asks.
     request_timeout_s: float | None = None
-    api_keys: tuple[ApiKey, ...] = ()  # --api-key-file's named keys, each with its limits (web/keys.py)
+    api_keys: tuple[ApiKey, ...] = ()  # --api-key-file's named keys, each with its limits (web/http/keys.py)
 
     def __post_init__(self) -> None:
         if not 0 <= self.port < 65536:

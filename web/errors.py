@@ -7,8 +7,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from trillm.engine.errors import InvalidRequest, ModelLoadError, Overloaded
-from trillm.web.service import EngineUnavailable
-from trillm.web.stream import GenerationFailed
+from trillm.web.service.engine_service import EngineUnavailable
+from trillm.web.service.registry import ModelNotFound
+from trillm.web.service.stream import GenerationFailed
 
 
 @dataclass(frozen=True, slots=True)
@@ -32,6 +33,8 @@ def to_api_error(exc: BaseException, *, retry_after: int = 1) -> APIError:
         return exc
     if isinstance(exc, InvalidRequest):
         return APIError(400, str(exc), "invalid_request_error", "invalid_request")
+    if isinstance(exc, ModelNotFound):
+        return APIError(404, str(exc), "invalid_request_error", "model_not_found", "model")
     if isinstance(exc, Overloaded):
         return APIError(503, str(exc), "server_error", "overloaded", headers={"Retry-After": str(retry_after)})
     if isinstance(exc, EngineUnavailable):

@@ -16,8 +16,8 @@ from quart import Response
 from quart_trio import QuartTrio
 
 from trillm.engine.outputs import EngineStatistics
-from trillm.web.generation import ModelRegistry
-from trillm.web.service import EngineService
+from trillm.web.service.engine_service import EngineService
+from trillm.web.service.registry import ModelRegistry
 
 PAGE = "playground.html"
 CONTENT_SECURITY_POLICY = ("default-src 'none'; script-src 'self'; style-src 'self'; img-src 'self' data:; "

@@ -15,10 +15,10 @@ from hypercorn.trio.run import worker_serve
 from hypercorn.utils import wrap_app
 
 from trillm.web.app import create_app
-from trillm.web.asgi import ShieldedFinalSend
 from trillm.web.config import ServeError, ServerConfig
-from trillm.web.kv_events import KVEventHub, register_kv_events
-from trillm.web.service import EngineFactory, EngineService, ServiceConfig
+from trillm.web.http.asgi import ShieldedFinalSend
+from trillm.web.service.engine_service import EngineFactory, EngineService, ServiceConfig
+from trillm.web.ws.kv_events import KVEventHub, register_kv_events
 
 log = logging.getLogger("trillm.web.server")
 

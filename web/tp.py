@@ -25,7 +25,7 @@ from trillm.engine.distributed import LocalRanks, TensorParallelError, TensorPar
 from trillm.engine.tp_runner import TensorParallelEngine
 from trillm.web.config import ServerConfig
 from trillm.web.server import ModelSpec, Serving, serve
-from trillm.web.service import EngineService, ServiceConfig
+from trillm.web.service.engine_service import EngineService, ServiceConfig
 
 log = logging.getLogger("trillm.web.tp")
 

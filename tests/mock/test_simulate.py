@@ -10,10 +10,12 @@ import trio.testing
 
 from trillm.bench.simulate import simulate
 from trillm.engine.config import EngineConfig
-from trillm.engine.mock import LinearCostModel, MockModelSpec, StepShape, TraceRequest, make_mock_engine, synthetic_trace
+from trillm.engine.mock import (
+    LinearCostModel, MockModelSpec, StepShape, TraceRequest, make_mock_engine, synthetic_trace,
+)
 from trillm.engine.sampling_params import SamplingParams
 from trillm.engine.scheduler import ScheduledBatch
-from trillm.web.service import EngineService, ServiceConfig
+from trillm.web.service.engine_service import EngineService, ServiceConfig
 
 IDLE_STEP_S = ServiceConfig().idle_step_s
 

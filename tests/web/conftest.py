@@ -19,7 +19,7 @@ from trillm.engine.mock import LinearCostModel, MockModelSpec, Recording, make_m
 from trillm.engine.mock.tokenizer import MockTokenizer
 from trillm.engine.sampling_params import SamplingParams
 from trillm.engine.tokenizer import SpecialTokens, TokenizerLike
-from trillm.web.service import EngineService, ServiceConfig
+from trillm.web.service.engine_service import EngineService, ServiceConfig
 
 SPEC = MockModelSpec(name="mock-model", vocab_size=2000, max_model_len=2048)
 TOKENIZER = MockTokenizer(SPEC.vocab_size)

@@ -9,8 +9,8 @@ from typing import Any
 import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
-from trillm.web.anthropic_schema import MessagesRequest
-from trillm.web.responses_schema import ResponsesRequest
+from trillm.web.anthropic.schema import MessagesRequest
+from trillm.web.responses.schema import ResponsesRequest
 
 from conftest import MockFactory, running_app
 

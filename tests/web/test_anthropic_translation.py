@@ -15,16 +15,16 @@ from trillm.engine.admission import RequestLimits
 from trillm.engine.errors import InvalidRequest, Overloaded
 from trillm.engine.mock.tokenizer import MockTokenizer
 from trillm.engine.outputs import Usage
-from trillm.web.anthropic_api import MessageTranslator, anthropic_error, chat_body
-from trillm.web.anthropic_schema import CountTokensRequest, MessagesRequest
-from trillm.web.errors import APIError, to_api_error
-from trillm.web.openai_schema import parse_body
-from trillm.web.openai_schema import NamedToolChoice
-from trillm.web.output_events import (
+from trillm.web.anthropic.schema import CountTokensRequest, MessagesRequest
+from trillm.web.anthropic.translate import MessageTranslator, anthropic_error, chat_body
+from trillm.web.chat.output_events import (
     Finish, OutputEvent, ReasoningDelta, TextDelta, ToolCallArgumentsDelta, ToolCallEnd, ToolCallStart,
 )
-from trillm.web.protocol import Limits, parse_generation
-from trillm.web.translation import FitMaxTokens
+from trillm.web.errors import APIError, to_api_error
+from trillm.web.http.validate import parse_body
+from trillm.web.openai.request import Limits, parse_generation
+from trillm.web.openai.schema import NamedToolChoice
+from trillm.web.openai.translation import FitMaxTokens
 
 TOK = MockTokenizer(1000)
 MODEL = RequestLimits(max_model_len=100, block_size=16, num_usable_blocks=1000, vocab_size=TOK.vocab_size,

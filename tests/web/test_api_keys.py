@@ -17,8 +17,8 @@ from trillm.engine.llm_engine import LLMEngine
 from trillm.engine.mock import LinearCostModel, make_mock_engine
 from trillm.web.app import create_app
 from trillm.web.config import ServerConfig
-from trillm.web.keys import KeyFileError, parse_key_file
-from trillm.web.service import EngineService
+from trillm.web.http.keys import KeyFileError, parse_key_file
+from trillm.web.service.engine_service import EngineService
 
 from conftest import DEFAULT_CONFIG, SPEC, parse_sse
 
@@ -64,7 +64,7 @@ def test_key_file_parsing() -> None:
 
 async def test_keys_authenticate_and_rpm_refuses_with_retry_after(autojump_clock: trio.testing.MockClock,
                                                                   caplog: pytest.LogCaptureFixture) -> None:
-    caplog.set_level(logging.INFO, logger="trillm.web.keys")
+    caplog.set_level(logging.INFO, logger="trillm.web.http.keys")
     async with keyed_app(api_key=ADMIN) as client:
         assert (await client.post("/v1/completions", json=COMPLETION)).status_code == 401  # a key is needed
         assert (await client.post("/v1/completions", json=COMPLETION, headers=bearer("sk-nobody-00000"))

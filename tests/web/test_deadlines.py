@@ -18,7 +18,7 @@ from trillm.engine.outputs import FinishReason
 from trillm.engine.sampling_params import SamplingParams
 from trillm.web.app import create_app
 from trillm.web.config import ServerConfig
-from trillm.web.service import EngineService
+from trillm.web.service.engine_service import EngineService
 
 from conftest import DEFAULT_CONFIG, SPEC, parse_sse
 

@@ -24,7 +24,7 @@ import trio
 from trillm.engine.config import EngineConfig
 from trillm.engine.mock import make_mock_engine
 from trillm.engine.sampling_params import SamplingParams
-from trillm.web.service import EngineService
+from trillm.web.service.engine_service import EngineService
 
 from conftest import running_service
 

@@ -16,11 +16,11 @@ import pytest
 import trio
 
 from trillm.engine.errors import ModelNotFound
-from trillm.engine.llm_engine import REQUEST_FAILED, LLMEngine
+from trillm.engine.llm_engine import LLMEngine, REQUEST_FAILED
 from trillm.engine.mock import MockModelSpec, MockTokenizer, Recording
 from trillm.web.config import ServeError, ServerConfig
 from trillm.web.server import ModelSpec, serve
-from trillm.web.service import ServiceState
+from trillm.web.service.engine_service import ServiceState
 
 from conftest import SPEC, TOKENIZER, ByteTokenizer, MockFactory, parse_sse, running_server
 
@@ -260,7 +260,7 @@ def test_readme_lists_every_limit_flag_with_its_default() -> None:
     import re
     from pathlib import Path
 
-    from trillm.web import cli_serve
+    from trillm.web.cli import serve as cli_serve
 
     parser = argparse.ArgumentParser()
     cli_serve.configure(parser)

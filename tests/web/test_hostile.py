@@ -13,7 +13,7 @@ import trio_websocket
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 from trillm.web.config import ServerConfig
-from trillm.web.openai_schema import ChatCompletionRequest, CompletionRequest
+from trillm.web.openai.schema import ChatCompletionRequest, CompletionRequest
 
 from conftest import SPEC, MockFactory, parse_sse, raw_http, running_app, running_server
 

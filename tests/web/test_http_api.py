@@ -9,14 +9,13 @@ from typing import Any
 
 import trio
 
-from trillm.web.app import create_app
-from trillm.web.config import ServerConfig
-from trillm.web.protocol import Limits
-from trillm.web.service import EngineService
 from trillm.engine.config import EngineConfig
-
 from trillm.engine.mock import MockModelSpec, Recording
 from trillm.engine.mock.tokenizer import MockTokenizer
+from trillm.web.app import create_app
+from trillm.web.config import ServerConfig
+from trillm.web.openai.request import Limits
+from trillm.web.service.engine_service import EngineService
 
 from conftest import SPEC, TOKENIZER, MockFactory, parse_sse, reference_text, running_app, running_service
 

@@ -8,9 +8,9 @@ import httpx
 import pytest
 
 from trillm.web.cli import build_parser
-from trillm.web.cli_serve import parse_model_aliases, run
-from trillm.web.errors import APIError
-from trillm.web.generation import ModelRegistry
+from trillm.web.cli.serve import parse_model_aliases, run
+from trillm.web.errors import to_api_error
+from trillm.web.service.registry import ModelNotFound, ModelRegistry
 
 from conftest import MockFactory, running_server
 
@@ -33,9 +33,9 @@ def test_exact_names_first_then_aliases_in_order() -> None:
     assert reg.select("claude-sonnet-4-5").model_name == "big"
     assert reg.select("gpt-4o").model_name == "small"
     for unknown in ("gpt-4o-mini", "Claude-sonnet", "", 5):
-        with pytest.raises(APIError) as info:
+        with pytest.raises(ModelNotFound) as info:
             reg.select(unknown)
-        assert info.value.status == 404
+        assert to_api_error(info.value).status == 404
 
 
 def test_an_alias_to_a_model_not_served_fails_at_start() -> None:

@@ -8,8 +8,8 @@ import re
 import pytest
 
 from trillm.engine.config import engine_config_from_args
-from trillm.web import cli_serve, tracing
-from trillm.web.cli import build_parser
+from trillm.web.cli import build_parser, serve as cli_serve
+from trillm.web.service import tracing
 
 DOC = pathlib.Path(__file__).resolve().parents[2] / "docs" / "operations.md"
 

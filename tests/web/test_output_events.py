@@ -13,12 +13,12 @@ from typing import Any
 import pytest
 
 from trillm.engine.outputs import FinishReason
-from trillm.web.output_events import (
-    ChoiceParser, Finish, OutputEvent, OutputParsing, ReasoningDelta, TextDelta, ToolCallArgumentsDelta, ToolCallEnd,
-    ToolCallStart,
+from trillm.web.chat.output_events import (
+    ChoiceParser, Finish, OutputEvent, OutputParsing, ReasoningDelta, TextDelta, ToolCallArgumentsDelta,
+    ToolCallEnd, ToolCallStart,
 )
-from trillm.web.reasoning import reasoning_format
-from trillm.web.tool_parsers import detect_tool_format, tool_format
+from trillm.web.chat.reasoning import reasoning_format
+from trillm.web.chat.tool_parsers import detect_tool_format, tool_format
 
 TOOLS = ({"type": "function", "function": {"name": "get_weather", "parameters": {
     "type": "object", "properties": {"location": {"type": "string"}, "unit": {"type": "string"}}}}},

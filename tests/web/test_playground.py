@@ -15,8 +15,8 @@ import pytest
 import trio_websocket
 from hypothesis import given, strategies as st
 
+from trillm.web.http.keys import subprotocol_api_key
 from trillm.web.playground import CONTENT_SECURITY_POLICY
-from trillm.web.ws import subprotocol_api_key
 
 from conftest import MockFactory, running_app, running_server
 

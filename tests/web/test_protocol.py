@@ -9,11 +9,13 @@ import pytest
 
 from trillm.engine.admission import RequestLimits
 from trillm.engine.errors import InvalidRequest
-from trillm.engine.outputs import FinishReason, RequestOutput, TokenLogprob, Usage
 from trillm.engine.mock.tokenizer import MockTokenizer
+from trillm.engine.outputs import FinishReason, RequestOutput, TokenLogprob, Usage
 from trillm.web.cli import build_parser, main
-from trillm.web.openai_schema import ChatCompletionRequest, CompletionRequest, parse_body
-from trillm.web.protocol import GenerationRequest, Limits, ResponseBuilder, parse_generation
+from trillm.web.http.validate import parse_body
+from trillm.web.openai.request import GenerationRequest, Limits, parse_generation
+from trillm.web.openai.response import ResponseBuilder
+from trillm.web.openai.schema import ChatCompletionRequest, CompletionRequest
 
 TOK = MockTokenizer(1000)
 

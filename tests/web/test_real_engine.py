@@ -15,9 +15,8 @@ import trio_websocket
 
 from trillm.engine.config import EngineConfig
 from trillm.engine.llm_engine import LLMEngine
-
 from trillm.engine.outputs import EngineStatistics
-from trillm.web.service import EngineService
+from trillm.web.service.engine_service import EngineService
 
 from conftest import parse_sse, running_server
 

@@ -47,7 +47,7 @@ async def test_malformed_x_guidance_is_a_400_not_a_500() -> None:
 # ---- per-choice seeds never overflow ----
 
 async def test_a_seed_at_the_top_of_its_range_with_n_choices_is_served_and_reproducible() -> None:
-    from trillm.web.openai_schema import MAX_SEED
+    from trillm.web.openai.schema import MAX_SEED
 
     async with live_client(MockFactory()) as client:
         async def texts(seed: int, n: int) -> list[str]:
@@ -62,7 +62,7 @@ async def test_a_seed_at_the_top_of_its_range_with_n_choices_is_served_and_repro
             assert (await texts(seed, 1))[0] == first[0]  # choice 0 runs under the seed as given
             assert len(set(first)) > 1  # the choices differ
         # choice 1 of the top seed is the bottom seed: wrapped, not clamped (which would repeat choice 0)
-        from trillm.web.protocol import choice_seed
+        from trillm.web.openai.request import choice_seed
 
         assert choice_seed(MAX_SEED, 1) == -MAX_SEED
         assert (await texts(MAX_SEED, 2))[1] == (await texts(-MAX_SEED, 1))[0]
@@ -72,7 +72,7 @@ async def test_a_seed_at_the_top_of_its_range_with_n_choices_is_served_and_repro
 
 def test_one_delta_over_the_budget_is_delivered_when_nothing_else_is_unread() -> None:
     from trillm.engine.outputs import RequestOutput, TokenLogprob, Usage
-    from trillm.web.stream import GenerationFailed, GenerationHandle, buffered_size
+    from trillm.web.service.stream import GenerationFailed, GenerationHandle, buffered_size
 
     lps = tuple(TokenLogprob(5, -1.0, tuple((t, -2.0) for t in range(20)), 1) for _ in range(100))
 
@@ -269,7 +269,10 @@ async def test_oversized_bodies_of_every_api_get_their_400_while_a_stream_keeps_
 async def test_large_bodies_are_parsed_translated_and_templated_off_the_event_loop(monkeypatch: Any) -> None:
     import threading
 
-    from trillm.web import anthropic_api, generation, http, responses_api
+    from trillm.web.anthropic import routes as messages_routes
+    from trillm.web.http import body as http_body
+    from trillm.web.openai import submit
+    from trillm.web.responses import routes as responses_routes
 
     where: dict[str, set[int]] = {}
 
@@ -279,10 +282,10 @@ async def test_large_bodies_are_parsed_translated_and_templated_off_the_event_lo
             return fn(*args, **kwargs)
         return wrapper
 
-    monkeypatch.setattr(http, "parse_body", recorded("parse", http.parse_body))
-    monkeypatch.setattr(anthropic_api, "chat_body", recorded("translate", anthropic_api.chat_body))
-    monkeypatch.setattr(responses_api, "chat_body", recorded("translate", responses_api.chat_body))
-    monkeypatch.setattr(generation, "parse_generation", recorded("template", generation.parse_generation))
+    monkeypatch.setattr(http_body, "parse_body", recorded("parse", http_body.parse_body))
+    monkeypatch.setattr(messages_routes, "chat_body", recorded("translate", messages_routes.chat_body))
+    monkeypatch.setattr(responses_routes, "chat_body", recorded("translate", responses_routes.chat_body))
+    monkeypatch.setattr(submit, "parse_generation", recorded("template", submit.parse_generation))
     loop_thread = threading.get_ident()
     async with live_client(MockFactory()) as client:
         for path, cases in _big_bodies(100_000).items():  # well under every limit: these are served
@@ -302,7 +305,7 @@ async def test_large_bodies_are_parsed_translated_and_templated_off_the_event_lo
 async def test_fan_out_past_the_cap_is_a_400_naming_it_before_any_prompt_is_tokenized() -> None:
     import openai
 
-    from trillm.web.protocol import Limits
+    from trillm.web.openai.request import Limits
 
     factory = MockFactory()
     async with running_server(factory, limits=Limits(max_engine_requests=16)) as serving:
@@ -399,7 +402,7 @@ async def test_dns_rebinding_origins_are_refused_on_the_websockets_and_internal_
 
 
 def test_origins_are_judged_against_the_bound_address() -> None:
-    from trillm.web.app import same_or_allowed_origin as ok
+    from trillm.web.http.guards import same_or_allowed_origin as ok
 
     def h(host: str, origin: str) -> dict[str, str]:
         return {"Host": host, "Origin": origin}

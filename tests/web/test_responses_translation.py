@@ -15,12 +15,13 @@ from pydantic import TypeAdapter
 
 from trillm.engine.errors import InvalidRequest
 from trillm.engine.outputs import Usage
-from trillm.web.openai_schema import NamedToolChoice, parse_body
-from trillm.web.output_events import (
+from trillm.web.chat.output_events import (
     Finish, OutputEvent, ReasoningDelta, TextDelta, ToolCallArgumentsDelta, ToolCallEnd, ToolCallStart,
 )
-from trillm.web.responses_api import ResponseTranslator, chat_body
-from trillm.web.responses_schema import ResponsesRequest
+from trillm.web.http.validate import parse_body
+from trillm.web.openai.schema import NamedToolChoice
+from trillm.web.responses.schema import ResponsesRequest
+from trillm.web.responses.translate import ResponseTranslator, chat_body
 
 
 def body(**fields: Any) -> ResponsesRequest:

@@ -391,7 +391,7 @@ async def test_a_replica_whose_tokenizer_differs_is_tokenized_remotely() -> None
 
 async def test_a_replica_engine_restart_resyncs_its_index() -> None:
     from conftest import MockFactory
-    from trillm.web.service import ServiceConfig
+    from trillm.web.service.engine_service import ServiceConfig
 
     factory = MockFactory(config=CONFIG)  # the threaded shell, so a failed step restarts the engine
     async with trio.open_nursery() as nursery:
@@ -455,7 +455,7 @@ async def test_real_replicas_a_conversation_follows_its_prefix(tiny_model_path: 
     """Two replicas of the real engine (the tiny random llama, its HF tokenizer): with the model's tokenizer
     loaded in the router (and checked against the replicas') each turn goes where the previous one is
     cached; with the replicas' /tokenize instead, the same."""
-    from trillm.web.service import ServiceConfig
+    from trillm.web.service.engine_service import ServiceConfig
 
     def factory() -> Any:
         from trillm.engine.llm_engine import LLMEngine

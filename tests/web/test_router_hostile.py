@@ -16,11 +16,11 @@ import trio_websocket
 
 from test_router import mock_factory, routing, start_replica, wait_synced
 from trillm.bench.servers import free_port
-from trillm.web.cli_route import open_relay_warning
+from trillm.web.cli.route import open_relay_warning
 from trillm.web.config import ServerConfig
 from trillm.web.router.app import Routing, route
 from trillm.web.router.config import RouterConfig
-from trillm.web.ws_protocol import BadMessage, encode_message, parse_message
+from trillm.web.ws.envelope import BadMessage, encode_message, parse_message
 
 LONE_SURROGATE = '{"type": "generate", "id": "g1", "prompt": "a \\ud800 b", "max_tokens": 2}'
 
@@ -78,7 +78,7 @@ async def test_a_lone_surrogate_is_refused_by_the_router_with_the_clients_id() -
 
 async def test_an_oversized_replica_message_fails_only_its_own_generation(monkeypatch: pytest.MonkeyPatch) -> None:
     import trillm.web.router.ws as router_ws
-    import trillm.web.ws_protocol as ws_protocol
+    import trillm.web.ws.envelope as ws_protocol
 
     # A smaller bound on both sides, so the test needs a 1.2 MB delta and not a 16 MB one; the delta is still
     # past the 1 MiB a websocket client accepts by default (trio-websocket's, which the router used to keep).

@@ -7,12 +7,12 @@ import time
 import pytest
 import trio
 
-from trillm.engine.errors import InvalidRequest, Overloaded
 from trillm.engine.config import EngineConfig
-from trillm.engine.sampling_params import SamplingParams
+from trillm.engine.errors import InvalidRequest, Overloaded
 from trillm.engine.outputs import EngineStatistics
-from trillm.web.service import EngineService, EngineUnavailable, ServiceState
-from trillm.web.stream import GenerationFailed, GenerationHandle
+from trillm.engine.sampling_params import SamplingParams
+from trillm.web.service.engine_service import EngineService, EngineUnavailable, ServiceState
+from trillm.web.service.stream import GenerationFailed, GenerationHandle
 
 from conftest import SPEC, MockFactory, reference_text, running_service
 from trillm.engine.mock import MockModelSpec

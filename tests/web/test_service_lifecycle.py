@@ -15,8 +15,8 @@ from trillm.engine.driver import EngineDriver, Submit
 from trillm.engine.llm_engine import LLMEngine
 from trillm.engine.mock import make_mock_engine
 from trillm.engine.sampling_params import SamplingParams
-from trillm.web.service import EngineService, ServiceConfig, ServiceState
-from trillm.web.stream import GenerationHandle
+from trillm.web.service.engine_service import EngineService, ServiceConfig, ServiceState
+from trillm.web.service.stream import GenerationHandle
 
 from conftest import DEFAULT_CONFIG, SPEC
 

@@ -118,10 +118,10 @@ async def test_a_new_request_while_draining_gets_a_clean_503() -> None:
 SLOW_LOAD = textwrap.dedent("""
     import sys
     from conftest import MockFactory
-    from trillm.web.cli_serve import serve_until_stopped
+    from trillm.web.cli.serve import serve_until_stopped
     from trillm.web.config import ServerConfig
     from trillm.web.server import ModelSpec
-    from trillm.web.service import ServiceConfig
+    from trillm.web.service.engine_service import ServiceConfig
     import logging
     logging.basicConfig(level="INFO", format="%(name)s: %(message)s")
     lazy = sys.argv[1] == "lazy"

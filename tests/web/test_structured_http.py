@@ -11,7 +11,7 @@ from contextlib import asynccontextmanager
 import httpx
 import jsonschema
 
-from trillm.web.tool_parsers import render_generic_history
+from trillm.web.chat.tool_parsers import render_generic_history
 
 from conftest import MockFactory, parse_sse, running_server, scripted
 

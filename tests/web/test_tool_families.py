@@ -13,7 +13,7 @@ import pytest
 
 from trillm.engine.config import EngineConfig
 from trillm.engine.llm_engine import LLMEngine
-from trillm.web.structured import model_features
+from trillm.web.chat.features import model_features
 
 from conftest import parse_sse, running_server
 from tiny_model import CHATML_TEMPLATE, build_tiny_model

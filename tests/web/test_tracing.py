@@ -14,8 +14,8 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor  # noqa: E402
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter  # noqa: E402
 from opentelemetry.trace import SpanKind  # noqa: E402
 
-from trillm.web import tracing  # noqa: E402
-from trillm.web.keys import parse_key_file  # noqa: E402
+from trillm.web.service import tracing  # noqa: E402
+from trillm.web.http.keys import parse_key_file  # noqa: E402
 
 from conftest import MockFactory, parse_sse, running_app  # noqa: E402
 

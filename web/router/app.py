@@ -21,10 +21,14 @@ from hypercorn.trio import serve as hypercorn_serve
 from quart import Response, request, websocket
 from quart_trio import QuartTrio
 
-from trillm.web.app import error_response, install_guards, is_authorized, same_or_allowed_origin
-from trillm.web.asgi import ShieldedFinalSend
+from trillm.web.anthropic.translate import MESSAGES_PATH, anthropic_error
 from trillm.web.errors import APIError, to_api_error
-from trillm.web.http import json_response
+from trillm.web.http.asgi import ShieldedFinalSend
+from trillm.web.http.body import json_response
+from trillm.web.http.guards import (
+    error_response, install_guards, is_authorized, register_error_shape, same_or_allowed_origin,
+)
+from trillm.web.http.keys import subprotocol_api_key
 from trillm.web.router.config import RouterConfig
 from trillm.web.router.core import Router
 from trillm.web.router.metrics import RouterMetrics, statistics_json
@@ -35,7 +39,7 @@ from trillm.web.router.replica import ReplicaMonitor
 from trillm.web.router.tokenizers import PromptSource
 from trillm.web.router.ws import WSSession, writer
 from trillm.web.server import hypercorn_config
-from trillm.web.ws import SUBPROTOCOL, subprotocol_api_key
+from trillm.web.ws.session import SUBPROTOCOL
 
 log = logging.getLogger("trillm.web.router")
 
@@ -58,6 +62,7 @@ def create_router_app(config: RouterConfig, router: Router, forwarder: Forwarder
     api_key = config.server.api_key
 
     install_guards(app, api_key, config.server.allowed_origins, config.server.host)
+    register_error_shape(app, MESSAGES_PATH, anthropic_error)  # as a replica answers
 
     @app.errorhandler(Exception)
     async def any_error(exc: Exception) -> Response:

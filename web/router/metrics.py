@@ -9,8 +9,8 @@ from __future__ import annotations
 from collections import Counter, deque
 from typing import Any
 
-from trillm.web.metrics import Histogram
 from trillm.web.router.core import RouterStatistics
+from trillm.web.service.metrics import Histogram
 
 DECISION_BUCKETS = (1e-4, 2.5e-4, 5e-4, 1e-3, 2e-3, 5e-3, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0)
 

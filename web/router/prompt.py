@@ -2,7 +2,7 @@
 
 The replica parses and validates every request itself (the router forwards the body untouched), so a prompt
 the router cannot tokenize is simply routed without KV information; a wrong guess costs a cache miss, never
-a wrong answer. Local tokenization uses the same functions as the replicas (web/protocol.py) with the same
+a wrong answer. Local tokenization uses the same functions as the replicas (web/openai/request.py) with the same
 tokenizer: loaded from the model's files (`--tokenizer PATH`), or the mock engine's, and in either case
 checked once against the replica's own POST /tokenize before it is trusted.
 """
@@ -13,11 +13,13 @@ from typing import Any, Literal
 
 from trillm.engine.errors import InvalidRequest
 from trillm.engine.tokenizer import TokenizerLike
-from trillm.web import anthropic_api, responses_api
-from trillm.web.anthropic_schema import MessagesRequest
-from trillm.web.openai_schema import ChatCompletionRequest, CompletionRequest, parse_object
-from trillm.web.protocol import generation_prompt_ids, tool_request
-from trillm.web.responses_schema import ResponsesRequest
+from trillm.web.anthropic.schema import MessagesRequest
+from trillm.web.anthropic.translate import chat_body as messages_chat_body
+from trillm.web.http.validate import parse_object
+from trillm.web.openai.request import generation_prompt_ids, tool_request
+from trillm.web.openai.schema import ChatCompletionRequest, CompletionRequest
+from trillm.web.responses.schema import ResponsesRequest
+from trillm.web.responses.translate import chat_body as responses_chat_body
 
 # chat and completion: OpenAI's endpoints; messages and responses: Anthropic's Messages and OpenAI's
 # Responses APIs, which the replicas translate into a chat request (the same translation is used here).
@@ -43,14 +45,14 @@ def chat_request(kind: PromptKind, body: dict[str, Any]) -> ChatCompletionReques
     if kind == "chat":
         return parse_object(ChatCompletionRequest, body)
     if kind == "messages":
-        return anthropic_api.chat_body(parse_object(MessagesRequest, body))
+        return messages_chat_body(parse_object(MessagesRequest, body))
     if kind == "responses":
-        return responses_api.chat_body(parse_object(ResponsesRequest, body))
+        return responses_chat_body(parse_object(ResponsesRequest, body))
     return None
 
 
 def ws_request(message: dict[str, Any]) -> tuple[PromptKind, dict[str, Any]]:
-    """The endpoint a /v1/ws generate message asks for, and its request fields (the same rule as web/ws.py)."""
+    """The endpoint a /v1/ws generate message asks for, and its request fields (the same rule as web/ws/session.py)."""
     body = {k: v for k, v in message.items() if k not in ("type", "id", "endpoint")}
     endpoint = message.get("endpoint")
     return ("chat" if endpoint == "chat" or (endpoint is None and "messages" in body) else "completion"), body

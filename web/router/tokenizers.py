@@ -21,9 +21,7 @@ import trio
 from trillm.engine.mock import mock_tokenizer_for
 from trillm.engine.tokenizer import TokenizerLike
 from trillm.web.router.core import Router, Worker, WorkerKey
-from trillm.web.router.prompt import (
-    PROBES, PromptKind, local_prompt_ids, probe_kind, token_id_prompt, tokenize_request,
-)
+from trillm.web.router.prompt import PROBES, PromptKind, local_prompt_ids, probe_kind, token_id_prompt, tokenize_request
 
 log = logging.getLogger("trillm.web.router")
 

@@ -1,7 +1,7 @@
 """The /v1/ws websocket through the router: each generation goes to its own best replica.
 
-A client socket multiplexes generations by id (web/ws.py has the protocol). The router reads each message
-with the replicas' own parser (web/ws_protocol.py), answers malformed ones itself (as a replica would, with
+A client socket multiplexes generations by id (web/ws/session.py has the protocol). The router reads each message
+with the replicas' own parser (web/ws/envelope.py), answers malformed ones itself (as a replica would, with
 the client's id where it can be read), and sends each `generate` to the replica its prompt
 should go to, over one upstream socket per replica that this client uses; `cancel` follows its generation.
 Replica messages go back verbatim. A generation that has not streamed a delta yet moves to another replica
@@ -25,7 +25,7 @@ from trillm.web.router.prompt import ws_request
 from trillm.web.router.proxy import request_model, request_salt
 from trillm.web.router.replica import failure_reason
 from trillm.web.router.tokenizers import PromptSource
-from trillm.web.ws_protocol import MAX_SEND_BYTES, BadMessage, parse_message
+from trillm.web.ws.envelope import BadMessage, MAX_SEND_BYTES, parse_message
 
 log = logging.getLogger("trillm.web.router")
 

@@ -1,0 +1,184 @@
+"""Anthropic Messages API request bodies as declared models (strict, validated from raw bytes by parse_body).
+
+Content blocks are told apart by their `type`. Block and tool types this server cannot honour (images,
+documents, Anthropic's server tools, ...) still validate here, as `OtherBlock` / a tool with another `type`,
+so that the translation (translate.py) can refuse them with a message naming what is wrong. Fields that
+change nothing here (`cache_control`, `metadata`, `citations`, `service_tier`, ...) are accepted and ignored.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag
+
+from trillm.web.openai.schema import MAX_MESSAGES, MAX_NAME, Text
+
+MAX_BLOCKS = 4096
+MAX_TOOLS = 1024
+MAX_STOP_SEQUENCES = 1024  # the server's own cap (--max-stop-strings) applies later
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore", frozen=True, allow_inf_nan=False)
+
+
+Name = Annotated[str, Field(min_length=1, max_length=MAX_NAME)]
+CacheControl = dict[str, Any] | None  # accepted on every block and tool, ignored: the prefix cache is automatic
+
+
+class TextBlock(_Model):
+    type: Literal["text"]
+    text: Text
+    cache_control: CacheControl = None
+    citations: list[Any] | None = None
+
+
+class ToolUseBlock(_Model):
+    type: Literal["tool_use"]
+    id: Name
+    name: Name
+    input: dict[str, Any]
+    cache_control: CacheControl = None
+
+
+class OtherBlock(_Model):
+    """A block type only named here (image, document, search_result, server tool results, ...)."""
+
+    type: Annotated[str, Field(max_length=64)]
+
+
+def _block_tag(value: Any) -> str:
+    kind = value.get("type") if isinstance(value, dict) else getattr(value, "type", None)
+    return kind if isinstance(kind, str) and kind in _BLOCK_TAGS else "other"  # a dict is unhashable
+
+
+ToolResultContent = Annotated[
+    Annotated[TextBlock, Tag("text")] | Annotated[OtherBlock, Tag("other")],
+    Discriminator(lambda v: "text" if _block_tag(v) == "text" else "other"),
+]
+
+
+class ToolResultBlock(_Model):
+    type: Literal["tool_result"]
+    tool_use_id: Name
+    content: Text | Annotated[list[ToolResultContent], Field(max_length=MAX_BLOCKS)] = ""
+    is_error: bool = False
+    cache_control: CacheControl = None
+
+
+class ThinkingBlock(_Model):
+    type: Literal["thinking"]
+    thinking: Text
+    signature: Text = ""
+
+
+class RedactedThinkingBlock(_Model):
+    type: Literal["redacted_thinking"]
+    data: Text = ""
+
+
+_BLOCK_TAGS = frozenset({"text", "tool_use", "tool_result", "thinking", "redacted_thinking"})
+
+ContentBlock = Annotated[
+    Annotated[TextBlock, Tag("text")] | Annotated[ToolUseBlock, Tag("tool_use")]
+    | Annotated[ToolResultBlock, Tag("tool_result")] | Annotated[ThinkingBlock, Tag("thinking")]
+    | Annotated[RedactedThinkingBlock, Tag("redacted_thinking")] | Annotated[OtherBlock, Tag("other")],
+    Discriminator(_block_tag),
+]
+
+
+class Message(_Model):
+    role: Literal["user", "assistant", "system"]
+    content: Text | Annotated[list[ContentBlock], Field(max_length=MAX_BLOCKS)]
+
+
+class ToolDef(_Model):
+    """A client tool (`type` absent or "custom"); any other `type` is one of Anthropic's server tools."""
+
+    name: Name
+    type: Annotated[str, Field(max_length=64)] | None = None
+    description: Text | None = None
+    input_schema: dict[str, Any] | None = None
+    cache_control: CacheControl = None
+    strict: bool | None = None
+
+
+class ToolChoiceAuto(_Model):
+    type: Literal["auto"]
+    disable_parallel_tool_use: bool = False
+
+
+class ToolChoiceAny(_Model):
+    type: Literal["any"]
+    disable_parallel_tool_use: bool = False
+
+
+class ToolChoiceTool(_Model):
+    type: Literal["tool"]
+    name: Name
+    disable_parallel_tool_use: bool = False
+
+
+class ToolChoiceNone(_Model):
+    type: Literal["none"]
+
+
+ToolChoice = Annotated[ToolChoiceAuto | ToolChoiceAny | ToolChoiceTool | ToolChoiceNone, Field(discriminator="type")]
+
+
+class ThinkingEnabled(_Model):
+    type: Literal["enabled"]
+    budget_tokens: Annotated[int, Field(ge=1, le=2**31 - 1)]
+    display: Literal["summarized", "omitted"] | None = None
+
+
+class ThinkingAdaptive(_Model):
+    type: Literal["adaptive"]
+    display: Literal["summarized", "omitted"] | None = None
+
+
+class ThinkingDisabled(_Model):
+    type: Literal["disabled"]
+
+
+Thinking = Annotated[ThinkingEnabled | ThinkingAdaptive | ThinkingDisabled, Field(discriminator="type")]
+
+
+class JSONOutputFormat(_Model):
+    type: Literal["json_schema"]
+    schema_: Annotated[dict[str, Any], Field(alias="schema")]
+
+
+class OutputConfig(_Model):
+    effort: Literal["low", "medium", "high", "xhigh", "max"] | None = None
+    format: JSONOutputFormat | None = None
+
+
+class _MessagesBase(_Model):
+    """What shapes the prompt: shared by /v1/messages and /v1/messages/count_tokens."""
+
+    model: Annotated[str, Field(max_length=MAX_NAME)]
+    messages: Annotated[list[Message], Field(min_length=1, max_length=MAX_MESSAGES)]
+    system: Text | Annotated[list[TextBlock], Field(max_length=MAX_BLOCKS)] | None = None
+    tools: Annotated[list[ToolDef], Field(max_length=MAX_TOOLS)] | None = None
+    tool_choice: ToolChoice | None = None
+    thinking: Thinking | None = None
+    output_config: OutputConfig | None = None
+
+
+class MessagesRequest(_MessagesBase):
+    max_tokens: Annotated[int, Field(ge=1, le=2**31 - 1)]
+    stop_sequences: Annotated[list[Annotated[str, Field(min_length=1)]], Field(max_length=MAX_STOP_SEQUENCES)] = []
+    stream: bool = False
+    # Anthropic's defaults when absent (current SDKs no longer send them): temperature 1, no top_p, no top_k.
+    temperature: Annotated[float, Field(ge=0.0, le=1.0)] | None = None
+    top_p: Annotated[float, Field(gt=0.0, le=1.0)] | None = None
+    top_k: Annotated[int, Field(ge=0, le=2**31 - 1)] | None = None
+    metadata: dict[str, Any] | None = None
+    # vLLM's extension, as on chat completions: prompts under different salts never share cached blocks.
+    cache_salt: Annotated[str, Field(min_length=1, max_length=MAX_NAME)] | None = None
+
+
+class CountTokensRequest(_MessagesBase):
+    pass

@@ -1,0 +1,3 @@
+from trillm.web.cli import main
+
+raise SystemExit(main())

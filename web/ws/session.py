@@ -1,0 +1,177 @@
+"""The websocket API, /v1/ws: many generations multiplexed on one socket, each cancellable.
+
+Client -> server: {"type": "generate", "id": ..., <chat or completion params>} and {"type": "cancel", "id"}.
+Server -> client: {"type": "delta", "id", "index", "text", "token_ids", "logprobs", "finish_reason"} ...,
+then {"type": "done", "id", "usage", "finish_reasons"}; or {"type": "cancelled", "id"}; or
+{"type": "error", "id", "error": {...}}. A malformed message gets an error and the socket stays open.
+Closing the socket cancels the handler (quart-trio), which aborts every generation it started.
+
+Browsers cannot set an Authorization header on a websocket, so a client may instead offer the subprotocols
+"trillm" and "trillm.bearer.<the API key, base64url without padding>"; the server then selects "trillm".
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import trio
+from quart import websocket
+from quart_trio import QuartTrio
+
+from trillm.engine.errors import EngineError
+from trillm.web.config import ServerConfig
+from trillm.web.errors import APIError, to_api_error
+from trillm.web.http.validate import parse_object
+from trillm.web.openai.request import completion_prompts
+from trillm.web.openai.response import ResponseBuilder, usage_dict
+from trillm.web.openai.schema import ChatCompletionRequest, CompletionRequest
+from trillm.web.openai.submit import start_generation
+from trillm.web.service.engine_service import EngineService
+from trillm.web.service.registry import ModelNotFound, ModelRegistry
+from trillm.web.service.stream import GenerationFailed
+from trillm.web.ws.envelope import BadMessage, encode_message, parse_message
+
+log = logging.getLogger("trillm.web.ws.session")
+
+SUBPROTOCOL = "trillm"
+class _Session:
+    """One socket: its generations run in the handler's nursery; one writer task owns the socket's sends."""
+
+    def __init__(self, nursery: trio.Nursery, out: trio.MemorySendChannel[str | None], registry: ModelRegistry,
+                 config: ServerConfig) -> None:
+        self.nursery = nursery
+        self.out = out
+        self.registry = registry
+        self.config = config
+        self.active: dict[str, trio.CancelScope] = {}
+        self.num_requests = 0  # engine requests (n per prompt of each generation) running on this socket
+
+    async def send(self, msg: dict[str, Any]) -> None:
+        await self.out.send(encode_message(msg))  # APIError past MAX_SEND_BYTES: that generation fails alone
+
+    async def error(self, gid: object, exc: BaseException) -> None:
+        await self.send({"type": "error", "id": gid, "error": to_api_error(exc).body()["error"]})
+
+    async def on_message(self, raw: str | bytes) -> None:
+        try:
+            msg, gid = parse_message(raw)  # the envelope, read exactly as the router reads it
+        except BadMessage as exc:
+            await self.error(exc.gid, exc.error)
+            return
+        key = str(gid)
+        kind = msg.get("type")
+        if kind == "cancel":
+            scope = self.active.get(key)
+            if scope is None:
+                await self.error(gid, APIError(404, f"no running generation has id {gid!r}",
+                                               code="generation_not_found"))
+            else:
+                scope.cancel()
+        elif kind == "generate":
+            if key in self.active:
+                await self.error(gid, APIError(400, f"a generation with id {gid!r} is already running"))
+            elif len(self.active) >= self.config.max_ws_generations:
+                await self.error(gid, APIError(429, "too many concurrent generations on this socket"))
+            else:
+                await self.nursery.start(self.generate, gid, key, msg)
+        else:
+            await self.error(gid, APIError(400, "'type' must be 'generate' or 'cancel'"))
+
+    async def generate(self, gid: str | int, key: str, msg: dict[str, Any],
+                       task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        with trio.CancelScope() as scope:
+            self.active[key] = scope
+            task_status.started()
+            try:
+                await self._generate(gid, msg)
+            except (EngineError, APIError, GenerationFailed, ModelNotFound) as exc:
+                await self.error(gid, exc)
+            except Exception as exc:  # one bad generation must not take the socket down
+                log.exception("websocket generation %r failed", gid, exc_info=exc)
+                await self.error(gid, exc)
+            finally:
+                del self.active[key]
+        if scope.cancelled_caught:
+            await self.send({"type": "cancelled", "id": gid})
+
+    async def _generate(self, gid: str | int, msg: dict[str, Any]) -> None:
+        # Always streamed (so no cap on a whole response applies): deltas go out as they come.
+        fields = {k: v for k, v in msg.items() if k not in ("type", "id")} | {"stream": True}
+        endpoint = fields.pop("endpoint", None)
+        chat = endpoint == "chat" or (endpoint is None and "messages" in fields)
+        body: ChatCompletionRequest | CompletionRequest = (
+            parse_object(ChatCompletionRequest, fields) if chat else parse_object(CompletionRequest, fields))
+        n = body.n * (len(completion_prompts(body)) if isinstance(body, CompletionRequest) else 1)
+        if self.num_requests + n > self.config.max_ws_requests:
+            raise APIError(429, f"this socket runs at most {self.config.max_ws_requests} requests at once "
+                                "(counting each of n choices of each prompt)")
+        service = self.registry.select(body.model)
+        self.num_requests += n
+        try:
+            await self._stream(gid, service, body)
+        finally:
+            self.num_requests -= n
+
+    async def _stream(self, gid: str | int, service: EngineService, body: ChatCompletionRequest | CompletionRequest,
+                      ) -> None:
+        req, handle, tokenizer = await start_generation(service, body, self.config)
+        builder = ResponseBuilder(req, handle.request_ids, tokenizer)
+        with handle:
+            while True:
+                try:
+                    outputs = await handle.receive_batch()
+                except trio.EndOfChannel:
+                    break
+                for out in outputs:
+                    i, text, logprobs, prompt_logprobs = builder.stream_delta(out)
+                    message = {
+                        "type": "delta", "id": gid, "index": i, "text": text,
+                        "token_ids": list(out.new_token_ids), "logprobs": logprobs,
+                        "finish_reason": None if out.finish_reason is None else out.finish_reason.value,
+                    }
+                    if prompt_logprobs is not None:
+                        message["prompt_logprobs"] = prompt_logprobs
+                    await self.send(message)
+        await self.send({
+            "type": "done", "id": gid, "usage": usage_dict(builder.total_usage()),
+            "finish_reasons": [None if c.finish_reason is None else c.finish_reason.value for c in builder.choices],
+        })
+
+
+GOING_AWAY = 1001  # the websocket close code of a server shutting down
+CLOSE_FLUSH_S = 1.0  # at shutdown, how long the generations may take to send their error messages
+
+
+async def _writer(out: trio.MemoryReceiveChannel[str | None], done: trio.CancelScope) -> None:
+    """The socket's only sender; None (sent at shutdown, after every other message) closes the socket."""
+    async with out:
+        async for text in out:
+            if text is None:
+                await websocket.close(GOING_AWAY, "the server is shutting down")
+                done.cancel()
+                return
+            await websocket.send(text)
+
+
+async def _close_when_drained(session: _Session) -> None:
+    # A graceful shutdown has ended every generation: each sends its error message, then the socket closes.
+    await session.registry.wait_drained()
+    with trio.move_on_after(CLOSE_FLUSH_S):
+        while session.active:
+            await trio.sleep(0.01)
+    await session.out.send(None)
+
+
+def register_websocket(app: QuartTrio, registry: ModelRegistry, config: ServerConfig) -> None:
+    @app.websocket("/v1/ws")
+    async def ws() -> None:
+        # A browser fails the handshake unless the server selects one of the subprotocols it offered.
+        await websocket.accept(subprotocol=SUBPROTOCOL if SUBPROTOCOL in websocket.requested_subprotocols else None)
+        send, recv = trio.open_memory_channel[str | None](256)
+        async with trio.open_nursery() as nursery, send:
+            nursery.start_soon(_writer, recv, nursery.cancel_scope)
+            session = _Session(nursery, send, registry, config)
+            nursery.start_soon(_close_when_drained, session)
+            while True:  # ends when quart-trio cancels us on disconnect (or the writer closes the socket)
+                await session.on_message(await websocket.receive())
