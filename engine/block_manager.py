@@ -141,6 +141,9 @@ class BlockManager:
             if block_id is None:
                 break
             hits.append(block_id)
+        checkpoints = self.state_slots.checkpoints if self.state_slots is not None else None
+        if checkpoints is not None:  # a hybrid model resumes only where a recurrent-state checkpoint is
+            hits = hits[: checkpoints.resumable(seq.block_hashes, len(hits))]
         return hits
 
     def num_inflight_prefix_blocks(self, seq: Sequence, running: list[Sequence]) -> int:
@@ -188,6 +191,8 @@ class BlockManager:
         seq.num_hashed_blocks = len(hits)
         if self.state_slots is not None:
             self.state_slots.take(seq)
+            if hits and self.state_slots.checkpoints is not None:
+                self.state_slots.checkpoints.restore(seq, seq.block_hashes[len(hits) - 1])
         self.num_queried_tokens += seq.num_tokens
         self.num_hit_tokens += seq.num_computed_tokens
 
@@ -199,6 +204,8 @@ class BlockManager:
             self._num_cached_free -= 1
             if self._cached.get(block.hash) == block_id:
                 del self._cached[block.hash]
+                if self.state_slots is not None and self.state_slots.checkpoints is not None:
+                    self.state_slots.checkpoints.drop(block.hash)
                 if self.on_kv_event is not None:
                     self.on_kv_event("removed", block.hash, None)
             block.hash = None
@@ -246,6 +253,8 @@ class BlockManager:
                 if self.on_kv_event is not None:
                     self.on_kv_event("stored", h, seq.block_hashes[i - 1] if i else None)
         seq.num_hashed_blocks = full
+        if self.state_slots is not None and self.state_slots.checkpoints is not None:
+            self.state_slots.checkpoints.publish(seq, full, seq.block_hashes, self._cached.__contains__)
 
     def check_invariants(self, live: list[Sequence]) -> None:
         """Blocks are conserved: each live reference is counted once, and free means unreferenced."""
@@ -263,3 +272,5 @@ class BlockManager:
         assert self._num_cached_free == sum(1 for b in self._free if self.blocks[b].hash is not None)
         if self.state_slots is not None:
             self.state_slots.check_invariants(live)
+            if self.state_slots.checkpoints is not None:
+                self.state_slots.checkpoints.check_invariants(self._cached.__contains__, live)

@@ -35,6 +35,11 @@ class EngineConfig:
     # queue's virtual time of head start (0: strict priority, which can starve the lower classes).
     scheduling_policy: str = "fcfs"
     priority_aging: int = 64
+    # Hybrid models' prefix caching (engine/state_checkpoints.py): a recurrent-state checkpoint every this many
+    # blocks (0: their sequences never hit the prefix cache), and how many are kept (None: 4 per sequence slot,
+    # within a quarter of kv_cache_memory_gb), out of the KV memory budget.
+    state_checkpoint_interval: int = 4
+    max_state_checkpoints: int | None = None
 
     def __post_init__(self) -> None:
         if self.block_size <= 0 or self.block_size & (self.block_size - 1):
@@ -54,6 +59,8 @@ class EngineConfig:
                                  f"got {self.scheduling_policy!r}")
         if self.priority_aging < 0:
             raise InvalidRequest(f"priority_aging must be >= 0, got {self.priority_aging}")
+        if self.state_checkpoint_interval < 0 or (self.max_state_checkpoints or 0) < 0:
+            raise InvalidRequest("state_checkpoint_interval and max_state_checkpoints must be >= 0")
         if self.kernels not in KERNEL_MODES:
             raise InvalidRequest(f"kernels must be one of {', '.join(KERNEL_MODES)}, got {self.kernels!r}")
 

@@ -153,10 +153,13 @@ class LLMEngine:
             self.kv_layout = kv_layout(lm.model, lm.name)
             per_block = self.kv_layout.bytes_per_block(bs, lm.dtype)
             if self.kv_layout.states:
+                from trillm.engine.state_checkpoints import checkpoints_for
                 from trillm.engine.state_pool import StateSlots
 
-                self.state_slots = StateSlots(config.max_num_seqs)
-                state_bytes = config.max_num_seqs * self.kv_layout.state_bytes_per_sequence
+                checkpoints = checkpoints_for(config, self.kv_layout.state_bytes_per_sequence)
+                self.state_slots = StateSlots(config.max_num_seqs, checkpoints)
+                state_bytes = ((config.max_num_seqs + (checkpoints.capacity if checkpoints else 0))
+                               * self.kv_layout.state_bytes_per_sequence)
         else:
             per_block = 2 * lm.num_layers * bs * lm.num_kv_heads * lm.head_dim * lm.dtype.size
         if config.num_kv_blocks is not None:
@@ -166,16 +169,18 @@ class LLMEngine:
             memory = int(config.kv_cache_memory_gb * 1e9)
             if state_bytes >= memory:
                 raise ModelLoadError(f"{lm.name}: the recurrent state of --max-num-seqs {config.max_num_seqs} "
-                                     f"sequences takes {state_bytes / 1e9:.2f} GB, more than --kv-cache-memory-gb "
+                                     f"sequences (and its prefix-cache checkpoints) takes {state_bytes / 1e9:.2f} GB, more than --kv-cache-memory-gb "
                                      f"{config.kv_cache_memory_gb}; lower the first or raise the second")
             budget = (memory - state_bytes) // max(per_block, 1)
             useful = config.max_num_seqs * -(-self.max_model_len // bs) + 1
             num_blocks = max(2, min(budget, useful))
-        # Recurrent state cannot be rebuilt from a shared KV prefix: a hybrid model's sequences never hit or
-        # publish prefix-cache blocks (state checkpoints at block boundaries would lift this; not built yet).
-        prefix_caching = config.enable_prefix_caching and self.state_slots is None
+        # Recurrent state cannot be rebuilt from a shared KV prefix: a hybrid model's sequences hit the prefix
+        # cache only where a state checkpoint was saved (engine/state_checkpoints.py), and without any never.
+        prefix_caching = config.enable_prefix_caching and (self.state_slots is None or
+                                                           self.state_slots.checkpoints is not None)
         if config.enable_prefix_caching and not prefix_caching:
-            log.info("%s has recurrent layers: prefix caching is off for it", lm.name)
+            log.info("%s has recurrent layers and no room for state checkpoints: prefix caching is off for it",
+                     lm.name)
         self.block_manager = BlockManager(num_blocks, bs, model_id=lm.model_id, enable_prefix_caching=prefix_caching,
                                           state_slots=self.state_slots)
         # Token ids must index both the tokenizer and the logits: a tokenizer with added tokens and no resize

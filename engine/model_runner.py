@@ -20,6 +20,7 @@ from trillm.engine.runner import Launch, RowsFn
 from trillm.engine.sampler import LazySample, Sampler
 from trillm.engine.scheduler import PrefillChunk, SampledToken, ScheduledBatch
 from trillm.engine.sequence import Sequence
+from trillm.engine.state_checkpoints import prefill_phases
 from trillm.engine.state_pool import StateSlots, pads_safely, state_rows
 from trillm.kernels.layout import RESERVED_BLOCK
 
@@ -98,6 +99,7 @@ class ModelRunner:
         # Ragged prefill rows are right-padded; a model whose recurrent layers do not mask padding gets chunks of
         # one length per forward (engine/state_pool.py).
         self.max_waste = 1.5 if self.state_slots is None or pads_safely(model) else 1.0
+        self.checkpoints = self.state_slots.checkpoints if self.state_slots is not None else None
 
     def prepare_decode(self, seqs: list[Sequence], tokens: mx.array | None = None) -> ForwardInputs:
         # tokens: [B, 1], each row's one pending token (from the host, or the previous step's lazy samples).
@@ -150,7 +152,9 @@ class ModelRunner:
             logits.append(out)
             sampled += batch.decodes
         scores: list[PendingScores] = []
-        for group in group_chunks(batch.prefills, self.max_waste):
+        # A hybrid model's chunks are cut at recurrent-state checkpoint boundaries (engine/state_checkpoints.py).
+        phases = prefill_phases(batch.prefills, self.checkpoints, lambda c, start, n: PrefillChunk(c.seq, start, n))
+        for group in (g for phase in phases for g in group_chunks(phase, self.max_waste)):
             if check_abort is not None:
                 check_abort()
             inputs = self.prepare_prefill(group)

@@ -20,8 +20,9 @@ lengths to its scan, so padding after a row's last token leaks into its state): 
 `RAGGED_OK`, each checked by the test matrix's ragged batches, batch prefill rows of different lengths; every
 other model with recurrent layers batches only chunks of equal length (no padding at all, so nothing to mask).
 
-Hybrid sequences never hit or publish prefix-cache blocks (the engine turns the prefix cache off for them):
-their recurrent state cannot be rebuilt from a shared KV prefix.
+Prefix caching: the state cannot be rebuilt from a shared KV prefix, so the pool saves checkpoints of it at
+block boundaries and writes a hit's checkpoint into the sequence's slot before its first forward
+(engine/state_checkpoints.py).
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ import mlx.core as mx
 
 if TYPE_CHECKING:
     from trillm.engine.sequence import Sequence
+    from trillm.engine.state_checkpoints import StateCheckpoints
 
 
 # mlx-lm model modules whose recurrent layers mask right padding themselves (through `lengths` and the mask),
@@ -90,11 +92,14 @@ def bytes_per_slot(layers: tuple[LayerState, ...]) -> int:
 class StateSlots:
     """Which state slot each running sequence holds (pure Python; the block manager takes and frees them)."""
 
-    def __init__(self, num_slots: int) -> None:
+    def __init__(self, num_slots: int, checkpoints: StateCheckpoints | None = None) -> None:
+        """checkpoints: the states saved for prefix-cache hits (None: the model's sequences never hit)."""
         assert num_slots >= 1
         self.num_slots = num_slots
+        self.checkpoints = checkpoints
         self._free = list(range(num_slots - 1, -1, -1))  # popped from the end: slot 0 first
         self._of: dict[Sequence, int] = {}  # identity-keyed: Sequence defines no __eq__
+        self._holder: dict[int, Sequence] = {}
 
     @property
     def num_free(self) -> int:
@@ -107,12 +112,19 @@ class StateSlots:
         assert seq not in self._of, "a sequence holds one slot"
         slot = self._free.pop()
         self._of[seq] = slot
+        self._holder[slot] = seq
         return slot
 
     def release(self, seq: Sequence) -> None:
         slot = self._of.pop(seq, None)
         if slot is not None:
             self._free.append(slot)
+            del self._holder[slot]
+        if self.checkpoints is not None:
+            self.checkpoints.forget(seq)
+
+    def holder(self, slot: int) -> Sequence:
+        return self._holder[slot]
 
     def slot(self, seq: Sequence) -> int:
         return self._of[seq]
@@ -123,6 +135,7 @@ class StateSlots:
         assert set(self._of) == set(live), (len(self._of), len(live))
         assert len(set(held)) == len(held)
         assert sorted(held + self._free) == list(range(self.num_slots))
+        assert all(self._holder[self._of[s]] is s for s in live) and len(self._holder) == len(live)
 
 
 @dataclass(frozen=True, slots=True)
@@ -133,12 +146,15 @@ class StateRows:
     fresh: mx.array | None  # bool [B]: rows at position 0 (their state starts at zero); None: no such row
     all_fresh: bool
     lengths: mx.array | None  # int32 [B]: real tokens per row, when rows are ragged (right padding); else None
+    host_slots: tuple[int, ...] = ()
+    ends: tuple[int, ...] = ()  # each row's computed tokens after this forward (where checkpoints are taken)
 
 
 def state_rows(slots: list[int], starts: list[int], lengths: list[int]) -> StateRows:
     fresh = [st == 0 for st in starts]
     return StateRows(mx.array(slots, mx.int32), mx.array(fresh) if any(fresh) else None, all(fresh),
-                     mx.array(lengths, mx.int32) if len(set(lengths)) > 1 else None)
+                     mx.array(lengths, mx.int32) if len(set(lengths)) > 1 else None, tuple(slots),
+                     tuple(st + n for st, n in zip(starts, lengths)))
 
 
 class StatePool:
@@ -165,6 +181,8 @@ class StatePool:
 
     def begin(self, rows: StateRows | None) -> None:
         assert rows is not None, "a forward of a model with recurrent layers needs its rows' state slots"
+        if self.slots.checkpoints is not None and self.slots.checkpoints.restores:
+            self._restore(self.slots.checkpoints.restores)
         self.rows = rows
         for c in self._caches:
             c.begin(rows)
@@ -179,6 +197,26 @@ class StatePool:
                 pool = self.arrays_by_layer[j][e]
                 index = rows.slots.reshape(B, *([1] * (pool.ndim - 1)))
                 self.arrays_by_layer[j][e] = mx.put_along_axis(pool, index, new.astype(pool.dtype), axis=0)
+        ck = self.slots.checkpoints
+        if ck is not None:
+            for slot, end in zip(rows.host_slots, rows.ends):
+                if ck.is_boundary(end):
+                    # A gather copies (a slice would be a view keeping the whole pool alive).
+                    payload = tuple(a[mx.array([slot])] for a in self.arrays())
+                    mx.async_eval(*payload)
+                    ck.save(self.slots.holder(slot), end, payload)
+
+    def _restore(self, restores: dict[Sequence, tuple[mx.array, ...]]) -> None:
+        """Write checkpoints into their sequences' slots (prefix-cache hits admitted this step)."""
+        seqs = list(restores)
+        index = mx.array([self.slots.slot(s) for s in seqs], mx.int32)
+        flat = self.arrays()
+        for k, pool in enumerate(flat):
+            new = mx.concatenate([restores[s][k] for s in seqs], axis=0)
+            flat[k] = mx.put_along_axis(pool, index.reshape(-1, *([1] * (pool.ndim - 1))), new, axis=0)
+        it = iter(flat)
+        self.arrays_by_layer = [[next(it) for _ in layer] for layer in self.arrays_by_layer]
+        restores.clear()
 
     def end(self) -> None:
         self.rows = None

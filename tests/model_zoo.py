@@ -190,14 +190,13 @@ FAMILIES: tuple[Family, ...] = (
                          "short_factor": [1.0 + 0.1 * i for i in range(4)],
                          "long_factor": [1.0 + 0.5 * i for i in range(4)]}}),
     # Hybrid recurrent families: recurrent state in the engine's state pool (engine/state_pool.py), attention
-    # layers paged; no prefix caching for them yet (their state cannot be rebuilt from a shared KV prefix).
+    # layers paged; prefix hits resume from recurrent-state checkpoints (engine/state_checkpoints.py).
     Family("qwen3_next", "qwen3_next", _HYBRID + ": gated delta + full", {
         "num_hidden_layers": 4, "linear_num_value_heads": 4, "linear_num_key_heads": 2, "linear_key_head_dim": 16,
         "linear_value_head_dim": 16, "linear_conv_kernel_dim": 4, "num_experts": 4, "num_experts_per_tok": 2,
         "decoder_sparse_step": 1, "shared_expert_intermediate_size": 64, "mlp_only_layers": [],
-        "moe_intermediate_size": 32, "partial_rotary_factor": 0.25, "full_attention_interval": 2},
-        prefix_caching=False),
-    Family("qwen3_5", "qwen3_5", _HYBRID + ": gated delta + full", {}, base=False, prefix_caching=False, text_config={
+        "moe_intermediate_size": 32, "partial_rotary_factor": 0.25, "full_attention_interval": 2}),
+    Family("qwen3_5", "qwen3_5", _HYBRID + ": gated delta + full", {}, base=False, text_config={
         "model_type": "qwen3_5_text", "num_hidden_layers": 4, "linear_num_value_heads": 4, "linear_num_key_heads": 2,
         "linear_key_head_dim": 16, "linear_value_head_dim": 16, "linear_conv_kernel_dim": 4,
         "full_attention_interval": 2,
@@ -206,15 +205,14 @@ FAMILIES: tuple[Family, ...] = (
     Family("lfm2", "lfm2", _HYBRID + ": short conv + full", {
         "num_hidden_layers": 4, "norm_eps": 1e-5, "conv_bias": False, "conv_L_cache": 3, "block_dim": 64,
         "block_multiple_of": 16, "block_ffn_dim_multiplier": 1.0, "block_auto_adjust_ff_dim": False,
-        "block_ff_dim": 128, "full_attn_idxs": [1, 3]}, prefix_caching=False),
+        "block_ff_dim": 128, "full_attn_idxs": [1, 3]}),
     Family("nemotron_h", "nemotron_h", _HYBRID + ": mamba2 + full (prefill rows of one length per forward)", {
         "num_hidden_layers": 4, "hybrid_override_pattern": "M*M-", "mamba_num_heads": 4, "mamba_head_dim": 16,
         "mamba_proj_bias": False, "ssm_state_size": 16, "conv_kernel": 4, "n_groups": 1, "mlp_bias": False,
-        "layer_norm_epsilon": 1e-5, "use_bias": False, "use_conv_bias": True, "attention_bias": False},
-        prefix_caching=False),
+        "layer_norm_epsilon": 1e-5, "use_bias": False, "use_conv_bias": True, "attention_bias": False}),
     Family("falcon_h1", "falcon_h1", _HYBRID + ": parallel mamba2 + attention", {
         "num_hidden_layers": 2, "mamba_d_conv": 4, "mamba_d_head": 16, "mamba_d_ssm": 64, "mamba_d_state": 16,
-        "mamba_n_heads": 4, "mamba_chunk_size": 16, "tie_word_embeddings": True}, prefix_caching=False),
+        "mamba_n_heads": 4, "mamba_chunk_size": 16, "tie_word_embeddings": True}),
     # No attention layer at all: refused (the engine serves recurrent layers beside attention only).
     Family("mamba2", "mamba2", "state space only (refused)", {
         "num_heads": 8, "head_dim": 16, "intermediate_size": 128, "expand": 2, "state_size": 16, "num_hidden_layers": 2,
@@ -397,7 +395,8 @@ def supported_models_markdown() -> str:
         ok = f.expect == "identical"
         checked = ("all checks" if f.prefix_caching else "all checks (a repeated prompt must not hit)") if ok else \
             "refused at load in one line"
-        caching = "yes" if ok and f.prefix_caching else "no (recurrent state is not cached yet)" if ok else "no"
+        caching = "no" if not (ok and f.prefix_caching) else (
+            "yes (resumes from recurrent-state checkpoints)" if f.attention.startswith(_HYBRID) else "yes")
         lines.append(f"| {f.name} | `{f.model_type}` | {f.attention} | {'identical' if ok else 'refused at load'} | "
                      f"{checked} | {caching} |")
     return "\n".join(lines) + "\n"

@@ -112,11 +112,11 @@ def test_the_state_pool_comes_out_of_the_memory_budget(qwen3_next: Path) -> None
     layout = probe.kv_layout
     assert layout is not None and layout.states and probe.state_slots is not None
     per_seq, per_block = layout.state_bytes_per_sequence, layout.bytes_per_block(8, lm.dtype)
-    assert not probe.block_manager.enable_prefix_caching  # hybrids never hit or publish prefix blocks
-    memory = 4 * per_seq + 100 * per_block + per_block // 2
-    eng = LLMEngine(EngineConfig(block_size=8, max_num_seqs=4, kv_cache_memory_gb=memory / 1e9, verify_model=False),
-                    loaded=lm)
-    assert eng.block_manager.num_blocks == 100
+    # 4 slots and 3 prefix-cache checkpoints of the recurrent state come out of the budget before the blocks
+    memory = (4 + 3) * per_seq + 100 * per_block + per_block // 2
+    eng = LLMEngine(EngineConfig(block_size=8, max_num_seqs=4, kv_cache_memory_gb=memory / 1e9, max_state_checkpoints=3,
+                                 verify_model=False), loaded=lm)
+    assert eng.block_manager.num_blocks == 100 and eng.block_manager.enable_prefix_caching
     states = eng.runner.pool.states  # type: ignore[attr-defined]
     assert states is not None and states.nbytes == 4 * per_seq
     with pytest.raises(ModelLoadError, match="recurrent state"):
