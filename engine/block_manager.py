@@ -235,6 +235,18 @@ class BlockManager:
         for _ in range(self.blocks_needed(seq.num_computed_tokens + num_new_tokens) - len(seq.block_table)):
             seq.block_table.append(self._take_free())
 
+    def trim(self, seq: Sequence, num_tokens: int) -> None:
+        """Give back seq's blocks past those its first num_tokens tokens need (slots reserved for speculative
+        tokens that were rejected). Such blocks are seq's own and hold no hash (only full, computed blocks are
+        shared or published); they go to the front of the free list, ahead of blocks still holding a prefix."""
+        keep = self.blocks_needed(num_tokens)
+        while len(seq.block_table) > keep:
+            block = self.blocks[seq.block_table.pop()]
+            block.ref_count -= 1
+            assert block.ref_count == 0 and block.hash is None, block
+            self._free[block.block_id] = None
+            self._free.move_to_end(block.block_id, last=False)
+
     def register_computed(self, seq: Sequence) -> None:
         """Publish seq's newly full, computed blocks to the prefix cache."""
         if not self.enable_prefix_caching:

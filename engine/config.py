@@ -10,6 +10,7 @@ from trillm.engine.errors import InvalidRequest
 from trillm.kernels.selfcheck import MODES as KERNEL_MODES
 
 SCHEDULING_POLICIES = ("fcfs", "priority")
+SPECULATIVE_METHODS = ("off", "ngram")  # ngram: prompt lookup over the request's own tokens (engine/ngram.py)
 
 
 @dataclass(frozen=True, slots=True)
@@ -35,6 +36,11 @@ class EngineConfig:
     # queue's virtual time of head start (0: strict priority, which can starve the lower classes).
     scheduling_policy: str = "fcfs"
     priority_aging: int = 64
+    # Speculative decoding in the continuous batch (engine/spec_decode.py): up to num_speculative_tokens proposed
+    # tokens per decode row, verified in the step's forward; only while at most speculative_max_batch rows decode.
+    speculative: str = "off"
+    num_speculative_tokens: int = 4
+    speculative_max_batch: int = 4
     # Hybrid models' prefix caching (engine/state_checkpoints.py): a recurrent-state checkpoint every this many
     # blocks (0: their sequences never hit the prefix cache), and how many are kept (None: 4 per sequence slot,
     # within a quarter of kv_cache_memory_gb), out of the KV memory budget.
@@ -61,6 +67,12 @@ class EngineConfig:
             raise InvalidRequest(f"priority_aging must be >= 0, got {self.priority_aging}")
         if self.state_checkpoint_interval < 0 or (self.max_state_checkpoints or 0) < 0:
             raise InvalidRequest("state_checkpoint_interval and max_state_checkpoints must be >= 0")
+        if self.speculative not in SPECULATIVE_METHODS:
+            raise InvalidRequest(f"speculative must be one of {', '.join(SPECULATIVE_METHODS)}, got {self.speculative!r}")
+        if not 1 <= self.num_speculative_tokens <= 16:
+            raise InvalidRequest(f"num_speculative_tokens must be in [1, 16], got {self.num_speculative_tokens}")
+        if self.speculative_max_batch < 1:
+            raise InvalidRequest(f"speculative_max_batch must be >= 1, got {self.speculative_max_batch}")
         if self.kernels not in KERNEL_MODES:
             raise InvalidRequest(f"kernels must be one of {', '.join(KERNEL_MODES)}, got {self.kernels!r}")
 
@@ -89,6 +101,12 @@ _FLAGS: dict[str, tuple[str, str]] = {
                                                  "their priority ignored; priority: lower 'priority' values first"),
     "priority_aging": ("--priority-aging", "--scheduling-policy priority: rounds of admission one step of priority "
                                            "is worth, so lower classes wait a bounded time; 0: strict (can starve)"),
+    "speculative": ("--speculative", "speculative decoding: ngram proposes each request's next tokens from its own "
+                                     "prompt and output, verified in the batch's forward; off: none"),
+    "num_speculative_tokens": ("--num-speculative-tokens", "--speculative: the most tokens proposed per row and step "
+                                                           "(fewer while a row's proposals are rejected)"),
+    "speculative_max_batch": ("--speculative-max-batch", "--speculative: speculate only while at most this many "
+                                                         "requests decode (a larger batch already fills the compute)"),
 }
 
 
@@ -105,8 +123,10 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         if isinstance(default, bool):
             g.add_argument(flag, dest=name, action="store_false" if default else "store_true", help=help_text)
         else:
-            kind = {"dtype": str, "kernels": str, "scheduling_policy": str, "kv_cache_memory_gb": float}.get(name, int)
-            choices = {"kernels": KERNEL_MODES, "scheduling_policy": SCHEDULING_POLICIES}.get(name)
+            kind = {"dtype": str, "kernels": str, "scheduling_policy": str, "speculative": str,
+                    "kv_cache_memory_gb": float}.get(name, int)
+            choices = {"kernels": KERNEL_MODES, "scheduling_policy": SCHEDULING_POLICIES,
+                       "speculative": SPECULATIVE_METHODS}.get(name)
             g.add_argument(flag, dest=name, type=kind, default=default, help=f"{help_text} (default: {default})",
                            choices=choices)
 

@@ -27,6 +27,7 @@ from trillm.engine.sampler import SampleRow
 from trillm.engine.sampling_params import SamplingParams
 from trillm.engine.scheduler import Finish, SampledToken, ScheduledBatch, Scheduler
 from trillm.engine.sequence import Sequence, SequenceStatus
+from trillm.engine.spec_decode import SpecCounters, make_speculator, merge_deltas, token_rounds
 
 if TYPE_CHECKING:
     from trillm.engine.kv_cache import KVLayout, KVPool
@@ -193,6 +194,8 @@ class LLMEngine:
         self.kernel_report: KernelReport | None = None  # which implementation each kernel op runs (MLX runner)
         self.runner: Runner = runner_factory(num_blocks) if runner_factory is not None else self._mlx_runner(num_blocks)
         self._pipelined = config.pipeline_decode and self.runner.supports_launch_ahead
+        self.speculator = make_speculator(config, self.block_manager, self.max_model_len, self.runner,
+                                          hybrid=self.state_slots is not None)
         self._inflight: Launch | None = None  # a decode step launched ahead, not read back yet
         self._requests: dict[str, _Request] = {}
         self.last_step: StepInfo | None = None
@@ -228,6 +231,8 @@ class LLMEngine:
         self._recent: deque[tuple[float, int, int]] = deque()  # (time, prompt tokens, generated tokens)
         self._recent_sums = [0, 0]  # running sums over _recent, so statistics() is O(1)
         self.block_manager.num_queried_tokens = self.block_manager.num_hit_tokens = 0
+        if self.speculator is not None:
+            self.speculator.counters = SpecCounters()
 
     def _mlx_runner(self, num_blocks: int) -> Runner:
         from trillm.engine.model_runner import ModelRunner
@@ -255,6 +260,8 @@ class LLMEngine:
             StopStringMatcher(params.stop, include_stop=params.include_stop_str_in_output),
             None if params.prompt_logprobs is None else PromptLogprobsBuffer(len(prompt_token_ids)),
         )
+        if self.speculator is not None:
+            self.speculator.track(seq)
         self.scheduler.add(seq)  # raises InvalidRequest / Overloaded; the last thing that may fail
         self._requests[request_id] = req
 
@@ -294,11 +301,17 @@ class LLMEngine:
             if batch.is_empty:
                 self.last_step = None
                 return []
+            if self.speculator is not None:
+                self.speculator.plan(batch)  # proposals for decode rows, verified in this step's forward
             launch = self.runner.launch(batch, partial(self._sample_row, masks=self._token_masks(batch)), check_abort)
-        # schedule_ahead never takes a constrained row: its next mask needs the token this step samples.
-        if self._pipelined and (ahead := self.scheduler.schedule_ahead(launch.batch)) is not None:
+        # schedule_ahead never takes a constrained row: its next mask needs the token this step samples; nor is
+        # a step launched ahead that could speculate: its proposal needs that token too.
+        if (self._pipelined and (self.speculator is None or not self.speculator.holds_pipeline(launch.batch))
+                and (ahead := self.scheduler.schedule_ahead(launch.batch)) is not None):
             self._inflight = self.runner.launch(ahead, partial(self._sample_row, ahead=1), after=launch)
         sampled = self.runner.collect(launch)
+        if self.speculator is not None:
+            self.speculator.commit(launch.batch, sampled)  # accepted tokens' KV kept, the rest given back
         scored = self.runner.collect_prompt_logprobs(launch)
         self.last_step = StepInfo(launch.batch, launch.virtual_seconds)
         outputs = self._outputs(launch.batch, sampled, scored)
@@ -317,17 +330,22 @@ class LLMEngine:
             req = self._requests.get(span.seq.request_id)
             if req is not None and req.seq is span.seq and req.prompt_logprobs is not None:
                 req.prompt_logprobs.add(span)
-        kept = self.scheduler.postprocess(batch, sampled)
-        done = self.scheduler.finish_scored(batch)
-        self._count(sum(c.num_tokens for c in batch.prefills), len(kept))
         outputs = []
-        for s, finish in kept:
-            try:
-                outputs.append(self._output(s, finish))
-            except Exception:  # one request's detokenizing or stop handling: it fails alone, the step goes on
-                log.exception("request %s failed while its output was produced", s.seq.request_id)
-                outputs.append(self._fail_request(s.seq))
-        return outputs + [self._scored_output(seq) for seq in done]
+        num_kept = 0
+        # A speculating row keeps several tokens: one round per token, so a finish (a stop string) in one round
+        # drops its later tokens, as decoding them one step at a time would.
+        for part in token_rounds(sampled):
+            kept = self.scheduler.postprocess(batch, part)
+            num_kept += len(kept)
+            for s, finish in kept:
+                try:
+                    outputs.append(self._output(s, finish))
+                except Exception:  # one request's detokenizing or stop handling: it fails alone, the step goes on
+                    log.exception("request %s failed while its output was produced", s.seq.request_id)
+                    outputs.append(self._fail_request(s.seq))
+        done = self.scheduler.finish_scored(batch)
+        self._count(sum(c.num_tokens for c in batch.prefills), num_kept)
+        return merge_deltas(outputs) + [self._scored_output(seq) for seq in done]
 
     def _fail_request(self, seq: Sequence) -> RequestOutput:
         """End one request with FinishReason.ERROR and free its blocks; the others are untouched."""
@@ -447,4 +465,11 @@ class LLMEngine:
             num_steps=self._num_steps,
             prompt_tokens_per_s=pt / span if span else 0.0,
             generation_tokens_per_s=gt / span if span else 0.0,
+            spec_draft_tokens=self._spec_counters.num_draft_tokens,
+            spec_accepted_tokens=self._spec_counters.num_accepted_tokens,
+            spec_verifies=self._spec_counters.num_verifies,
         )
+
+    @property
+    def _spec_counters(self) -> SpecCounters:
+        return self.speculator.counters if self.speculator is not None else SpecCounters()

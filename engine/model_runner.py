@@ -17,9 +17,10 @@ from trillm.engine.outputs import TokenLogprob
 from trillm.engine.paged_model import ModelHead
 from trillm.engine.prompt_logprobs import PendingScores, ScoredSpan, score, scored_span
 from trillm.engine.runner import Launch, RowsFn
-from trillm.engine.sampler import LazySample, Sampler
+from trillm.engine.sampler import LazySample, SampleRow, Sampler
 from trillm.engine.scheduler import PrefillChunk, SampledToken, ScheduledBatch
 from trillm.engine.sequence import Sequence
+from trillm.engine.spec_verify import accepted_tokens, position_rows, verify_tokens
 from trillm.engine.state_checkpoints import prefill_phases
 from trillm.engine.state_pool import StateSlots, pads_safely, state_rows
 from trillm.kernels.layout import RESERVED_BLOCK
@@ -85,6 +86,7 @@ class ModelRunner:
     """The MLX runner: the model over the paged pool, then the vectorized sampler."""
 
     supports_launch_ahead = True
+    supports_speculation = True  # verifies ScheduledBatch.drafts (a runner without it is never given any)
 
     def __init__(self, model: nn.Module, pool: KVPool, sampler: Sampler) -> None:
         self.model = model
@@ -113,6 +115,31 @@ class ModelRunner:
         return prepare_inputs([c.seq for c in chunks], [c.start for c in chunks], [c.num_tokens for c in chunks],
                               self.pool.block_size, state_slots=self.state_slots)
 
+    def prepare_verify(self, seqs: list[Sequence], drafts: dict[str, list[int]]) -> tuple[ForwardInputs, list[int]]:
+        # tokens: [B, 1 + max k], each row's pending token (at num_computed_tokens - 1) and its proposal, if any.
+        host, lengths = verify_tokens(seqs, drafts)
+        inputs = prepare_inputs(seqs, [s.num_computed_tokens - 1 for s in seqs], lengths, self.pool.block_size,
+                                mx.array(host, mx.int32), self.state_slots)
+        return inputs, lengths
+
+    def verify_logits(self, inputs: ForwardInputs, lengths: list[int]) -> mx.array:
+        """Logits [sum(lengths), V] of every real position, row by row: the forward's own at each row's last, the
+        model's tail on the kept hidden states at the others."""
+        inputs.keep_hidden = True
+        last = self.forward(inputs)
+        B, L = inputs.tokens.shape
+        inner = [i * L + j for i, n in enumerate(lengths) for j in range(n - 1)]
+        if not inner:
+            return last
+        assert inputs.hidden is not None
+        hidden = inputs.hidden.reshape(B * L, inputs.hidden.shape[-1])[mx.array(inner)]
+        extra = self.position_logits(hidden[None])[0]
+        order: list[int] = []
+        for i, n in enumerate(lengths):
+            order += range(len(order) - i, len(order) - i + n - 1)
+            order.append(len(inner) + i)
+        return mx.concatenate([extra, last.astype(extra.dtype)], axis=0)[mx.array(order)]
+
     def forward(self, inputs: ForwardInputs) -> mx.array:
         """Logits [B, V] at each row's last real position (and, if asked, `inputs.hidden`)."""
         self.pool.begin(inputs.layout)
@@ -138,7 +165,18 @@ class ModelRunner:
         """
         logits: list[mx.array] = []
         sampled: list[Sequence] = []
-        if batch.decodes:
+        spec_rows: list[SampleRow] = []  # the speculating decode step's rows, one per position (engine/spec_verify.py)
+        if batch.drafts:
+            assert after is None, "a speculating step is never launched ahead"
+            inputs, lengths = self.prepare_verify(batch.decodes, batch.drafts)
+            out = self.verify_logits(inputs, lengths)
+            mx.async_eval(out, *self.pool.arrays())
+            logits.append(out)
+            for s in batch.decodes:
+                draft = batch.drafts.get(s.request_id, [])
+                spec_rows += position_rows(rows(s), draft)
+                sampled += [s] * (1 + len(draft))
+        elif batch.decodes:
             tokens = None
             if after is not None:
                 assert isinstance(after.pending, LazySample)
@@ -178,7 +216,8 @@ class ModelRunner:
                 mx.async_eval(*queued)
         if not sampled:
             return Launch(batch, [], None, prompt_logprobs=scores or None)
-        lazy = self.sampler.sample(mx.concatenate(logits, axis=0), [rows(s) for s in sampled])
+        lazy = self.sampler.sample(mx.concatenate(logits, axis=0),
+                                   spec_rows + [rows(s) for s in sampled[len(spec_rows) :]])
         mx.async_eval(*lazy.arrays())
         return Launch(batch, sampled, lazy, prompt_logprobs=scores or None)
 
@@ -197,7 +236,7 @@ class ModelRunner:
                 top = tuple(result.top_logprobs[i]) if result.top_logprobs else ()
                 lp = TokenLogprob(result.token_ids[i], chosen, top)
             out.append(SampledToken(s, result.token_ids[i], lp))
-        return out
+        return accepted_tokens(out, launch.batch.drafts) if launch.batch.drafts else out
 
     def collect_prompt_logprobs(self, launch: Launch) -> list[ScoredSpan]:
         """Read the step's prompt logprobs (queued with it, so `collect` has already waited for them)."""

@@ -88,7 +88,21 @@ class EngineStatistics:
     num_steps: int
     prompt_tokens_per_s: float  # over the recent window
     generation_tokens_per_s: float
+    # Speculative decoding (engine/spec_decode.py): proposed tokens verified, those accepted, and the row-steps
+    # that verified a proposal (each yields its accepted tokens + 1).
+    spec_draft_tokens: int = 0
+    spec_accepted_tokens: int = 0
+    spec_verifies: int = 0
 
     @property
     def prefix_cache_hit_rate(self) -> float:
         return self.prefix_cache_hits / self.prefix_cache_queries if self.prefix_cache_queries else 0.0
+
+    @property
+    def spec_acceptance_rate(self) -> float:
+        return self.spec_accepted_tokens / self.spec_draft_tokens if self.spec_draft_tokens else 0.0
+
+    @property
+    def spec_tokens_per_verify(self) -> float:
+        """Tokens a speculating row got per forward it ran (1.0 without speculation)."""
+        return 1.0 + self.spec_accepted_tokens / self.spec_verifies if self.spec_verifies else 1.0

@@ -44,6 +44,7 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     cache_salt: str | None = None  # isolates this request's prefix-cache entries (vLLM's cache_salt)
     grammar: GrammarSpec | None = None  # the output must match it (constrained decoding, engine/grammar.py)
+    speculative: bool = True  # False: never speculate for this request, even when the engine does (--speculative)
     extra: dict[str, object] = field(default_factory=dict, compare=False, hash=False)
     # logit_bias as arrays, built once here rather than in the sampler at every step
     _bias_ids: np.ndarray = field(init=False, repr=False, compare=False, hash=False)
@@ -84,6 +85,8 @@ class SamplingParams:
             bad("stop_token_ids must be token ids")
         if self.seed is not None and not -(2**63) < self.seed < 2**63:
             bad("seed must fit in 64 bits")
+        if not isinstance(self.speculative, bool):
+            bad(f"speculative must be true or false, got {self.speculative!r}")
         object.__setattr__(self, "_bias_ids", np.fromiter((t for t, _ in self.logit_bias), np.int32, len(self.logit_bias)))
         object.__setattr__(self, "_bias_values",
                            np.fromiter((b for _, b in self.logit_bias), np.float32, len(self.logit_bias)))

@@ -74,6 +74,9 @@ class ScheduledBatch:
     decodes: list[Sequence] = field(default_factory=list)
     prefills: list[PrefillChunk] = field(default_factory=list)  # batched into forwards by similar length
     preempted: list[Sequence] = field(default_factory=list)
+    # Speculating decodes' proposed tokens, by request id (engine/spec_decode.py): each such row runs its pending
+    # token and these through the decode forward, one position each.
+    drafts: dict[str, list[int]] = field(default_factory=dict)
 
     @property
     def num_tokens(self) -> int:

@@ -11,6 +11,7 @@ from trillm.engine.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from trillm.engine.grammar import GrammarMatcher
+    from trillm.engine.spec_decode import SpecState
 
 _arrival_counter = count()
 
@@ -31,7 +32,7 @@ class Sequence:
     __slots__ = (
         "request_id", "params", "priority", "arrival", "token_ids", "num_prompt_tokens",
         "num_computed_tokens", "num_cached_tokens", "block_table", "num_hashed_blocks", "block_hashes",
-        "status", "num_preemptions", "grammar", "group", "tag", "rank",
+        "status", "num_preemptions", "grammar", "group", "tag", "rank", "spec",
     )
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, *, priority: int = 0,
@@ -57,6 +58,7 @@ class Sequence:
         # The scheduling policy's class (Scheduler.add): 0 for every sequence under fcfs and aged priority
         # (where the priority is folded into the tag instead), the priority itself under strict priority.
         self.rank = priority
+        self.spec: SpecState | None = None  # set by the engine when this sequence may speculate
 
     @property
     def num_tokens(self) -> int:

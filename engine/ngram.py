@@ -1,0 +1,58 @@
+"""Prompt lookup: propose a request's next tokens by finding its latest tokens earlier in its own prompt + output.
+
+Coding agents resend a file and edit it, so the output repeats stretches of the input; when the last n tokens
+occurred before, the tokens that followed them then are a good guess of what follows now. No second model.
+The index is incremental (each token is indexed once, when its continuation becomes known), so a proposal
+costs a few dictionary lookups whatever the context length.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence as Seq
+
+
+class NgramIndex:
+    """Where each n-gram (min_n..max_n tokens) of one growing token list last occurred.
+
+    `_next[gram]` is the index just after the gram's latest occurrence whose continuation is known: an
+    n-gram ending at position e is indexed once position e + 1 exists, so the list's own suffix never
+    matches itself.
+    """
+
+    __slots__ = ("min_n", "max_n", "_next", "_indexed")
+
+    def __init__(self, min_n: int = 2, max_n: int = 4) -> None:
+        assert 1 <= min_n <= max_n
+        self.min_n = min_n
+        self.max_n = max_n
+        self._next: dict[tuple[int, ...], int] = {}
+        self._indexed = 0  # continuations indexed so far: grams ending before position _indexed
+
+    def update(self, tokens: Seq[int]) -> None:
+        """Index every n-gram of `tokens` (the same list, grown) whose continuation is now known."""
+        if len(tokens) < self._indexed:  # a shorter list is another list: start over
+            self._next.clear()
+            self._indexed = 0
+        nxt = self._next
+        for c in range(max(self._indexed, 1), len(tokens)):  # c: the continuation's index
+            for n in range(self.min_n, min(self.max_n, c) + 1):
+                nxt[tuple(tokens[c - n : c])] = c
+        self._indexed = max(self._indexed, len(tokens))
+
+    def propose(self, tokens: Seq[int], k: int) -> list[int]:
+        """Up to k tokens that followed the longest suffix of `tokens` seen before (call `update` first).
+
+        A continuation that runs into the suffix itself repeats it (a period of the list), so a loop of any
+        length yields k tokens.
+        """
+        L = len(tokens)
+        for n in range(min(self.max_n, L), self.min_n - 1, -1):
+            c = self._next.get(tuple(tokens[L - n :]))
+            if c is None:
+                continue
+            draft: list[int] = []
+            while len(draft) < k:
+                i = c + len(draft)
+                draft.append(tokens[i] if i < L else draft[i - L])
+            return draft
+        return []

@@ -1,0 +1,203 @@
+"""Speculative decoding inside the continuous batch: which decode rows speculate, and what is kept after.
+
+A speculating decode row is a short chunk: its pending token and k proposed tokens go through the model in the
+step's one decode forward (rows that do not speculate are padded, as prefill chunks are), and the sampler
+samples every position as if the proposals had been accepted (engine/spec_verify.py). The proposal for
+position j is kept while it equals the token sampled at position j - 1; the first token that differs is kept
+too (it is the target's own sample there), and everything after is dropped. Since the sampler draws a seeded
+row's noise from (seed, output index), the kept tokens are exactly those decoding without speculation draws:
+greedy and seeded output is identical token for token, and any row's output follows the target distribution
+(for a deterministic proposal, "sample from p, keep the proposal if equal" is standard rejection sampling:
+accept with probability p(proposal), else a sample of the residual p without the proposal).
+
+KV and the prefix cache: `plan` reserves slots for the k positions (blocks taken only from the free list:
+speculation never preempts anyone), and `commit` advances the row's computed tokens by the accepted count only
+and frees the blocks past them, before the scheduler publishes full blocks, so the prefix cache only ever sees
+committed tokens. Rejected positions' K/V stay behind in the row's last block, past its computed tokens, and
+are overwritten by the next step.
+
+Adaptive k: a row drafts at most `k` tokens, its accepted count + 1 after a partial acceptance, one more after a
+full one; two verifications in a row with nothing accepted pause it for a number of decode steps that doubles
+up to 64 (while paused, decode steps pipeline as without speculation). Nothing speculates when more than
+`max_batch` rows decode: the batch then already fills the compute that speculation would use.
+Not speculated: rows with a grammar (a proposal would need the grammar's mask at each position), and hybrid
+models (a recurrent state cannot be rolled back; the engine does not build a speculator for them).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from trillm.engine.block_manager import BlockManager
+from trillm.engine.config import EngineConfig
+from trillm.engine.ngram import NgramIndex
+from trillm.engine.outputs import RequestOutput
+from trillm.engine.scheduler import SampledToken, ScheduledBatch
+from trillm.engine.sequence import Sequence, SequenceStatus
+
+log = logging.getLogger("trillm.engine")
+_FIRST_PAUSE = 4  # decode steps a row rests after two fruitless verifications; doubles each time, up to
+_MAX_PAUSE = 64
+
+
+@dataclass(slots=True)
+class SpecState:
+    """One sequence's speculation state (`Sequence.spec`)."""
+
+    k: int  # the most tokens its next proposal may have
+    index: NgramIndex = field(default_factory=NgramIndex)
+    pause: int = 0  # decode steps left before it proposes again
+    next_pause: int = _FIRST_PAUSE
+    misses: int = 0  # consecutive verifications that accepted nothing
+
+
+class Proposer(Protocol):
+    """Proposes up to k next tokens of a running sequence (its prompt and output are `seq.token_ids`)."""
+
+    def propose(self, seq: Sequence, k: int) -> list[int]: ...
+
+
+class NgramProposer:
+    """Prompt lookup over the sequence's own tokens (engine/ngram.py)."""
+
+    def propose(self, seq: Sequence, k: int) -> list[int]:
+        assert seq.spec is not None
+        seq.spec.index.update(seq.token_ids)
+        return seq.spec.index.propose(seq.token_ids, k)
+
+
+@dataclass(slots=True)
+class SpecCounters:
+    num_draft_tokens: int = 0  # proposed tokens verified
+    num_accepted_tokens: int = 0  # of those, kept
+    num_verifies: int = 0  # row-steps that verified a proposal
+
+
+class Speculator:
+    def __init__(self, block_manager: BlockManager, max_model_len: int, num_tokens: int, *, max_batch: int = 4,
+                 max_batched_tokens: int | None = None, proposer: Proposer | None = None) -> None:
+        assert num_tokens >= 1
+        self.block_manager = block_manager
+        self.max_model_len = max_model_len
+        self.num_tokens = num_tokens
+        self.max_batch = max_batch
+        self.max_batched_tokens = max_batched_tokens
+        self.proposer: Proposer = proposer or NgramProposer()
+        self.counters = SpecCounters()
+
+    def track(self, seq: Sequence) -> None:
+        """Let seq speculate, unless its request opted out or it is constrained by a grammar."""
+        if seq.params.speculative and seq.grammar is None:
+            seq.spec = SpecState(self.num_tokens)
+
+    def _may_speculate(self, batch: ScheduledBatch) -> bool:
+        return 0 < len(batch.decodes) <= self.max_batch
+
+    def holds_pipeline(self, batch: ScheduledBatch) -> bool:
+        """Whether the step after `batch` may speculate: then it is not launched ahead (its proposal needs the
+        token this step samples)."""
+        return self._may_speculate(batch) and any(s.spec is not None and s.spec.pause == 0 for s in batch.decodes)
+
+    def plan(self, batch: ScheduledBatch) -> None:
+        """Propose for the step's decode rows and reserve slots for the proposals (after `Scheduler.schedule`)."""
+        if not self._may_speculate(batch):
+            return
+        bm = self.block_manager
+        budget = (self.max_batched_tokens - batch.num_tokens) if self.max_batched_tokens is not None else 1 << 30
+        for seq in batch.decodes:
+            st = seq.spec
+            if st is None or st.pause or seq.grammar is not None:
+                continue
+            # At most k + 1 tokens come out of the step: within max_tokens and the context.
+            k = min(st.k, seq.params.max_tokens - seq.num_output_tokens - 1,
+                    self.max_model_len - seq.num_tokens - 1, budget)
+            if k <= 0:
+                continue
+            draft = self.proposer.propose(seq, k)[:k]
+            if not draft:
+                st.pause = 1  # nothing to look up: let the next step pipeline
+                continue
+            if not bm.can_append(seq, len(draft)):
+                continue
+            bm.may_append(seq, len(draft))
+            batch.drafts[seq.request_id] = draft
+            budget -= len(draft)
+
+    def commit(self, batch: ScheduledBatch, sampled: list[SampledToken]) -> None:
+        """After the runner's collect, before `Scheduler.postprocess`: advance each speculating row by what it
+        accepted, give back the slots of what it did not, and adapt its k."""
+        emitted: dict[int, int] = {}
+        for s in sampled:
+            emitted[id(s.seq)] = emitted.get(id(s.seq), 0) + 1
+        c = self.counters
+        for seq in batch.decodes:
+            st = seq.spec
+            if st is None:
+                continue
+            draft = batch.drafts.get(seq.request_id)
+            if draft is None:
+                st.pause = max(0, st.pause - 1)
+                continue
+            if seq.status is not SequenceStatus.RUNNING:
+                continue  # finished or aborted meanwhile: its blocks are already free
+            accepted = max(0, emitted.get(id(seq), 1) - 1)
+            seq.num_computed_tokens += accepted
+            # Keep the slot of the token it samples next (the step's last kept token, still pending).
+            self.block_manager.trim(seq, seq.num_computed_tokens + 1)
+            c.num_draft_tokens += len(draft)
+            c.num_accepted_tokens += accepted
+            c.num_verifies += 1
+            self._adapt(st, len(draft), accepted)
+
+    def _adapt(self, st: SpecState, proposed: int, accepted: int) -> None:
+        if accepted == proposed:
+            st.k = min(self.num_tokens, st.k + 1)
+        else:
+            st.k = max(1, accepted + 1)
+        if accepted:
+            st.misses = 0
+            st.next_pause = _FIRST_PAUSE
+            return
+        st.misses += 1
+        if st.misses >= 2:
+            st.pause, st.next_pause, st.misses = st.next_pause, min(_MAX_PAUSE, 2 * st.next_pause), 0
+
+
+def make_speculator(config: EngineConfig, block_manager: BlockManager, max_model_len: int, runner: object,
+                    hybrid: bool) -> Speculator | None:
+    """The engine's speculator for `config.speculative`, or None: off, a runner that cannot verify proposals (the
+    mock's, a tensor-parallel group's), or a hybrid model (its recurrent state cannot be rolled back)."""
+    if config.speculative == "off":
+        return None
+    if not getattr(runner, "supports_speculation", False) or hybrid:
+        why = "its recurrent state cannot be rolled back" if hybrid else "its runner cannot verify proposals"
+        log.info("--speculative %s is off: %s", config.speculative, why)
+        return None
+    return Speculator(block_manager, max_model_len, config.num_speculative_tokens,
+                      max_batch=config.speculative_max_batch, max_batched_tokens=config.max_num_batched_tokens)
+
+
+def token_rounds(sampled: list[SampledToken]) -> list[list[SampledToken]]:
+    """A step's tokens in rounds: each sequence's first token, then the second of those that kept several
+    (speculation), and so on; always at least one round, so the step's postprocessing runs."""
+    rounds: list[list[SampledToken]] = [[]]
+    seen: dict[int, int] = {}
+    for s in sampled:
+        r = seen.get(id(s.seq), 0)
+        seen[id(s.seq)] = r + 1
+        if r == len(rounds):
+            rounds.append([])
+        rounds[r].append(s)
+    return rounds
+
+
+def merge_deltas(outputs: list[RequestOutput]) -> list[RequestOutput]:
+    """One delta per request (its rounds' deltas joined, in order), in order of first appearance."""
+    by_id: dict[str, list[RequestOutput]] = {}
+    for o in outputs:
+        by_id.setdefault(o.request_id, []).append(o)
+    if len(by_id) == len(outputs):
+        return outputs
+    return [parts[0] if len(parts) == 1 else RequestOutput.concat(parts) for parts in by_id.values()]
