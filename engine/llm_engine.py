@@ -75,7 +75,7 @@ def make_kv_pool(lm: LoadedModel, config: EngineConfig, num_blocks: int, max_mod
     """
     import mlx.core as mx
 
-    from trillm.engine.kv_cache import KVPool
+    from trillm.engine.kv_cache import KVPool, LayerKV
     from trillm.engine.paged_model import kv_layout
     from trillm.kernels.layout import ModelShapes
     from trillm.kernels.kv_gather import OP as KV_GATHER
@@ -95,7 +95,8 @@ def make_kv_pool(lm: LoadedModel, config: EngineConfig, num_blocks: int, max_mod
     selections: dict[tuple[int, int, int | None, int | None], KernelSelection] = {}
     primary: KernelSelection | None = None
     per_layer = []
-    for layer in layout.layers:
+    # A model without attention layers (Mamba-2) checks the ops outside attention on one nominal layer's shapes.
+    for layer in layout.layers or (LayerKV(lm.num_kv_heads, lm.head_dim, lm.head_dim),):
         # Layers whose V differs from K (MLA's latent and RoPE keys) never take the paged kernel (see
         # kv_cache); they get the dispatchers, checked on layer 0's shapes like the rest. A sliding window and
         # an attention chunk (Llama 4) are kernel variants of their own: each is checked on its layers' shapes.
@@ -120,8 +121,8 @@ def make_kv_pool(lm: LoadedModel, config: EngineConfig, num_blocks: int, max_mod
             except KernelCheckError as exc:
                 raise ModelLoadError(f"--kernels strict: {exc}") from exc
         per_layer.append(selections[key])
-    return KVPool(layout, num_blocks, config.block_size, lm.dtype, kernels=primary, layer_kernels=per_layer,
-                  state_slots=state_slots)
+    return KVPool(layout, num_blocks, config.block_size, lm.dtype, kernels=primary,
+                  layer_kernels=per_layer[: len(layout.layers)], state_slots=state_slots)
 
 
 class LLMEngine:

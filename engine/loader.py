@@ -198,7 +198,9 @@ def _loaded(
     from trillm.engine.paged_model import check_supported
 
     check_supported(model, name)  # recurrent and other unpageable layers: refused before the settings below
-    heads = get("num_attention_heads")
+    # A pure state-space model (Mamba-2) has no attention heads: its SSM heads stand in (facts for the kernel
+    # self-check's shapes; it keeps no K/V).
+    heads = get("num_attention_heads") or get("num_heads")
     hidden = get("hidden_size")
     head_dim = get("head_dim") or (hidden // heads if heads and hidden else None)
     num_layers = len(model.layers) if hasattr(model, "layers") else get("num_hidden_layers")

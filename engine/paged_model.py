@@ -3,8 +3,8 @@
 - `kv_layout(model)`: the caches the model makes (`make_cache`, as mlx-lm's generate uses) and the K/V shape
   each holds per token, read off one token run through the model with its own caches; for a hybrid model's
   recurrent layers (`ArraysCache`, alone or in a `CacheList` with the layer's KVCache), the per-sequence state
-  each holds, read off the same run (engine/state_pool.py). Cache kinds the paged pool cannot stand in for
-  (quantized caches, models with no attention layer at all) refuse the model in one line.
+  each holds, read off the same run (engine/state_pool.py); a pure state-space model (Mamba-2) has states only.
+  Cache kinds the paged pool cannot stand in for (quantized caches) refuse the model in one line.
 - `ModelHead`: runs the model's own `__call__` with its decoder stack (the module holding `layers`) wrapped,
   so that only the positions the engine needs reach the model's own tail: whatever head it has (`lm_head`,
   `output`, a tied embedding) and whatever it applies to the final logits (soft-capping, logit scaling).
@@ -124,7 +124,7 @@ _PAGEABLE = ("KVCache", "RotatingKVCache")
 _RECURRENT = ("ArraysCache", "MambaCache")  # per-sequence state, held by the state pool
 # Hybrid families the test matrix checks against mlx-lm (ragged rows, chunked prefill, preemption, abort); any
 # other model with recurrent layers is refused by name, not left to the probe alone.
-VERIFIED_RECURRENT = frozenset({"qwen3_next", "qwen3_5", "lfm2", "nemotron_h", "falcon_h1"})
+VERIFIED_RECURRENT = frozenset({"qwen3_next", "qwen3_5", "lfm2", "nemotron_h", "falcon_h1", "mamba2"})
 _WHY = {
     "ChunkedKVCache": "chunked attention (Llama 4 style)",
     "QuantizedKVCache": "a quantized KV cache",
@@ -202,9 +202,6 @@ def _check_caches(caches: list[Any], name: str, model: nn.Module) -> None:
     chunked_ok = any((c.__module__, c.__name__) in CHUNKED_STACKS  # (the adapter subclasses the stack's class)
                      for _, m in model.named_modules() for c in type(m).__mro__)
     flat = [(i, child) for i, c in enumerate(caches) for child in _children(c)]
-    if not any(type(c).__name__ not in _RECURRENT for _, c in flat):
-        raise UnsupportedModel(f"{name}: not supported yet: every layer is recurrent (state-space state, no attention "
-                               f"layer); the paged engine serves recurrent layers only beside attention (hybrids)")
     family = type(model).__module__.rsplit(".", 1)[-1]
     if any(type(c).__name__ in _RECURRENT for _, c in flat) and family not in VERIFIED_RECURRENT:
         raise UnsupportedModel(f"{name}: not supported yet: {family} has recurrent layers, and only "

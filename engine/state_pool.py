@@ -40,7 +40,7 @@ if TYPE_CHECKING:
 # mlx-lm model modules whose recurrent layers mask right padding themselves (through `lengths` and the mask),
 # checked by tests/engine/test_model_matrix.py's ragged batches.
 RAGGED_OK = frozenset({"mlx_lm.models.qwen3_next", "mlx_lm.models.qwen3_5", "mlx_lm.models.lfm2",
-                       "mlx_lm.models.falcon_h1"})
+                       "mlx_lm.models.falcon_h1", "mlx_lm.models.mamba2"})
 
 
 def pads_safely(model: Any) -> bool:

@@ -213,11 +213,16 @@ FAMILIES: tuple[Family, ...] = (
     Family("falcon_h1", "falcon_h1", _HYBRID + ": parallel mamba2 + attention", {
         "num_hidden_layers": 2, "mamba_d_conv": 4, "mamba_d_head": 16, "mamba_d_ssm": 64, "mamba_d_state": 16,
         "mamba_n_heads": 4, "mamba_chunk_size": 16, "tie_word_embeddings": True}),
-    # No attention layer at all: refused (the engine serves recurrent layers beside attention only).
-    Family("mamba2", "mamba2", "state space only (refused)", {
+    # No attention layer at all: recurrent state only, the KV pool empty (its blocks still count tokens for the
+    # prefix cache's checkpoints).
+    Family("mamba2", "mamba2", "state space only (mamba2)", {
         "num_heads": 8, "head_dim": 16, "intermediate_size": 128, "expand": 2, "state_size": 16, "num_hidden_layers": 2,
         "layer_norm_epsilon": 1e-5, "conv_kernel": 4, "n_groups": 1, "use_bias": False, "use_conv_bias": True,
-        "time_step_limit": [0.0, float("inf")], "time_step_rank": 8, "tie_word_embeddings": True}, base=False,
+        "time_step_limit": [0.0, float("inf")], "time_step_rank": 8, "tie_word_embeddings": True}, base=False),
+    # Recurrent families the matrix does not check are refused by name (Mamba-1 here).
+    Family("mamba", "mamba", "state space only (Mamba-1; refused)", {
+        "hidden_size": 64, "intermediate_size": 128, "state_size": 16, "num_hidden_layers": 2, "conv_kernel": 4,
+        "use_bias": False, "use_conv_bias": True, "time_step_rank": 8, "tie_word_embeddings": True}, base=False,
         expect="refused"),
 )
 FAMILY = {f.name: f for f in FAMILIES}
@@ -396,7 +401,8 @@ def supported_models_markdown() -> str:
         checked = ("all checks" if f.prefix_caching else "all checks (a repeated prompt must not hit)") if ok else \
             "refused at load in one line"
         caching = "no" if not (ok and f.prefix_caching) else (
-            "yes (resumes from recurrent-state checkpoints)" if f.attention.startswith(_HYBRID) else "yes")
+            "yes (resumes from recurrent-state checkpoints)" if f.attention.startswith((_HYBRID, "state space"))
+            else "yes")
         lines.append(f"| {f.name} | `{f.model_type}` | {f.attention} | {'identical' if ok else 'refused at load'} | "
                      f"{checked} | {caching} |")
     return "\n".join(lines) + "\n"

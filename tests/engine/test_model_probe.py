@@ -92,9 +92,12 @@ def test_layout_comes_from_the_models_own_caches(gemma3: LoadedModel, tmp_path: 
     assert len(kv_layout(gemma4.model, "gemma4").layers) < len(gemma4.model.layers)  # shared-KV layers have none
 
 
-def test_recurrent_models_are_refused_at_load_in_one_line(tmp_path: Path) -> None:
-    # Hybrids are served (their recurrent state in engine/state_pool.py); a model with no attention layer is not.
-    path = model_zoo.build("mamba2", tmp_path / "m2", check_margin=False)
+def test_unchecked_recurrent_models_are_refused_at_load_in_one_line(tmp_path: Path) -> None:
+    # Hybrids and Mamba-2 are served (their recurrent state in engine/state_pool.py) and pass the probe; a
+    # recurrent family the matrix does not check (Mamba-1) is refused by name.
+    mamba2 = LLMEngine(CONFIG, loaded=load_model(str(model_zoo.build("mamba2", tmp_path / "m2"))))
+    assert mamba2.probe_result is not None and mamba2.probe_result.verified
+    path = model_zoo.build("mamba", tmp_path / "m1", check_margin=False)
     with pytest.raises(UnsupportedModel) as info:
         LLMEngine(CONFIG, loaded=load_model(str(path)))
     assert "\n" not in str(info.value) and "recurrent" in str(info.value)
