@@ -3,8 +3,8 @@
 Back-ends (`kernel_backend()`):
   "metal", "cuda"  `mx.fast.metal_kernel` / `mx.fast.cuda_kernel`, built from ONE body text per kernel; a
                    per-back-end prelude (MLX passes it as the kernel's `header`) maps the names below
-  "cpu"            primitives of trillm's MLX C++ extension; an op lists a "cpu" implementation only when
-                   that extension imports, so on CPU every other op runs its reference
+  "cpu"            primitives of trillm's MLX C++ extension (kernels/cpu_ext.py); where it cannot be built or
+                   loaded, each op's "cpu" kernel says so (`cpu_ext.supports`) and the op runs its reference
   None             TRILLM_KERNELS=ref: every op runs its pure-mx reference
 
 Names a shared body may use:
@@ -60,6 +60,12 @@ def kernel_backend() -> Backend | None:
     if cuda_available():
         return "cuda"
     return None
+
+
+@cache
+def gpu_backend() -> Backend:
+    """This MLX build's GPU back-end, for the one entry point the "metal" and "cuda" kernels of an op share."""
+    return "metal" if mx.metal.is_available() else "cuda"
 
 
 # ---------------------------------------------------------------- one source, two GPU back-ends
@@ -227,18 +233,6 @@ def every_model(_: ModelShapes) -> bool:
     return True
 
 
-def cpu_extension_supports(shapes: ModelShapes, dtypes: tuple[mx.Dtype, ...]) -> str | None:
-    """Why a primitive of trillm's CPU extension cannot run `shapes` (or None). Asking loads, or first
-    builds, the extension."""
-    from trillm.kernels import cpu_ext  # (cpu_ext imports this module for kernel_backend)
-
-    if shapes.dtype not in dtypes:
-        return f"dtype {shapes.dtype} is not one of {', '.join(str(d) for d in dtypes)}"
-    if cpu_ext.load() is None:
-        return f"trillm's CPU extension is unavailable: {cpu_ext.status().reason}"
-    return None
-
-
 def random_array(shape: tuple[int, ...], dtype: mx.Dtype, seed: int, scale: float = 1.0) -> mx.array:
     """Normal values for check and timing cases, reproducible per seed."""
     return (mx.random.normal(shape, key=mx.random.key(seed)) * scale).astype(dtype)
@@ -270,7 +264,7 @@ class Kernel:
 class KernelOp:
     """An op as the dispatcher and the start-up self-check see it.
 
-    `kernels` maps a back-end to its implementation; the CPU extension adds "cpu" to it when it imports.
+    `kernels` maps a back-end to its implementation ("metal" and "cuda" usually share one entry point).
     `check_cases` covers every kernel variant serving will launch for these shapes (it compiles them);
     `timing_cases` are the calls timed against the reference (decode at batch 1 and at the largest batch,
     one prefill chunk). Results must match the reference exactly when `exact`, else be finite and within

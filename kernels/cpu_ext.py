@@ -28,6 +28,9 @@ from types import ModuleType
 
 import mlx.core as mx
 
+from trillm.kernels.backend import kernel_backend
+from trillm.kernels.layout import ModelShapes
+
 SOURCE_DIR = Path(__file__).resolve().parent / "cpu"
 MODULE_NAME = "_trillm_cpu"
 DISABLE_ENV = "TRILLM_CPU_EXT"  # "0" / "off": never build or load it
@@ -155,10 +158,9 @@ def _load() -> tuple[ModuleType | None, ExtStatus]:
 
 
 def enabled() -> bool:
-    """Whether ops should try the extension now: the default device is the CPU and nothing turned it off."""
-    from trillm.kernels.backend import kernel_backend  # "cpu" unless on a GPU or TRILLM_KERNELS=ref
-
-    return kernel_backend() == "cpu" and os.environ.get(DISABLE_ENV, "").lower() not in _OFF
+    """Whether ops should run the extension now: the default device is the CPU, nothing turned it off, and it
+    loads (built on first use)."""
+    return kernel_backend() == "cpu" and os.environ.get(DISABLE_ENV, "").lower() not in _OFF and load() is not None
 
 
 def load() -> ModuleType | None:
@@ -168,6 +170,22 @@ def load() -> ModuleType | None:
 
 def status() -> ExtStatus:
     return _load()[1]
+
+
+def require() -> ModuleType:
+    """The extension module, for an op's "cpu" kernel; RuntimeError with the reason when it cannot be had."""
+    if (module := load()) is None:
+        raise RuntimeError(f"trillm's CPU extension is unavailable: {status().reason}")
+    return module
+
+
+def supports(shapes: ModelShapes, dtypes: tuple[mx.Dtype, ...]) -> str | None:
+    """Why a primitive of the extension cannot run `shapes` (or None). Asking loads, or first builds, it."""
+    if shapes.dtype not in dtypes:
+        return f"dtype {shapes.dtype} is not one of {', '.join(str(d) for d in dtypes)}"
+    if load() is None:
+        return f"trillm's CPU extension is unavailable: {status().reason}"
+    return None
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,7 +1,7 @@
 """Reading rows of the paged pool through their block tables into dense, head-major K (or V).
 
 Pool layout: `trillm.kernels.layout`. One op, one file: the shared Metal/CUDA kernel source, the reference
-`kv_gather_ref`, `kv_gather_metal` / `kv_gather_cuda`, and the dispatcher `kv_gather`. Back-ends plug in
+`kv_gather_ref`, `kv_gather_gpu` (Metal or CUDA), and the dispatcher `kv_gather`. Back-ends plug in
 through `KERNELS` exactly as in `trillm.kernels.paged_attention` (same contract); the self-check requires
 exact equality with the reference.
 
@@ -15,7 +15,7 @@ from typing import Protocol
 
 import mlx.core as mx
 
-from trillm.kernels.backend import Case, Kernel, KernelOp, KernelSpec, at_least_8, build, int32_params, kernel_backend
+from trillm.kernels.backend import Case, Kernel, KernelOp, KernelSpec, at_least_8, build, gpu_backend, int32_params, kernel_backend
 from trillm.kernels.layout import ModelShapes, random_batch
 
 _THREADS = 256
@@ -73,21 +73,16 @@ def kv_gather_kernel(backend: str, pool: mx.array, block_tables: mx.array, max_l
     return outs[0]
 
 
-def kv_gather_metal(pool: mx.array, block_tables: mx.array, max_len: int) -> mx.array:
-    """`kv_gather` as a Metal kernel. Shapes as `kv_gather_ref`."""
-    return kv_gather_kernel("metal", pool, block_tables, max_len)
-
-
-def kv_gather_cuda(pool: mx.array, block_tables: mx.array, max_len: int) -> mx.array:
-    """`kv_gather` as a CUDA kernel. Shapes as `kv_gather_ref`."""
-    return kv_gather_kernel("cuda", pool, block_tables, max_len)
+def kv_gather_gpu(pool: mx.array, block_tables: mx.array, max_len: int) -> mx.array:
+    """`kv_gather` as this GPU's kernel (Metal or CUDA). Shapes as `kv_gather_ref`."""
+    return kv_gather_kernel(gpu_backend(), pool, block_tables, max_len)
 
 
 def gpu_supports(shapes: ModelShapes) -> str | None:
     return None if shapes.dtype in GPU_DTYPES else f"dtype {shapes.dtype} is not float32/float16/bfloat16"
 
 
-KERNELS: dict[str, Kernel] = {"metal": Kernel(kv_gather_metal, gpu_supports), "cuda": Kernel(kv_gather_cuda, gpu_supports)}
+KERNELS: dict[str, Kernel] = {"metal": Kernel(kv_gather_gpu, gpu_supports), "cuda": Kernel(kv_gather_gpu, gpu_supports)}
 
 
 class KvGatherFn(Protocol):

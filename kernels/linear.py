@@ -14,7 +14,7 @@ from __future__ import annotations
 import mlx.core as mx
 
 from trillm.kernels import cpu_ext
-from trillm.kernels.backend import Case, Kernel, KernelOp, cpu_extension_supports, random_array
+from trillm.kernels.backend import Case, Kernel, KernelOp, random_array
 from trillm.kernels.layout import ModelShapes
 
 MAX_ROWS = 32  # measured: 1.2-3x BLAS at 1-8 rows, 1.1-2.3x at 9-32, about even at 48-64
@@ -27,10 +27,7 @@ def linear_ref(x: mx.array, weight: mx.array) -> mx.array:
 
 def linear_cpu(x: mx.array, weight: mx.array) -> mx.array:
     """`linear` as a primitive of trillm's CPU extension (float32, K a multiple of 16). Shapes as the reference."""
-    ext = cpu_ext.load()
-    if ext is None:
-        raise RuntimeError(f"trillm's CPU extension is unavailable: {cpu_ext.status().reason}")
-    out: mx.array = ext.linear(x, weight)
+    out: mx.array = cpu_ext.require().linear(x, weight)
     return out
 
 
@@ -50,7 +47,7 @@ def linear_cpu_kernel(x: mx.array, weight: mx.array) -> mx.array:
 def linear(x: mx.array, weight: mx.array) -> mx.array:
     """x @ weight.T: the CPU primitive on CPU for up to MAX_ROWS rows, else the reference. Unchecked: the
     engine runs what its start-up self-check chose (`trillm.kernels.selfcheck`)."""
-    if cpu_ext.enabled() and cpu_supports(x, weight) and cpu_ext.load() is not None:
+    if cpu_ext.enabled() and cpu_supports(x, weight):
         return linear_cpu(x, weight)
     return linear_ref(x, weight)
 
@@ -62,7 +59,7 @@ TOLERANCES: dict[mx.Dtype, tuple[float, float]] = {mx.float32: (1e-4, 1e-4)}
 def _shapes_supported(shapes: ModelShapes) -> str | None:
     if shapes.hidden % 16:
         return f"hidden size {shapes.hidden} is not a multiple of 16"
-    return cpu_extension_supports(shapes, (mx.float32,))
+    return cpu_ext.supports(shapes, (mx.float32,))
 
 
 def _weights(shapes: ModelShapes, seed: int) -> list[tuple[str, mx.array]]:

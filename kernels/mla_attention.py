@@ -16,7 +16,7 @@ q_latent = embed_q(q_nope) [B, H, L, R] and the RoPE'd q_pe [B, H, L, P];
 and applies `unembed_out` to the output. (For prefill mlx-lm expands the latent into per-head keys and values
 instead; the absorbed form is the same sum reordered.) As `trillm.kernels.paged_attention`: the pure-mx
 reference `mla_attention_ref`, the CPU primitive `mla_attention_cpu` (kernels/cpu/mla_attention.cpp), one
-Metal/CUDA kernel body (`mla_attention_metal` / `mla_attention_cuda`; never yet run on a GPU: checked by the
+Metal/CUDA kernel body (`mla_attention_gpu`; never yet run on a GPU: checked by the
 CPU emulator and the host-side compiles), the dispatcher `mla_attention`, and `OP` for the start-up
 self-check, which runs it only for models whose shapes declare MLA (`ModelShapes.kv_lora_rank`).
 """
@@ -29,12 +29,10 @@ from typing import Protocol
 import mlx.core as mx
 
 from trillm.kernels import cpu_ext
-from trillm.kernels.backend import (
-    Case, Kernel, KernelOp, KernelSpec, at_least_8, build, float32_params, int32_params, kernel_backend,
-)  # fmt: skip
+from trillm.kernels.backend import Case, Kernel, KernelOp, KernelSpec, float32_params, gpu_backend, int32_params, kernel_backend
 from trillm.kernels.layout import ModelShapes, shuffled_tables
 from trillm.kernels.paged_attention import (
-    ATTN_REDUCE, GPU_DTYPES, MAX_ROWS_X_D, NUM_SIMDGROUPS, TOLERANCES, attention_mask, launch_plan,
+    GPU_DTYPES, MAX_ROWS_X_D, NUM_SIMDGROUPS, TOLERANCES, attention_mask, int32_tables, launch_attention, launch_plan,
 )  # fmt: skip
 
 CPU_DTYPES = (mx.float32, mx.float16, mx.bfloat16)
@@ -211,33 +209,11 @@ def mla_attention_kernel(
         raise ValueError("q_latent, q_pe and the pools must share a dtype")
     max_blocks = block_tables.shape[1]
     plan = launch_plan(backend, b, h, 1, length, d, max_blocks * bs)  # one KV head: HPG divides H
-    nt = NUM_SIMDGROUPS * 32
-    meta = int32_params(max_blocks, plan.num_parts, plan.part_size, length)
-    tables = block_tables if block_tables.dtype == mx.int32 else block_tables.astype(mx.int32)
-    lens = context_lens if context_lens.dtype == mx.int32 else context_lens.astype(mx.int32)
-    inputs = [q_latent, q_pe, latent_pool, pe_pool, at_least_8(tables), at_least_8(lens), float32_params(scale), meta]
+    inputs = [q_latent, q_pe, latent_pool, pe_pool, *int32_tables(block_tables, context_lens), float32_params(scale),
+              int32_params(max_blocks, plan.num_parts, plan.part_size, length)]
     template = [("T", q_latent.dtype), ("D", d), ("P", p), ("BS", bs), ("HQ", h), ("HPG", plan.hpg),
                 ("QT", plan.qt), ("NW", NUM_SIMDGROUPS)]  # fmt: skip
-    grid = (plan.threadgroups_per_row * nt, h // plan.hpg, b)
-    if plan.num_parts == 1:
-        outs: list[mx.array] = build(backend, MLA_FINAL)(
-            inputs=inputs, template=template, grid=grid, threadgroup=(nt, 1, 1),
-            output_shapes=[q_latent.shape], output_dtypes=[q_latent.dtype],
-        )  # fmt: skip
-        return outs[0]
-    rows = b * h * length
-    o_part, m_part, l_part = build(backend, MLA_PARTIAL)(
-        inputs=inputs, template=template, grid=grid, threadgroup=(nt, 1, 1),
-        output_shapes=[(rows, plan.num_parts, d), (max(rows * plan.num_parts, 8),), (max(rows * plan.num_parts, 8),)],
-        output_dtypes=[mx.float32, mx.float32, mx.float32],
-    )  # fmt: skip
-    reduced: list[mx.array] = build(backend, ATTN_REDUCE)(
-        inputs=[o_part, m_part, l_part, float32_params(), meta],
-        template=[("T", q_latent.dtype), ("D", d), ("HQ", h), ("HAS_SINKS", False)],
-        grid=(rows * d, 1, 1), threadgroup=(d, 1, 1),
-        output_shapes=[q_latent.shape], output_dtypes=[q_latent.dtype],
-    )  # fmt: skip
-    return reduced[0]
+    return launch_attention(backend, (MLA_FINAL, MLA_PARTIAL), q_latent, inputs, template, plan, None)
 
 
 def _check_shapes(q_latent: mx.array, q_pe: mx.array, latent_pool: mx.array, pe_pool: mx.array) -> None:
@@ -297,9 +273,7 @@ def mla_attention_cpu(
     """`mla_attention` as a primitive of trillm's CPU extension (kernels/cpu/mla_attention.cpp): every head
     of an item reads each latent token once, straight from the pool. Shapes as the reference; raises
     RuntimeError when the extension is unavailable."""
-    ext = cpu_ext.load()
-    if ext is None:
-        raise RuntimeError(f"trillm's CPU extension is unavailable: {cpu_ext.status().reason}")
+    ext = cpu_ext.require()
     _check_shapes(q_latent, q_pe, latent_pool, pe_pool)
     out: mx.array = ext.mla_attention(q_latent, q_pe, latent_pool, pe_pool, block_tables, context_lens, scale=scale)
     return out
@@ -312,27 +286,16 @@ def cpu_supports(shapes: ModelShapes) -> str | None:
     if shapes.kv_lora_rank % 16 or shapes.qk_rope_head_dim % 16:
         return (f"kv_lora_rank {shapes.kv_lora_rank} and qk_rope_head_dim {shapes.qk_rope_head_dim} are not "
                 "multiples of 16 (the primitive's vector width)")  # fmt: skip
-    if shapes.dtype not in CPU_DTYPES:
-        return f"dtype {shapes.dtype} is not float32, float16 or bfloat16"
-    if cpu_ext.load() is None:
-        return f"trillm's CPU extension is unavailable: {cpu_ext.status().reason}"
-    return None
+    return cpu_ext.supports(shapes, CPU_DTYPES)
 
 
-def mla_attention_metal(
+def mla_attention_gpu(
     q_latent: mx.array, q_pe: mx.array, latent_pool: mx.array, pe_pool: mx.array, block_tables: mx.array,
     context_lens: mx.array, *, scale: float,
 ) -> mx.array:  # fmt: skip
-    """`mla_attention` as Metal kernels. Shapes as the reference."""
-    return mla_attention_kernel("metal", q_latent, q_pe, latent_pool, pe_pool, block_tables, context_lens, scale=scale)
-
-
-def mla_attention_cuda(
-    q_latent: mx.array, q_pe: mx.array, latent_pool: mx.array, pe_pool: mx.array, block_tables: mx.array,
-    context_lens: mx.array, *, scale: float,
-) -> mx.array:  # fmt: skip
-    """`mla_attention` as CUDA kernels. Shapes as the reference."""
-    return mla_attention_kernel("cuda", q_latent, q_pe, latent_pool, pe_pool, block_tables, context_lens, scale=scale)
+    """`mla_attention` as this GPU's kernels (Metal or CUDA). Shapes as the reference."""
+    return mla_attention_kernel(gpu_backend(), q_latent, q_pe, latent_pool, pe_pool, block_tables, context_lens,
+                                scale=scale)
 
 
 def gpu_supports(shapes: ModelShapes) -> str | None:
@@ -348,8 +311,8 @@ def gpu_supports(shapes: ModelShapes) -> str | None:
 
 
 KERNELS: dict[str, Kernel] = {
-    "metal": Kernel(mla_attention_metal, gpu_supports),
-    "cuda": Kernel(mla_attention_cuda, gpu_supports),
+    "metal": Kernel(mla_attention_gpu, gpu_supports),
+    "cuda": Kernel(mla_attention_gpu, gpu_supports),
     "cpu": Kernel(mla_attention_cpu, cpu_supports),
 }
 

@@ -3,15 +3,15 @@
 Pool layout and the meaning of block_tables / context_lens: `trillm.kernels.layout`.
 
 One op, one file (as mlx-lm's gated_delta.py): the shared Metal/CUDA kernel source, the pure-mx reference
-`paged_attention_ref`, the per-back-end entry points `paged_attention_metal` / `paged_attention_cuda`, and the
-dispatcher `paged_attention`.
+`paged_attention_ref`, the GPU entry point `paged_attention_gpu` (Metal or CUDA, through one launcher the MLA
+kernels share), and the dispatcher `paged_attention`.
 
 Back-end contract. `KERNELS` maps a back-end name ("metal", "cuda", "cpu"; see `trillm.kernels.backend`) to
 a `Kernel`: a function with exactly `paged_attention_ref`'s signature and semantics, plus `supports(shapes)`
 saying why it cannot run a model's shapes (or None). The dispatcher runs `KERNELS[kernel_backend()]` when it
 exists and supports the call, else the reference. The CPU back-end plugs in the same way: the MLX C++
-extension's wrapper `paged_attention_cpu(...)` goes in this file and is registered as `KERNELS["cpu"]` only
-when the extension imports. Whatever the back-end, the engine's start-up self-check
+extension's wrapper `paged_attention_cpu(...)`, whose `supports` names the reason when the extension cannot
+be built or loaded. Whatever the back-end, the engine's start-up self-check
 (`trillm.kernels.selfcheck`) runs `OP.check_cases` against the reference (finite, within `TOLERANCES`), times
 `OP.timing_cases`, and falls back to the reference per op.
 
@@ -27,12 +27,12 @@ has query tiles for parallelism); how finely is a per-back-end `SplitPolicy`.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 import mlx.core as mx
 
 from trillm.kernels.backend import (
-    Case, Kernel, KernelOp, KernelSpec, at_least_8, build, float32_params, int32_params, kernel_backend,
+    Case, Kernel, KernelOp, KernelSpec, at_least_8, build, float32_params, gpu_backend, int32_params, kernel_backend,
 )  # fmt: skip
 from trillm.kernels import cpu_ext
 from trillm.kernels.kv_gather import kv_gather_ref
@@ -361,33 +361,47 @@ def paged_attention_kernel(
     if k_pool.dtype != q.dtype or v_pool.dtype != q.dtype:
         raise ValueError(f"q {q.dtype} and the pools {k_pool.dtype}/{v_pool.dtype} must share a dtype")
     plan = launch_plan(backend, b, hq, hkv, length, d, max_blocks * bs)
-    nt = NUM_SIMDGROUPS * 32
-    meta = int32_params(max_blocks, plan.num_parts, plan.part_size, length)
-    sinks_in = at_least_8(sinks.astype(mx.float32)) if sinks is not None else float32_params()
-    tables = block_tables if block_tables.dtype == mx.int32 else block_tables.astype(mx.int32)
-    lens = context_lens if context_lens.dtype == mx.int32 else context_lens.astype(mx.int32)
-    inputs = [q, k_pool, v_pool, at_least_8(tables), at_least_8(lens), sinks_in, float32_params(scale, softcap or 0.0), meta]
+    sinks_in = at_least_8(sinks.astype(mx.float32)) if sinks is not None else None
+    inputs = [q, k_pool, v_pool, *int32_tables(block_tables, context_lens), sinks_in if sinks_in is not None else float32_params(),
+              float32_params(scale, softcap or 0.0), int32_params(max_blocks, plan.num_parts, plan.part_size, length)]
     template = [
         ("T", q.dtype), ("D", d), ("BS", bs), ("HKV", hkv), ("HQ", hq), ("HPG", plan.hpg),
         ("QT", plan.qt), ("NW", NUM_SIMDGROUPS), ("WINDOW", window or 0), ("CHUNK", chunk or 0),
         ("HAS_SOFTCAP", softcap is not None), ("HAS_SINKS", sinks is not None),
     ]  # fmt: skip
+    return launch_attention(backend, (ATTN_FINAL, ATTN_PARTIAL), q, inputs, template, plan, sinks_in)
+
+
+def int32_tables(block_tables: mx.array, context_lens: mx.array) -> tuple[mx.array, mx.array]:
+    """The block tables and context lengths as the kernels read them: int32, at least 8 elements each."""
+    tables = block_tables if block_tables.dtype == mx.int32 else block_tables.astype(mx.int32)
+    lens = context_lens if context_lens.dtype == mx.int32 else context_lens.astype(mx.int32)
+    return at_least_8(tables), at_least_8(lens)
+
+
+def launch_attention(backend: str, kernels: tuple[KernelSpec, KernelSpec], q: mx.array, inputs: list[mx.array],
+                     template: list[tuple[str, Any]], plan: LaunchPlan, sinks: mx.array | None) -> mx.array:
+    """Run one call of an attention kernel pair (paged, MLA) as `plan` splits it: the final kernel, or the
+    partial kernel per context partition and the reduction over them, which adds the sinks. q: [B, H, L, D],
+    the output's shape and dtype; the meta parameters are the last input."""
+    (b, hq, length, d), nt = q.shape, NUM_SIMDGROUPS * 32
     grid = (plan.threadgroups_per_row * nt, hq // plan.hpg, b)
     if plan.num_parts == 1:
-        outs: list[mx.array] = build(backend, ATTN_FINAL)(
+        outs: list[mx.array] = build(backend, kernels[0])(
             inputs=inputs, template=template, grid=grid, threadgroup=(nt, 1, 1),
             output_shapes=[q.shape], output_dtypes=[q.dtype],
         )  # fmt: skip
         return outs[0]
     rows = b * hq * length
-    o_part, m_part, l_part = build(backend, ATTN_PARTIAL)(
-        inputs=inputs, template=template[:-1], grid=grid, threadgroup=(nt, 1, 1),  # no HAS_SINKS: the reduction adds them
+    o_part, m_part, l_part = build(backend, kernels[1])(
+        # no HAS_SINKS: the reduction adds them
+        inputs=inputs, template=[t for t in template if t[0] != "HAS_SINKS"], grid=grid, threadgroup=(nt, 1, 1),
         # (max, sum) flat and >= 8 elements, so the reduction's inputs never switch address space
         output_shapes=[(rows, plan.num_parts, d), (max(rows * plan.num_parts, 8),), (max(rows * plan.num_parts, 8),)],
         output_dtypes=[mx.float32, mx.float32, mx.float32],
     )  # fmt: skip
     reduced: list[mx.array] = build(backend, ATTN_REDUCE)(
-        inputs=[o_part, m_part, l_part, sinks_in, meta],
+        inputs=[o_part, m_part, l_part, sinks if sinks is not None else float32_params(), inputs[-1]],
         template=[("T", q.dtype), ("D", d), ("HQ", hq), ("HAS_SINKS", sinks is not None)],
         grid=(rows * d, 1, 1), threadgroup=(d, 1, 1),
         output_shapes=[q.shape], output_dtypes=[q.dtype],
@@ -522,7 +536,7 @@ def attention_mask(context_lens: mx.array, num_queries: int, num_keys: int, wind
 
 
 # ---------------------------------------------------------------- back-ends
-def paged_attention_metal(
+def paged_attention_gpu(
     q: mx.array,
     k_pool: mx.array,
     v_pool: mx.array,
@@ -535,29 +549,9 @@ def paged_attention_metal(
     softcap: float | None = None,
     chunk: int | None = None,
 ) -> mx.array:
-    """`paged_attention` as Metal kernels. Shapes as the reference."""
+    """`paged_attention` as this GPU's kernels (Metal or CUDA). Shapes as the reference."""
     return paged_attention_kernel(
-        "metal", q, k_pool, v_pool, block_tables, context_lens, scale=scale, window=window, sinks=sinks,
-        softcap=softcap, chunk=chunk,
-    )
-
-
-def paged_attention_cuda(
-    q: mx.array,
-    k_pool: mx.array,
-    v_pool: mx.array,
-    block_tables: mx.array,
-    context_lens: mx.array,
-    *,
-    scale: float,
-    window: int | None = None,
-    sinks: mx.array | None = None,
-    softcap: float | None = None,
-    chunk: int | None = None,
-) -> mx.array:
-    """`paged_attention` as CUDA kernels. Shapes as the reference."""
-    return paged_attention_kernel(
-        "cuda", q, k_pool, v_pool, block_tables, context_lens, scale=scale, window=window, sinks=sinks,
+        gpu_backend(), q, k_pool, v_pool, block_tables, context_lens, scale=scale, window=window, sinks=sinks,
         softcap=softcap, chunk=chunk,
     )
 
@@ -581,9 +575,7 @@ def paged_attention_cpu(
     reading K/V through the tables with no gather copy. Shapes as the reference; raises RuntimeError when
     the extension is unavailable (see `trillm.kernels.cpu_ext`).
     """
-    ext = cpu_ext.load()
-    if ext is None:
-        raise RuntimeError(f"trillm's CPU extension is unavailable: {cpu_ext.status().reason}")
+    ext = cpu_ext.require()
     _check_variant(window, softcap, chunk)
     out: mx.array = ext.paged_attention(q, k_pool, v_pool, block_tables, context_lens, scale=scale,
                                         window=window or 0, sinks=sinks, softcap=softcap or 0.0, chunk=chunk or 0)
@@ -594,18 +586,14 @@ def cpu_supports(shapes: ModelShapes) -> str | None:
     """Why the CPU primitive cannot run these shapes (or None). Asking loads, or first builds, the extension."""
     if shapes.head_dim % 16:
         return f"head_dim {shapes.head_dim} is not a multiple of 16 (the primitive's vector width)"
-    if shapes.dtype not in (mx.float32, mx.float16, mx.bfloat16):
-        return f"dtype {shapes.dtype} is not float32, float16 or bfloat16"
-    if cpu_ext.load() is None:
-        return f"trillm's CPU extension is unavailable: {cpu_ext.status().reason}"
-    return None
+    return cpu_ext.supports(shapes, GPU_DTYPES)
 
 
 # Back-end -> implementation. The CPU one reports itself unsupported (with the reason) when its extension
 # cannot be built or loaded, so every op then runs its reference.
 KERNELS: dict[str, Kernel] = {
-    "metal": Kernel(paged_attention_metal, gpu_supports),
-    "cuda": Kernel(paged_attention_cuda, gpu_supports),
+    "metal": Kernel(paged_attention_gpu, gpu_supports),
+    "cuda": Kernel(paged_attention_gpu, gpu_supports),
     "cpu": Kernel(paged_attention_cpu, cpu_supports),
 }
 

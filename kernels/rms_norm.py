@@ -10,7 +10,7 @@ import mlx.core as mx
 
 from trillm.kernels import cpu_ext
 from trillm.kernels.backend import (
-    Case, Kernel, KernelOp, cpu_extension_supports, random_array, row_shapes, timing_rows,
+    Case, Kernel, KernelOp, random_array, row_shapes, timing_rows,
 )  # fmt: skip
 from trillm.kernels.layout import ModelShapes
 
@@ -28,10 +28,7 @@ def rms_norm_ref(x: mx.array, weight: mx.array, eps: float) -> mx.array:
 
 def rms_norm_cpu(x: mx.array, weight: mx.array, eps: float) -> mx.array:
     """`rms_norm` as a primitive of trillm's CPU extension. Shapes as the reference."""
-    ext = cpu_ext.load()
-    if ext is None:
-        raise RuntimeError(f"trillm's CPU extension is unavailable: {cpu_ext.status().reason}")
-    out: mx.array = ext.rms_norm(x, weight, eps)
+    out: mx.array = cpu_ext.require().rms_norm(x, weight, eps)
     return out
 
 
@@ -49,7 +46,7 @@ def rms_norm_cpu_kernel(x: mx.array, weight: mx.array, eps: float) -> mx.array:
 def rms_norm(x: mx.array, weight: mx.array, eps: float) -> mx.array:
     """RMSNorm of x [..., D] with weight [D]: the CPU primitive on CPU, else the reference. Unchecked: the
     engine runs what its start-up self-check chose (`trillm.kernels.selfcheck`)."""
-    if cpu_ext.enabled() and _cpu_supports_call(x, weight) and cpu_ext.load() is not None:
+    if cpu_ext.enabled() and _cpu_supports_call(x, weight):
         return rms_norm_cpu(x, weight, eps)
     return rms_norm_ref(x, weight, eps)
 
@@ -64,7 +61,7 @@ def _cases(shapes: ModelShapes, rows: list[tuple[str, int, int]], seed: int) -> 
     return out
 
 
-KERNELS: dict[str, Kernel] = {"cpu": Kernel(rms_norm_cpu_kernel, lambda s: cpu_extension_supports(s, _DTYPES))}
+KERNELS: dict[str, Kernel] = {"cpu": Kernel(rms_norm_cpu_kernel, lambda s: cpu_ext.supports(s, _DTYPES))}
 
 OP = KernelOp(
     name="rms_norm", reference=rms_norm_ref, kernels=KERNELS,

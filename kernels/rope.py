@@ -12,7 +12,7 @@ import mlx.core as mx
 
 from trillm.kernels import cpu_ext
 from trillm.kernels.backend import (
-    Case, Kernel, KernelOp, cpu_extension_supports, random_array, row_shapes, timing_rows,
+    Case, Kernel, KernelOp, random_array, row_shapes, timing_rows,
 )  # fmt: skip
 from trillm.kernels.layout import ModelShapes
 
@@ -34,9 +34,7 @@ def rope_ref(x: mx.array, dims: int, *, traditional: bool, base: float, scale: f
 def rope_cpu(x: mx.array, dims: int, *, traditional: bool, base: float, scale: float,
              offset: int | mx.array) -> mx.array:  # fmt: skip
     """`rope` as a primitive of trillm's CPU extension. Shapes as the reference."""
-    ext = cpu_ext.load()
-    if ext is None:
-        raise RuntimeError(f"trillm's CPU extension is unavailable: {cpu_ext.status().reason}")
+    ext = cpu_ext.require()
     offsets = mx.array([offset], mx.int32) if isinstance(offset, int) else offset
     out: mx.array = ext.rope(x, dims, traditional=traditional, base=base, scale=scale, offset=offsets)
     return out
@@ -58,7 +56,7 @@ def rope(x: mx.array, dims: int, *, traditional: bool, base: float, scale: float
          offset: int | mx.array) -> mx.array:  # fmt: skip
     """RoPE (forward) of x: the CPU primitive on CPU, else the reference. Unchecked: the engine runs what its
     start-up self-check chose (`trillm.kernels.selfcheck`)."""
-    if cpu_ext.enabled() and _cpu_supports(x, dims, offset) and cpu_ext.load() is not None:
+    if cpu_ext.enabled() and _cpu_supports(x, dims, offset):
         return rope_cpu(x, dims, traditional=traditional, base=base, scale=scale, offset=offset)
     return rope_ref(x, dims, traditional=traditional, base=base, scale=scale, offset=offset)
 
@@ -83,7 +81,7 @@ def _cases(shapes: ModelShapes, rows: list[tuple[str, int, int]], seed: int, *, 
     return out
 
 
-KERNELS: dict[str, Kernel] = {"cpu": Kernel(rope_cpu_kernel, lambda s: cpu_extension_supports(s, _DTYPES))}
+KERNELS: dict[str, Kernel] = {"cpu": Kernel(rope_cpu_kernel, lambda s: cpu_ext.supports(s, _DTYPES))}
 
 OP = KernelOp(
     name="rope", reference=rope_ref, kernels=KERNELS,

@@ -11,7 +11,7 @@ import mlx.nn as nn
 
 from trillm.kernels import cpu_ext
 from trillm.kernels.backend import (
-    Case, Kernel, KernelOp, cpu_extension_supports, random_array, row_shapes, timing_rows,
+    Case, Kernel, KernelOp, random_array, row_shapes, timing_rows,
 )  # fmt: skip
 from trillm.kernels.layout import ModelShapes
 
@@ -30,10 +30,7 @@ def silu_mul_ref(gate: mx.array, up: mx.array) -> mx.array:
 
 def silu_mul_cpu(gate: mx.array, up: mx.array) -> mx.array:
     """`silu_mul` as a primitive of trillm's CPU extension. Shapes as the reference."""
-    ext = cpu_ext.load()
-    if ext is None:
-        raise RuntimeError(f"trillm's CPU extension is unavailable: {cpu_ext.status().reason}")
-    out: mx.array = ext.silu_mul(gate, up)
+    out: mx.array = cpu_ext.require().silu_mul(gate, up)
     return out
 
 
@@ -49,7 +46,7 @@ def silu_mul_cpu_kernel(gate: mx.array, up: mx.array) -> mx.array:
 def silu_mul(gate: mx.array, up: mx.array) -> mx.array:
     """silu(gate) * up: the CPU primitive on CPU, else the reference. Unchecked: the engine runs what its
     start-up self-check chose (`trillm.kernels.selfcheck`)."""
-    if cpu_ext.enabled() and _cpu_supports_call(gate, up) and cpu_ext.load() is not None:
+    if cpu_ext.enabled() and _cpu_supports_call(gate, up):
         return silu_mul_cpu(gate, up)
     return silu_mul_ref(gate, up)
 
@@ -64,7 +61,7 @@ def _cases(shapes: ModelShapes, rows: list[tuple[str, int, int]], seed: int) -> 
     return out
 
 
-KERNELS: dict[str, Kernel] = {"cpu": Kernel(silu_mul_cpu_kernel, lambda s: cpu_extension_supports(s, _DTYPES))}
+KERNELS: dict[str, Kernel] = {"cpu": Kernel(silu_mul_cpu_kernel, lambda s: cpu_ext.supports(s, _DTYPES))}
 
 OP = KernelOp(
     name="silu_mul", reference=silu_mul_ref, kernels=KERNELS,
