@@ -24,7 +24,7 @@ from __future__ import annotations
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -32,6 +32,13 @@ import mlx.nn as nn
 from trillm.engine.state_pool import CacheNode, LayerState, StatePool, StateRows, StateSlots, bytes_per_slot
 from trillm.kernels import kv_write
 from trillm.kernels.selfcheck import KernelSelection, unchecked
+
+
+class DTypeLike(Protocol):
+    """What sizing reads of a dtype: an mx.Dtype, or a weightless model's stand-in (engine/mock)."""
+
+    @property
+    def size(self) -> int: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -83,7 +90,7 @@ class KVLayout:
         """Each layer's attention span limit (a sliding window or a chunk; None: the whole context)."""
         return tuple(layer.window or layer.chunk for layer in self.layers)
 
-    def bytes_per_block(self, block_size: int, dtype: mx.Dtype) -> int:
+    def bytes_per_block(self, block_size: int, dtype: DTypeLike) -> int:
         return block_size * sum(layer.elements_per_token for layer in self.layers) * dtype.size
 
     @property

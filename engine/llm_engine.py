@@ -19,10 +19,11 @@ from trillm.engine.config import EngineConfig
 from trillm.engine.detokenizer import IncrementalDetokenizer, StopStringMatcher
 from trillm.engine.errors import InvalidRequest, ModelLoadError, UnknownRequest, UnverifiedModel
 from trillm.engine.grammar import grammar_compiler
+from trillm.engine.kv_cache import KVLayout
 from trillm.engine.loader import LoadedModel
 from trillm.engine.outputs import EngineStatistics, FinishReason, RequestOutput, TokenLogprob, Usage
 from trillm.engine.prompt_logprobs import PromptLogprobsBuffer, ScoredSpan
-from trillm.engine.runner import Launch, Runner
+from trillm.engine.runner import Launch, ModelFacts, RowsFn, Runner, RunnerFactory
 from trillm.engine.sampler import SampleRow
 from trillm.engine.sampling_params import SamplingParams
 from trillm.engine.scheduler import Finish, SampledToken, ScheduledBatch, Scheduler
@@ -30,13 +31,15 @@ from trillm.engine.sequence import Sequence, SequenceStatus
 from trillm.engine.spec_decode import SpecCounters, make_speculator, merge_deltas, token_rounds
 
 if TYPE_CHECKING:
-    from trillm.engine.kv_cache import KVLayout, KVPool
-    from trillm.engine.mock.model import MockLoadedModel
+    from trillm.engine.kv_cache import KVPool
     from trillm.engine.model_probe import ProbeResult
     from trillm.engine.state_pool import StateSlots
     from trillm.kernels.selfcheck import KernelReport
 
 _RATE_WINDOW_S = 10.0
+# (phase, seconds, its batch): "launch" (a batch queued on the device; its counts are the launched ones),
+# "masks" (the grammar bitmasks of a step's constrained rows), "step" (one step(); None: nothing to run).
+PhaseHook = Callable[[str, float, "ScheduledBatch | None"], None]
 REQUEST_FAILED = "this request failed while its output was produced; other requests are unaffected"
 
 log = logging.getLogger("trillm.engine")
@@ -126,12 +129,13 @@ def make_kv_pool(lm: LoadedModel, config: EngineConfig, num_blocks: int, max_mod
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig | None = None, *, loaded: LoadedModel | MockLoadedModel | None = None,
-                 runner_factory: Callable[[int], Runner] | None = None) -> None:
-        """Load config.model (unless `loaded` is given) and size the KV pool.
+    def __init__(self, config: EngineConfig | None = None, *, loaded: ModelFacts | None = None,
+                 runner_factory: RunnerFactory | None = None) -> None:
+        """Load config.model (unless `loaded` is given), size the KV pool by the model's facts, build the runner.
 
-        runner_factory(num_blocks) replaces the MLX ModelRunner (the mock engine's timing-model runner);
-        `loaded` then only needs the tokenizer and the model's facts, not weights.
+        runner_factory(num_blocks) replaces the MLX ModelRunner (the mock's timing-model runner, a tensor-parallel
+        group's); `loaded` then only needs the model's facts. Without one, `loaded` must be a LoadedModel: the
+        pool's layout is asked of its model.
         """
         self.config = config = config or EngineConfig()
         if loaded is None:
@@ -145,25 +149,27 @@ class LLMEngine:
         self.eos_token_ids = lm.eos_token_ids
 
         bs = config.block_size
-        self.kv_layout: KVLayout | None = None  # a real model's caches, asked of the model (the mock has none)
+        self.kv_layout: KVLayout | None = None  # the MLX runner's caches, asked of the model
         # A hybrid model's recurrent layers: one state slot per running sequence (engine/state_pool.py).
         self.state_slots: StateSlots | None = None
         state_bytes = 0
-        if isinstance(lm, LoadedModel) and runner_factory is None:
+        layout = KVLayout.uniform(lm.num_layers, lm.num_kv_heads, lm.head_dim)
+        if runner_factory is None:
             from trillm.engine.paged_model import kv_layout
 
-            self.kv_layout = kv_layout(lm.model, lm.name)
-            per_block = self.kv_layout.bytes_per_block(bs, lm.dtype)
-            if self.kv_layout.states:
+            if not isinstance(lm, LoadedModel):
+                raise TypeError(f"{lm.name}: the MLX runner needs a LoadedModel (other facts need a runner_factory)")
+            self.kv_layout = layout = kv_layout(lm.model, lm.name)
+            if layout.states:
                 from trillm.engine.state_checkpoints import checkpoints_for
                 from trillm.engine.state_pool import StateSlots
 
-                checkpoints = checkpoints_for(config, self.kv_layout.state_bytes_per_sequence)
+                checkpoints = checkpoints_for(config, layout.state_bytes_per_sequence)
                 self.state_slots = StateSlots(config.max_num_seqs, checkpoints)
                 state_bytes = ((config.max_num_seqs + (checkpoints.capacity if checkpoints else 0))
-                               * self.kv_layout.state_bytes_per_sequence)
-        else:
-            per_block = 2 * lm.num_layers * bs * lm.num_kv_heads * lm.head_dim * lm.dtype.size
+                               * layout.state_bytes_per_sequence)
+            runner_factory = partial(self._mlx_runner, lm)
+        per_block = layout.bytes_per_block(bs, lm.dtype)
         if config.num_kv_blocks is not None:
             num_blocks = config.num_kv_blocks
         else:
@@ -187,19 +193,20 @@ class LLMEngine:
                                           state_slots=self.state_slots)
         # Token ids must index both the tokenizer and the logits: a tokenizer with added tokens and no resize
         # of the embedding has more ids than the LM head has rows.
-        rows = getattr(lm, "vocab_size", 0) or self.tokenizer.vocab_size
+        rows = lm.vocab_size or self.tokenizer.vocab_size
         self.limits = RequestLimits(self.max_model_len, bs, self.block_manager.num_usable_blocks,
                                     min(self.tokenizer.vocab_size, rows), config.max_waiting)
         self.scheduler = Scheduler(config, self.block_manager, self.limits, self.eos_token_ids)
         self.grammars = grammar_compiler(self.tokenizer)  # llguidance's view of the tokenizer is built on first use
         self.kernel_report: KernelReport | None = None  # which implementation each kernel op runs (MLX runner)
-        self.runner: Runner = runner_factory(num_blocks) if runner_factory is not None else self._mlx_runner(num_blocks)
+        self.runner: Runner = runner_factory(num_blocks)
         self._pipelined = config.pipeline_decode and self.runner.supports_launch_ahead
         self.speculator = make_speculator(config, self.block_manager, self.max_model_len, self.runner,
                                           hybrid=self.state_slots is not None)
         self._inflight: Launch | None = None  # a decode step launched ahead, not read back yet
         self._requests: dict[str, _Request] = {}
         self.last_step: StepInfo | None = None
+        self.on_phase: PhaseHook | None = None  # how benchmarks time the engine
         self._reset_statistics()
         self.probe_result: ProbeResult | None = None  # the load-time check of the paged forward (MLX runner)
         if self.kv_layout is not None and config.verify_model:
@@ -235,15 +242,14 @@ class LLMEngine:
         if self.speculator is not None:
             self.speculator.counters = SpecCounters()
 
-    def _mlx_runner(self, num_blocks: int) -> Runner:
+    def _mlx_runner(self, lm: LoadedModel, num_blocks: int) -> Runner:
         from trillm.engine.model_runner import ModelRunner
         from trillm.engine.sampler import Sampler
 
-        assert isinstance(self.loaded, LoadedModel), "the MLX runner needs a loaded model"
-        pool = make_kv_pool(self.loaded, self.config, num_blocks, self.max_model_len, self.kv_layout, self.state_slots)
+        pool = make_kv_pool(lm, self.config, num_blocks, self.max_model_len, self.kv_layout, self.state_slots)
         self.kernel_report = pool.kernels.report
         # Padded embeddings (more logits than tokens) must never yield an id the tokenizer cannot decode.
-        return ModelRunner(self.loaded.model, pool, Sampler(self.config.seed, vocab_size=self.tokenizer.vocab_size))
+        return ModelRunner(lm.model, pool, Sampler(self.config.seed, vocab_size=self.tokenizer.vocab_size))
 
     # ---- requests ----------------------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, *, priority: int = 0,
@@ -293,6 +299,21 @@ class LLMEngine:
         back) before reading this one, so the host builds step n+1 while the device finishes step n: the host
         waits once per step. A sequence that finishes meanwhile just drops its speculative token.
         """
+        t0 = time.perf_counter()
+        outputs = self._step(check_abort)
+        if self.on_phase is not None:
+            self.on_phase("step", time.perf_counter() - t0, self.last_step.batch if self.last_step else None)
+        return outputs
+
+    def _launch(self, batch: ScheduledBatch, rows: RowsFn, check_abort: Callable[[], None] | None = None, *,
+                after: Launch | None = None) -> Launch:
+        t0 = time.perf_counter()
+        launch = self.runner.launch(batch, rows, check_abort, after=after)
+        if self.on_phase is not None:
+            self.on_phase("launch", time.perf_counter() - t0, batch)
+        return launch
+
+    def _step(self, check_abort: Callable[[], None] | None) -> list[RequestOutput]:
         launch, self._inflight = self._inflight, None
         if launch is not None and not any(s.status is SequenceStatus.RUNNING for s in launch.seqs):
             self.runner.collect(launch)  # everything it computed was aborted meanwhile
@@ -304,12 +325,12 @@ class LLMEngine:
                 return []
             if self.speculator is not None:
                 self.speculator.plan(batch)  # proposals for decode rows, verified in this step's forward
-            launch = self.runner.launch(batch, partial(self._sample_row, masks=self._token_masks(batch)), check_abort)
+            launch = self._launch(batch, partial(self._sample_row, masks=self._token_masks(batch)), check_abort)
         # schedule_ahead never takes a constrained row: its next mask needs the token this step samples; nor is
         # a step launched ahead that could speculate: its proposal needs that token too.
         if (self._pipelined and (self.speculator is None or not self.speculator.holds_pipeline(launch.batch))
                 and (ahead := self.scheduler.schedule_ahead(launch.batch)) is not None):
-            self._inflight = self.runner.launch(ahead, partial(self._sample_row, ahead=1), after=launch)
+            self._inflight = self._launch(ahead, partial(self._sample_row, ahead=1), after=launch)
         sampled = self.runner.collect(launch)
         if self.speculator is not None:
             self.speculator.commit(launch.batch, sampled)  # accepted tokens' KV kept, the rest given back
@@ -385,7 +406,10 @@ class LLMEngine:
         seqs = [s for s in batch.sampled if s.grammar is not None]
         if not seqs:
             return {}
+        t0 = time.perf_counter()
         rows = self.grammars.fill_masks([s.grammar for s in seqs if s.grammar is not None])
+        if self.on_phase is not None:
+            self.on_phase("masks", time.perf_counter() - t0, batch)
         return {id(s): rows[i] for i, s in enumerate(seqs)}
 
     def _sample_row(self, seq: Sequence, ahead: int = 0, masks: dict[int, np.ndarray] | None = None) -> SampleRow:

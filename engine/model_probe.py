@@ -13,7 +13,7 @@ from __future__ import annotations
 import dataclasses
 import time
 from dataclasses import asdict, dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import mlx.core as mx
 import numpy as np
@@ -21,7 +21,14 @@ import numpy as np
 from trillm.engine.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
-    from trillm.engine.llm_engine import LLMEngine
+    from collections.abc import Iterable
+
+    from trillm.engine.admission import RequestLimits
+    from trillm.engine.config import EngineConfig
+    from trillm.engine.kv_cache import KVLayout
+    from trillm.engine.outputs import RequestOutput
+    from trillm.engine.runner import ModelFacts
+    from trillm.engine.tokenizer import TokenizerLike
 
 PROBE_SALT = "trillm-load-probe"  # keeps the probe's blocks apart from every request's prefix-cache entries
 DECODE_TOKENS = 8
@@ -46,7 +53,24 @@ class ProbeResult:
         return asdict(self)
 
 
-def probe_prompts(engine: LLMEngine) -> list[list[int]]:
+class ProbedEngine(Protocol):
+    """What the probe reads of the engine it checks (LLMEngine)."""
+
+    config: EngineConfig
+    loaded: ModelFacts
+    tokenizer: TokenizerLike
+    eos_token_ids: frozenset[int]
+    limits: RequestLimits
+    kv_layout: KVLayout | None
+    max_model_len: int
+
+    def generate(self, prompts: Iterable[list[int]],
+                 params: SamplingParams | list[SamplingParams]) -> list[RequestOutput]: ...
+    def live_request_ids(self) -> list[str]: ...
+    def abort(self, request_id: str) -> None: ...
+
+
+def probe_prompts(engine: ProbedEngine) -> list[list[int]]:
     """Deterministic prompts of ordinary (non-special) token ids: short, past two blocks, past every window."""
     tok = engine.tokenizer
     special = set(engine.eos_token_ids) | set(getattr(tok, "all_special_ids", ()) or ())
@@ -82,7 +106,7 @@ def reference_logprobs(model: Any, prompt: list[int], generated: list[int],
     return np.array(full), np.array(sampled)
 
 
-def probe(engine: LLMEngine) -> ProbeResult:
+def probe(engine: ProbedEngine) -> ProbeResult:
     t0 = time.perf_counter()
     prompts = probe_prompts(engine)
     from trillm.engine.loader import LoadedModel

@@ -9,6 +9,10 @@ costs a few dictionary lookups whatever the context length.
 from __future__ import annotations
 
 from collections.abc import Sequence as Seq
+from dataclasses import dataclass, field
+
+FIRST_PAUSE = 4  # decode steps a row rests after two fruitless verifications; doubles each time, up to
+MAX_PAUSE = 64
 
 
 class NgramIndex:
@@ -56,3 +60,14 @@ class NgramIndex:
                 draft.append(tokens[i] if i < L else draft[i - L])
             return draft
         return []
+
+
+@dataclass(slots=True)
+class SpecState:
+    """One sequence's speculation state (`Sequence.spec`; engine/spec_decode.py drives it)."""
+
+    k: int  # the most tokens its next proposal may have
+    index: NgramIndex = field(default_factory=NgramIndex)
+    pause: int = 0  # decode steps left before it proposes again
+    next_pause: int = FIRST_PAUSE
+    misses: int = 0  # consecutive verifications that accepted nothing

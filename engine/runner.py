@@ -1,4 +1,5 @@
-"""What LLMEngine needs from a runner (the MLX ModelRunner, or the mock's timing-model runner).
+"""What LLMEngine needs from a model's facts and from a runner (the MLX ModelRunner, or the mock's
+timing-model runner).
 
 A step is launched, then collected: `launch` queues the step's work and returns at once; `collect` waits for
 it (the step's one host sync) and reads its tokens back. A runner that `supports_launch_ahead` may be handed
@@ -17,10 +18,37 @@ from trillm.engine.scheduler import SampledToken, ScheduledBatch
 from trillm.engine.sequence import Sequence
 
 if TYPE_CHECKING:
+    from trillm.engine.kv_cache import DTypeLike
     from trillm.engine.prompt_logprobs import ScoredSpan
     from trillm.engine.sampler import SampleRow
+    from trillm.engine.tokenizer import TokenizerLike
 
 RowsFn = Callable[[Sequence], "SampleRow"]
+
+
+class ModelFacts(Protocol):
+    """What LLMEngine sizes itself by: a LoadedModel (engine/loader.py) or weightless facts (the mock's)."""
+
+    @property
+    def tokenizer(self) -> TokenizerLike: ...
+    @property
+    def model_id(self) -> str: ...  # stable across processes; seeds prefix-cache block hashes
+    @property
+    def name(self) -> str: ...
+    @property
+    def eos_token_ids(self) -> frozenset[int]: ...
+    @property
+    def max_model_len(self) -> int: ...
+    @property
+    def num_layers(self) -> int: ...
+    @property
+    def num_kv_heads(self) -> int: ...
+    @property
+    def head_dim(self) -> int: ...
+    @property
+    def dtype(self) -> DTypeLike: ...
+    @property
+    def vocab_size(self) -> int: ...  # rows of the logits; 0: unknown (the tokenizer's size is used)
 
 
 @dataclass(slots=True)
@@ -45,3 +73,6 @@ class Runner(Protocol):
     def collect_prompt_logprobs(self, launch: Launch) -> list[ScoredSpan]:
         """The prompt logprobs the collected step computed, one span per scored prefill chunk."""
         ...
+
+
+RunnerFactory = Callable[[int], Runner]  # num_blocks -> the runner over a pool of that many blocks

@@ -11,7 +11,7 @@ from trillm.engine.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from trillm.engine.grammar import GrammarMatcher
-    from trillm.engine.spec_decode import SpecState
+    from trillm.engine.ngram import SpecState
 
 _arrival_counter = count()
 

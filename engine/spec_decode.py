@@ -27,30 +27,17 @@ models (a recurrent state cannot be rolled back; the engine does not build a spe
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Protocol
 
 from trillm.engine.block_manager import BlockManager
 from trillm.engine.config import EngineConfig
-from trillm.engine.ngram import NgramIndex
+from trillm.engine.ngram import FIRST_PAUSE, MAX_PAUSE, SpecState
 from trillm.engine.outputs import RequestOutput
 from trillm.engine.scheduler import SampledToken, ScheduledBatch
 from trillm.engine.sequence import Sequence, SequenceStatus
 
 log = logging.getLogger("trillm.engine")
-_FIRST_PAUSE = 4  # decode steps a row rests after two fruitless verifications; doubles each time, up to
-_MAX_PAUSE = 64
-
-
-@dataclass(slots=True)
-class SpecState:
-    """One sequence's speculation state (`Sequence.spec`)."""
-
-    k: int  # the most tokens its next proposal may have
-    index: NgramIndex = field(default_factory=NgramIndex)
-    pause: int = 0  # decode steps left before it proposes again
-    next_pause: int = _FIRST_PAUSE
-    misses: int = 0  # consecutive verifications that accepted nothing
 
 
 class Proposer(Protocol):
@@ -158,11 +145,11 @@ class Speculator:
             st.k = max(1, accepted + 1)
         if accepted:
             st.misses = 0
-            st.next_pause = _FIRST_PAUSE
+            st.next_pause = FIRST_PAUSE
             return
         st.misses += 1
         if st.misses >= 2:
-            st.pause, st.next_pause, st.misses = st.next_pause, min(_MAX_PAUSE, 2 * st.next_pause), 0
+            st.pause, st.next_pause, st.misses = st.next_pause, min(MAX_PAUSE, 2 * st.next_pause), 0
 
 
 def make_speculator(config: EngineConfig, block_manager: BlockManager, max_model_len: int, runner: object,

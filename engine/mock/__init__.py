@@ -6,7 +6,7 @@ replays request traces on it in virtual time. Imports: trillm.engine only.
 """
 
 from trillm.engine.mock.model import (
-    MockLoadedModel, MockModelSpec, add_mock_arguments, make_mock_engine, mock_engine_factory, mock_model_id,
+    MockModelFacts, MockModelSpec, add_mock_arguments, make_mock_engine, mock_engine_factory, mock_model_id,
     mock_tokenizer_for, perf_from_args,
 )
 from trillm.engine.mock.runner import MockRunner, Recording
@@ -19,7 +19,7 @@ from trillm.engine.mock.trace import (
 )
 
 __all__ = [
-    "InterpolatedModel", "LinearCostModel", "MockLoadedModel", "MockModelSpec", "MockRunner", "MockTokenizer",
+    "InterpolatedModel", "LinearCostModel", "MockModelFacts", "MockModelSpec", "MockRunner", "MockTokenizer",
     "PerfModel", "PolynomialModel", "Recording", "StepShape", "TraceRequest", "add_mock_arguments",
     "load_perf_model", "load_trace", "make_mock_engine", "mock_engine_factory", "mock_model_id", "mock_tokenizer_for", "multi_turn_trace",
     "perf_from_args",

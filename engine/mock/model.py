@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from trillm.engine.config import EngineConfig
+from trillm.engine.kv_cache import KVLayout
 from trillm.engine.mock.runner import MockRunner, Recording
 from trillm.engine.mock.timing import LinearCostModel, PerfModel, PolynomialModel, load_perf_model
 from trillm.engine.mock.tokenizer import MockTokenizer
@@ -34,7 +35,7 @@ class MockModelSpec:
 
     @property
     def kv_bytes_per_token(self) -> int:
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * self.dtype_bytes
+        return KVLayout.uniform(self.num_layers, self.num_kv_heads, self.head_dim).bytes_per_block(1, _DType(self.dtype_bytes))
 
     @property
     def weight_bytes(self) -> int:
@@ -56,8 +57,8 @@ class _DType:
 
 
 @dataclass(frozen=True)
-class MockLoadedModel:
-    """Duck-types engine.loader.LoadedModel (which imports MLX) with no weights: model is None."""
+class MockModelFacts:
+    """The engine's ModelFacts (engine/runner.py) of a model that has no weights."""
 
     tokenizer: TokenizerLike
     model_id: str
@@ -69,18 +70,13 @@ class MockLoadedModel:
     head_dim: int
     dtype: _DType
     spec: MockModelSpec = field(default_factory=MockModelSpec)
-    model: None = None
 
     @property
-    def num_parameters(self) -> int:
-        return self.spec.num_params
-
-    @property
-    def num_bytes(self) -> int:
-        return self.spec.weight_bytes
+    def vocab_size(self) -> int:
+        return self.spec.vocab_size
 
     @classmethod
-    def of(cls, spec: MockModelSpec, tokenizer: TokenizerLike | None = None) -> MockLoadedModel:
+    def of(cls, spec: MockModelSpec, tokenizer: TokenizerLike | None = None) -> MockModelFacts:
         """tokenizer: any other one (its vocabulary must be spec.vocab_size); default the MockTokenizer."""
         tok = tokenizer if tokenizer is not None else MockTokenizer(spec.vocab_size)
         if tok.vocab_size != spec.vocab_size:
@@ -131,7 +127,7 @@ def make_mock_engine(
         return MockRunner(model, vocab_size=vocab, num_blocks=num_blocks, seed=seed, speedup=speedup,
                           recording=recording, sleep=sleep)
 
-    return LLMEngine(config or EngineConfig(), loaded=MockLoadedModel.of(spec, tokenizer), runner_factory=factory)
+    return LLMEngine(config or EngineConfig(), loaded=MockModelFacts.of(spec, tokenizer), runner_factory=factory)
 
 
 def add_mock_arguments(parser: argparse.ArgumentParser) -> None:
