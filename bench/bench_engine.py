@@ -173,23 +173,20 @@ def run_constrained(engine: LLMEngine, prompts: list[list[int]], k: int, max_tok
     grammar = GrammarSpec("json_schema", json.dumps(LONG_SCHEMA))
     params = [SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, grammar=grammar if i < k else None)
               for i in range(len(prompts))]
-    fill = engine.grammars.fill_masks
     spent = [0.0, 0]
 
-    def timed(matchers: list) -> object:  # type: ignore[type-arg]
-        t = time.perf_counter()
-        out = fill(matchers)
-        spent[0] += time.perf_counter() - t
-        spent[1] += 1
-        return out
+    def on_phase(phase: str, seconds: float, _: object) -> None:
+        if phase == "masks":
+            spent[0] += seconds
+            spent[1] += 1
 
-    engine.grammars.fill_masks = timed  # type: ignore[method-assign,assignment]
+    engine.on_phase = on_phase
     try:
         t0 = time.perf_counter()
         outs = engine.generate(prompts, params)
         dt = time.perf_counter() - t0
     finally:
-        del engine.grammars.fill_masks
+        engine.on_phase = None
     free = [o for o, p in zip(outs, params) if p.grammar is None]
     tokens = sum(len(o.new_token_ids) for o in free)
     if not free or tokens == 0 or (k and spent[1] == 0):

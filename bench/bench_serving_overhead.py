@@ -10,7 +10,6 @@ import argparse
 import json
 import sys
 import time
-from collections.abc import Callable
 from functools import partial
 
 import trillm.kernels  # noqa: F401  (BLAS before mlx)
@@ -18,7 +17,6 @@ import trillm.kernels  # noqa: F401  (BLAS before mlx)
 from trillm.engine.config import EngineConfig
 from trillm.engine.llm_engine import LLMEngine
 from trillm.engine.loader import LoadedModel
-from trillm.engine.outputs import RequestOutput
 from trillm.engine.sampling_params import SamplingParams
 
 
@@ -46,16 +44,12 @@ def offline(engine: LLMEngine, texts: list[str], max_tokens: int, tag: str) -> t
 def timed_engine(config: EngineConfig, loaded: LoadedModel, busy: list[float]) -> LLMEngine:
     """An engine whose step() time is added to busy[0] (how much of the served run the engine computed)."""
     engine = LLMEngine(config, loaded=loaded)
-    step = engine.step
 
-    def timed_step(*, check_abort: Callable[[], None] | None = None) -> list[RequestOutput]:
-        t0 = time.perf_counter()
-        try:
-            return step(check_abort=check_abort)
-        finally:
-            busy[0] += time.perf_counter() - t0
+    def on_phase(phase: str, seconds: float, _: object) -> None:
+        if phase == "step":
+            busy[0] += seconds
 
-    engine.step = timed_step  # type: ignore[method-assign]
+    engine.on_phase = on_phase
     return engine
 
 

@@ -26,7 +26,7 @@ from trillm.engine.mock.timing import (
 
 
 class StepTimer:
-    """Times each `engine.step()` and records the shape of the step it read back.
+    """Records each `engine.step()`'s time (the engine's "step" phase) with the shape of the step it read back.
 
     With pipelined decode a step launches step n+1 and then waits for step n, so in steady state the time
     between step() returns is one step's duration, which is what the mock engine predicts. The shape is
@@ -36,25 +36,15 @@ class StepTimer:
     def __init__(self, engine: LLMEngine) -> None:
         self.steps: list[tuple[tuple[int, ...], tuple[tuple[int, int], ...], float]] = []
         shapes: dict[int, StepShape] = {}
-        launch = engine.runner.launch
-        step = engine.step
 
-        def timed_launch(batch: ScheduledBatch, rows: Any, check_abort: Any = None, **kw: Any) -> Any:
-            shapes[id(batch)] = StepShape.of(batch, 2)
-            return launch(batch, rows, check_abort, **kw)
-
-        def timed_step(**kw: Any) -> Any:
-            t0 = time.perf_counter()
-            out = step(**kw)
-            seconds = time.perf_counter() - t0
-            info = engine.last_step
-            if info is not None:
-                shape = shapes.pop(id(info.batch))
+        def on_phase(phase: str, seconds: float, batch: ScheduledBatch | None) -> None:
+            if phase == "launch" and batch is not None:
+                shapes[id(batch)] = StepShape.of(batch, 2)
+            elif phase == "step" and batch is not None:
+                shape = shapes.pop(id(batch))
                 self.steps.append((shape.decode_contexts, shape.prefill_chunks, seconds))
-            return out
 
-        engine.runner.launch = timed_launch  # type: ignore[method-assign]
-        engine.step = timed_step  # type: ignore[method-assign]
+        engine.on_phase = on_phase
 
 
 def _engine(loaded: Any, *, max_num_seqs: int, budget: int, tokens: int, block_size: int = 16) -> Any:
