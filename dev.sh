@@ -23,7 +23,7 @@ setup_os() {
   if [ ${#want[@]} -gt 0 ]; then
     local SUDO=""; [ "$(id -u)" = 0 ] || SUDO=sudo
     $SUDO apt-get update -qq || true
-    $SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${want[@]}"
+    $SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${want[@]}"
   fi
 }
 

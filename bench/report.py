@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
-from typing import Any
-
+import importlib.util
 import json
+import sys
 from pathlib import Path
+from typing import Any
 
 from trillm.bench.runner import RunResult
 
@@ -107,6 +108,9 @@ def write_all(out_dir: Path, runs: list[RunResult], stem: str = "serve", extra: 
     md = out_dir / f"{stem}.md"
     md.write_text(markdown_table(runs))
     written["markdown"] = md
+    if importlib.util.find_spec("matplotlib") is None:
+        print("no plots: matplotlib is missing (pip install 'trillm[bench]')", file=sys.stderr)
+        return written
     for key, fn, name in (
         ("throughput_plot", plot_throughput_vs_concurrency, "throughput_vs_concurrency.png"),
         ("ttft_cdf_plot", plot_ttft_cdf, "ttft_cdf.png"),
