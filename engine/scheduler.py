@@ -13,9 +13,14 @@ tag + 1, but never less than the virtual time (the largest tag admitted) + 1. Wa
 is round-robin over the requests waiting, and a request arriving behind a 1,000-sequence one is admitted
 within one sequence of it. Ungrouped sequences (every tag the virtual time + 1) stay first-come first-served.
 Two bounds keep one request from crowding out the others: its share of the waiting queue
-(`RequestLimits.max_group_waiting`, refused with InvalidRequest) and of the running batch
-(`max_group_running`: an eighth of the slots stays free for other requests' first tokens; a waiting
-sequence of a group at that bound is passed over, which is the only way the head is overtaken).
+(`RequestLimits.max_group_waiting`, refused with InvalidRequest) and of the running batch. Alone, or while
+every group's running + waiting sequences fit the batch, a request may use every row; under contention each
+group's share is its max-min fair share of the rows (`_fair_shares`: who wants less than an equal split gets
+what it wants, the rest split the remainder). A waiting sequence of a group at its share is passed over
+(the only way the head is overtaken), and one under its share that finds every row taken preempts the newest
+running sequence of the group furthest over its share (by recompute, as for a lack of blocks; its full blocks
+stay in the prefix cache): another request's first sequence gets a row in the step after it arrives, and
+the large request keeps its share, so it still progresses.
 
 Scheduling policy (`EngineConfig.scheduling_policy`, vLLM's names): under "fcfs" a request's `priority` is
 ignored (the order above). Under "priority" lower values go first, aged so that nothing starves: priority p
@@ -131,11 +136,48 @@ class Scheduler:
     def max_model_len(self) -> int:
         return self.limits.max_model_len
 
-    @property
-    def max_group_running(self) -> int:
-        """Running slots one group may hold: all but an eighth, kept for other requests' first tokens."""
-        n = self.config.max_num_seqs
-        return n - n // 8
+    def _fair_shares(self) -> dict[str, int]:
+        """Each live group's max-min fair share of the running rows, or {} when every group's demand (its
+        running + waiting sequences) fits the rows that ungrouped sequences leave: then nobody is capped.
+
+        Water-filling: groups wanting less than an equal split get what they want, the rest split what is left;
+        its remainder goes to the groups holding the most rows now (then in queue order), so that a share never
+        moves a row for nothing.
+        """
+        rows = self.config.max_num_seqs - sum(s.group is None for s in self.running)
+        demand = {g: n + self._group_running[g] for g, n in self._group_waiting.items()}  # in arrival order
+        if sum(demand.values()) <= rows:
+            return {}
+        shares: dict[str, int] = {}
+        left = max(rows, 0)
+        by_demand = sorted(demand, key=demand.__getitem__)
+        for k, g in enumerate(by_demand):
+            if demand[g] * (len(by_demand) - k) > left:
+                break
+            shares[g] = demand[g]
+            left -= demand[g]
+        rest = [g for g in demand if g not in shares]
+        level, extra = divmod(left, len(rest))
+        if extra:
+            first: dict[str, int] = {}  # each group's place in the queue
+            for pos, s in enumerate(self.waiting):
+                if s.group is not None:
+                    first.setdefault(s.group, pos)
+            rest.sort(key=lambda g: (-self._group_running[g], first.get(g, len(self.waiting))))
+        for k, g in enumerate(rest):
+            shares[g] = level + (k < extra)
+        return shares
+
+    def _fair_share_victim(self, seq: Sequence, shares: dict[str, int]) -> Sequence | None:
+        """The row seq (a grouped sequence under its share) takes when none is free: the newest running
+        sequence of the group furthest over its share, unless that one is more urgent; None if no group is over."""
+        if seq.group is None:
+            return None
+        over = {g: self._group_running[g] - share for g, share in shares.items() if self._group_running[g] > share}
+        if not over:
+            return None
+        worst = max(over, key=lambda g: (over[g], self._group_running[g]))
+        return next((s for s in reversed(self.running) if s.group == worst and s.rank >= seq.rank), None)
 
     # ---- admission ---------------------------------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
@@ -218,15 +260,23 @@ class Scheduler:
                 budget -= n
 
         # 3. Admit waiting sequences in order; the head is never overtaken, but a sequence whose group holds
-        # its share of the running batch is passed over (the slot is for the other requests).
+        # its fair share of the running batch is passed over (the row is for the other requests). A sequence
+        # under its share that finds every row taken takes one from the group furthest over its share.
         i = 0
-        group_cap = self.max_group_running
-        while i < len(self.waiting) and budget > 0 and len(self.running) < self.config.max_num_seqs:
+        shares = self._fair_shares() if self.waiting else {}
+        while i < len(self.waiting):
             seq = self.waiting[i]
-            if seq.group is not None and self._group_running[seq.group] >= group_cap:
+            if seq.group is not None and seq.group in shares and self._group_running[seq.group] >= shares[seq.group]:
                 i += 1
                 continue
-            if not self._chunk_size(seq.num_tokens, budget, batch) or not bm.can_allocate(seq):
+            if len(self.running) >= self.config.max_num_seqs:
+                if (yielder := self._fair_share_victim(seq, shares)) is None:
+                    break
+                self._preempt(yielder)
+                batch.preempted.append(yielder)
+                budget += self._unschedule(batch, yielder)
+                i = self.waiting.index(seq)  # the preempted one rejoined the queue, maybe ahead of seq
+            if budget == 0 or not self._chunk_size(seq.num_tokens, budget, batch) or not bm.can_allocate(seq):
                 break
             if self._wait_for_shared_prefix(seq):
                 break
@@ -301,6 +351,18 @@ class Scheduler:
         seq.num_preemptions += 1
         self.num_preemptions += 1
         bisect.insort(self.waiting, seq, key=lambda s: s.sort_key)
+
+    @staticmethod
+    def _unschedule(batch: ScheduledBatch, seq: Sequence) -> int:
+        """Take a sequence preempted after it was scheduled out of `batch`; returns the tokens it had there."""
+        if seq in batch.decodes:
+            batch.decodes.remove(seq)
+            return 1
+        for chunk in batch.prefills:
+            if chunk.seq is seq:
+                batch.prefills.remove(chunk)
+                return chunk.num_tokens
+        return 0
 
     # ---- after the model ran -----------------------------------------------------------------------------
     def postprocess(self, batch: ScheduledBatch,
