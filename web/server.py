@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import ipaddress
 import json
 import logging
 import shlex
@@ -17,6 +16,7 @@ from hypercorn.utils import wrap_app
 from trillm.web.app import create_app
 from trillm.web.config import ServeError, ServerConfig
 from trillm.web.http.asgi import ShieldedFinalSend
+from trillm.web.http.guards import is_loopback_host
 from trillm.web.service.engine_service import EngineFactory, EngineService, ServiceConfig
 from trillm.web.ws.kv_events import KVEventHub, register_kv_events
 
@@ -72,13 +72,6 @@ def startup_message(url: str, model: str, api_key_set: bool) -> str:
     auth = ' -H "Authorization: Bearer $TRILLM_API_KEY"' if api_key_set else ""
     return (f"trillm is serving {model} at {url}/v1 (OpenAI-compatible; websocket {url.replace('http', 'ws', 1)}/v1/ws)\n"
             f"  try: curl {url}/v1/chat/completions -H 'Content-Type: application/json'{auth} -d {shlex.quote(body)}")
-
-
-def _is_loopback(host: str) -> bool:
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return host == "localhost"
 
 
 @dataclass(frozen=True, slots=True)
@@ -159,7 +152,7 @@ async def serve(models: Sequence[ModelSpec], config: ServerConfig = ServerConfig
             binds = await nursery.start(http)
             up = True
             url = binds[0]
-            if not _is_loopback(config.host) and config.api_key is None:
+            if not is_loopback_host(config.host) and config.api_key is None:
                 log.warning("listening on %s without --api-key: anyone who can reach it can use it", config.host)
             log.info("%s", startup_message(url, services[0].model_name, config.api_key is not None))
             task_status.started(Serving(url, tuple(services)))

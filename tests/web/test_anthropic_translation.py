@@ -18,7 +18,7 @@ from trillm.engine.outputs import Usage
 from trillm.web.anthropic.schema import CountTokensRequest, MessagesRequest
 from trillm.web.anthropic.translate import MessageTranslator, anthropic_error, chat_body
 from trillm.web.chat.output_events import (
-    Finish, OutputEvent, ReasoningDelta, TextDelta, ToolCallArgumentsDelta, ToolCallEnd, ToolCallStart,
+    OutputEnd, OutputEvent, ReasoningDelta, TextDelta, ToolCallArgumentsDelta, ToolCallEnd, ToolCallStart,
 )
 from trillm.web.errors import APIError, to_api_error
 from trillm.web.http.validate import parse_body
@@ -177,7 +177,7 @@ EVENTS: list[OutputEvent] = [
 STREAM = TypeAdapter(RawMessageStreamEvent)
 
 
-def run(events: list[OutputEvent], finish: Finish, usage: Usage, **kw: Any) -> tuple[MessageTranslator,
+def run(events: list[OutputEvent], finish: OutputEnd, usage: Usage, **kw: Any) -> tuple[MessageTranslator,
                                                                                    list[dict[str, Any]]]:
     t = MessageTranslator(model="m", prompt_tokens=usage.prompt_tokens, **kw)
     out = t.start()
@@ -188,7 +188,7 @@ def run(events: list[OutputEvent], finish: Finish, usage: Usage, **kw: Any) -> t
 
 
 def test_stream_events_in_anthropic_order_add_up_to_the_message() -> None:
-    t, events = run(EVENTS, Finish("tool_calls", 2), Usage(40, 12, 32))
+    t, events = run(EVENTS, OutputEnd("tool_calls", 2), Usage(40, 12, 32))
     kinds = [(e["type"], e.get("index"), (e.get("delta") or e.get("content_block") or {}).get("type")) for e in events]
     assert kinds == [
         ("message_start", None, None),
@@ -221,22 +221,22 @@ def test_stream_events_in_anthropic_order_add_up_to_the_message() -> None:
 
 
 @pytest.mark.parametrize("finish, kw, stop_reason, stop_sequence", [
-    (Finish("stop", 2), {}, "end_turn", None),
-    (Finish("stop", "END"), {"stop_sequences": ["END"]}, "stop_sequence", "END"),
-    (Finish("stop", "</tool_call>"), {"stop_sequences": ["END"]}, "end_turn", None),  # not the client's
-    (Finish("length"), {}, "max_tokens", None),
-    (Finish("length"), {"context_limited": True}, "model_context_window_exceeded", None),
-    (Finish("tool_calls", 2), {}, "tool_use", None),
-    (Finish("grammar", error="no token allowed"), {}, "end_turn", None),
+    (OutputEnd("stop", 2), {}, "end_turn", None),
+    (OutputEnd("stop", "END"), {"stop_sequences": ["END"]}, "stop_sequence", "END"),
+    (OutputEnd("stop", "</tool_call>"), {"stop_sequences": ["END"]}, "end_turn", None),  # not the client's
+    (OutputEnd("length"), {}, "max_tokens", None),
+    (OutputEnd("length"), {"context_limited": True}, "model_context_window_exceeded", None),
+    (OutputEnd("tool_calls", 2), {}, "tool_use", None),
+    (OutputEnd("grammar", error="no token allowed"), {}, "end_turn", None),
 ])
-def test_stop_reasons(finish: Finish, kw: dict[str, Any], stop_reason: str, stop_sequence: str | None) -> None:
+def test_stop_reasons(finish: OutputEnd, kw: dict[str, Any], stop_reason: str, stop_sequence: str | None) -> None:
     t, events = run([TextDelta("hi")], finish, Usage(5, 3, 0), **kw)
     assert events[-2]["delta"] == {"stop_reason": stop_reason, "stop_sequence": stop_sequence}
     assert (t.message()["stop_reason"], t.message()["stop_sequence"]) == (stop_reason, stop_sequence)
 
 
 def test_empty_answer_has_no_blocks() -> None:
-    t, events = run([], Finish("stop", 2), Usage(5, 1, 0))
+    t, events = run([], OutputEnd("stop", 2), Usage(5, 1, 0))
     assert [e["type"] for e in events] == ["message_start", "message_delta", "message_stop"]
     assert t.message()["content"] == []
 

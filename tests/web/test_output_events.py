@@ -14,7 +14,7 @@ import pytest
 
 from trillm.engine.outputs import FinishReason
 from trillm.web.chat.output_events import (
-    ChoiceParser, Finish, OutputEvent, OutputParsing, ReasoningDelta, TextDelta, ToolCallArgumentsDelta,
+    ChoiceParser, OutputEnd, OutputEvent, OutputParsing, ReasoningDelta, TextDelta, ToolCallArgumentsDelta,
     ToolCallEnd, ToolCallStart,
 )
 from trillm.web.chat.reasoning import reasoning_format
@@ -44,7 +44,7 @@ def summary(events: list[OutputEvent]) -> dict[str, Any]:
             calls[ev.index]["arguments"] += ev.delta
         elif isinstance(ev, ToolCallEnd):
             assert calls[ev.index]["arguments"] == ev.arguments
-    finishes = [ev for ev in events if isinstance(ev, Finish)]
+    finishes = [ev for ev in events if isinstance(ev, OutputEnd)]
     assert len(finishes) == 1 and events[-1] is finishes[0]
     return {"text": "".join(ev.text for ev in events if isinstance(ev, TextDelta)),
             "reasoning": "".join(ev.text for ev in events if isinstance(ev, ReasoningDelta)),

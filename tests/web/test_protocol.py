@@ -14,7 +14,7 @@ from trillm.engine.outputs import FinishReason, RequestOutput, TokenLogprob, Usa
 from trillm.web.cli import build_parser, main
 from trillm.web.http.validate import parse_body
 from trillm.web.openai.request import GenerationRequest, Limits, parse_generation
-from trillm.web.openai.response import ResponseBuilder
+from trillm.web.openai.response import response_builder
 from trillm.web.openai.schema import ChatCompletionRequest, CompletionRequest
 
 TOK = MockTokenizer(1000)
@@ -91,7 +91,7 @@ def test_merge_outputs_concatenates_and_keeps_the_latest_state() -> None:
 
 def test_n_choices_usage_counts_the_prompt_once() -> None:
     req = parse({"prompt": "ab", "n": 2}, "completion")
-    b = ResponseBuilder(req, ("x", "y"), TOK)
+    b = response_builder(req, ("x", "y"), TOK)
     b.add(RequestOutput("x", (100,), "a", FinishReason.STOP, Usage(3, 1, 2)))
     b.add(RequestOutput("y", (100, 101), "ab", FinishReason.LENGTH, Usage(3, 2, 2)))
     resp = b.response()

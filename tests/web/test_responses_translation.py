@@ -16,7 +16,7 @@ from pydantic import TypeAdapter
 from trillm.engine.errors import InvalidRequest
 from trillm.engine.outputs import Usage
 from trillm.web.chat.output_events import (
-    Finish, OutputEvent, ReasoningDelta, TextDelta, ToolCallArgumentsDelta, ToolCallEnd, ToolCallStart,
+    OutputEnd, OutputEvent, ReasoningDelta, TextDelta, ToolCallArgumentsDelta, ToolCallEnd, ToolCallStart,
 )
 from trillm.web.http.validate import parse_body
 from trillm.web.openai.schema import NamedToolChoice
@@ -130,7 +130,7 @@ EVENTS: list[OutputEvent] = [
 STREAM = TypeAdapter(ResponseStreamEvent)
 
 
-def run(events: list[OutputEvent], finish: Finish | None, usage: Usage = Usage(40, 9, 32),
+def run(events: list[OutputEvent], finish: OutputEnd | None, usage: Usage = Usage(40, 9, 32),
         **fields: Any) -> tuple[ResponseTranslator, list[dict[str, Any]]]:
     t = ResponseTranslator(body(**fields), model="m", prompt_tokens=40)
     out = t.start()
@@ -149,7 +149,7 @@ def replay(events: list[dict[str, Any]]) -> ResponseStreamState[Any]:
 
 
 def test_stream_events_are_ordered_numbered_and_add_up_to_the_response() -> None:
-    t, events = run(EVENTS, Finish("tool_calls", 2))
+    t, events = run(EVENTS, OutputEnd("tool_calls", 2))
     assert [e["sequence_number"] for e in events] == list(range(len(events)))
     assert [e["type"] for e in events] == [
         "response.created", "response.in_progress",
@@ -180,7 +180,7 @@ def test_stream_events_are_ordered_numbered_and_add_up_to_the_response() -> None
 
 
 def test_max_output_tokens_is_incomplete() -> None:
-    t, events = run([TextDelta("partial")], Finish("length"), Usage(40, 5, 0), max_output_tokens=5)
+    t, events = run([TextDelta("partial")], OutputEnd("length"), Usage(40, 5, 0), max_output_tokens=5)
     assert events[-1]["type"] == "response.incomplete"
     final = Response.model_validate(t.response())
     assert final.status == "incomplete" and final.incomplete_details is not None
@@ -199,7 +199,7 @@ def test_failure_is_an_error_event_then_response_failed() -> None:
 
 
 def test_a_grammar_that_cannot_go_on_fails_the_response() -> None:
-    t, events = run([TextDelta('{"a": ')], Finish("grammar", error="no token allowed"))
+    t, events = run([TextDelta('{"a": ')], OutputEnd("grammar", error="no token allowed"))
     assert events[-1]["type"] == "response.failed"
     final = Response.model_validate(t.response())
     assert final.status == "failed" and final.error is not None and "no token allowed" in final.error.message
@@ -208,6 +208,6 @@ def test_a_grammar_that_cannot_go_on_fails_the_response() -> None:
 
 
 def test_empty_answer_has_no_output_items() -> None:
-    t, events = run([], Finish("stop", 2), Usage(40, 1, 0))
+    t, events = run([], OutputEnd("stop", 2), Usage(40, 1, 0))
     assert [e["type"] for e in events] == ["response.created", "response.in_progress", "response.completed"]
     assert t.response()["output"] == []

@@ -18,7 +18,7 @@ from trillm.web.http.body import body_work, event_stream_response, json_body, js
 from trillm.web.http.guards import register_error_shape
 from trillm.web.http.sse import event_stream
 from trillm.web.openai.submit import prepare_generation, start_generation
-from trillm.web.openai.translation import FitMaxTokens, choice_events
+from trillm.web.openai.translation import FitMaxTokens
 from trillm.web.service.registry import ModelRegistry
 
 # The request bodies of these routes, for /openapi.json.
@@ -43,7 +43,7 @@ def register_anthropic(app: QuartTrio, registry: ModelRegistry, config: ServerCo
         if body.stream:
             stream = event_stream(handle, MessagesStream(translator, parser), keepalive_s=config.sse_keepalive_s)
             return event_stream_response(await started(stream))
-        await handle.drain(lambda out: translator.feed(choice_events(parser, out), out.usage))
+        await handle.drain(lambda out: translator.feed(parser.feed_output(out), out.usage))
         return json_response(translator.message())
 
     @app.post(MESSAGES_PATH + "/count_tokens")

@@ -26,7 +26,7 @@ from trillm.web.anthropic.schema import (
     ThinkingBlock, ThinkingDisabled, ToolChoiceAny, ToolChoiceNone, ToolChoiceTool, ToolResultBlock, ToolUseBlock,
 )
 from trillm.web.chat.output_events import (
-    Finish, OutputEvent, ReasoningDelta, TextDelta, ToolCallArgumentsDelta, ToolCallEnd, ToolCallStart,
+    OutputEnd, OutputEvent, ReasoningDelta, TextDelta, ToolCallArgumentsDelta, ToolCallEnd, ToolCallStart,
     arguments_object,
 )
 from trillm.web.errors import APIError, to_api_error
@@ -45,17 +45,13 @@ DEFAULT_TOP_K = 0  # no top-k filter
 TEXT_ONLY = "this model takes text only"
 
 
-def _bad(message: str) -> InvalidRequest:
-    return InvalidRequest(message)
-
-
 # ---- request ----
 
 def _refuse_block(block: OtherBlock, where: str) -> InvalidRequest:
     if block.type in ("image", "document"):
-        return _bad(f"'{where}': {TEXT_ONLY} ({block.type} blocks are not supported)")
-    return _bad(f"'{where}': content blocks of type {block.type!r} are not supported here (supported: text, "
-                "tool_use, tool_result, thinking, redacted_thinking)")
+        return InvalidRequest(f"'{where}': {TEXT_ONLY} ({block.type} blocks are not supported)")
+    return InvalidRequest(f"'{where}': content blocks of type {block.type!r} are not supported here (supported: text, "
+                          "tool_use, tool_result, thinking, redacted_thinking)")
 
 
 def _tool_result_text(block: ToolResultBlock, where: str) -> str:
@@ -92,12 +88,12 @@ def _conversation(messages: Sequence[InputMessage]) -> list[ChatMessage]:
                 texts.append(block.text)
             elif isinstance(block, ToolUseBlock):
                 if message.role != "assistant":
-                    raise _bad(f"'{where}': tool_use blocks belong in assistant messages")
+                    raise InvalidRequest(f"'{where}': tool_use blocks belong in assistant messages")
                 calls.append(ToolCall(id=block.id, function=ToolCallFunction(
                     name=block.name, arguments=json.dumps(block.input, ensure_ascii=False))))
             elif isinstance(block, ToolResultBlock):
                 if message.role != "user":
-                    raise _bad(f"'{where}': tool_result blocks belong in user messages")
+                    raise InvalidRequest(f"'{where}': tool_result blocks belong in user messages")
                 flush_text()
                 out.append(ChatMessage(role="tool", tool_call_id=block.tool_use_id,
                                        content=_tool_result_text(block, where)))
@@ -110,8 +106,8 @@ def _conversation(messages: Sequence[InputMessage]) -> list[ChatMessage]:
         else:
             flush_text()
     if messages[-1].role == "assistant":
-        raise _bad("'messages': the last message is the assistant's (a prefill); continuing an assistant turn "
-                   "is not supported, end with a user message")
+        raise InvalidRequest("'messages': the last message is the assistant's (a prefill); continuing an assistant "
+                             "turn is not supported, end with a user message")
     return out
 
 
@@ -120,15 +116,15 @@ def _tools(body: MessagesRequest | CountTokensRequest) -> dict[str, Any]:
     choice = body.tool_choice
     if not body.tools:
         if isinstance(choice, (ToolChoiceAny, ToolChoiceTool)):
-            raise _bad(f"'tool_choice': {choice.type!r} needs 'tools'")
+            raise InvalidRequest(f"'tool_choice': {choice.type!r} needs 'tools'")
         return {}
     tools = []
     for i, tool in enumerate(body.tools):
         if tool.type not in (None, "custom"):
-            raise _bad(f"'tools.{i}': {tool.name!r} is a server tool (type {tool.type!r}); this server runs no "
-                       "tools of its own: give client tools (name, description, input_schema)")
+            raise InvalidRequest(f"'tools.{i}': {tool.name!r} is a server tool (type {tool.type!r}); this server "
+                                 "runs no tools of its own: give client tools (name, description, input_schema)")
         if tool.input_schema is None:
-            raise _bad(f"'tools.{i}.input_schema': required")
+            raise InvalidRequest(f"'tools.{i}.input_schema': required")
         tools.append(Tool(type="function", function=FunctionDef(
             name=tool.name, description=tool.description, parameters=tool.input_schema)))
     fields: dict[str, Any] = {"tools": tools}
@@ -171,7 +167,7 @@ def chat_body(body: MessagesRequest | CountTokensRequest) -> ChatCompletionReque
     try:
         return ChatCompletionRequest(**fields)
     except ValidationError as exc:
-        raise _bad(describe(exc)) from None
+        raise InvalidRequest(describe(exc)) from None
 
 
 # ---- response ----
@@ -229,7 +225,7 @@ class MessageTranslator:
             self.usage = usage
         out: list[dict[str, Any]] = []
         for ev in events:
-            if isinstance(ev, Finish):
+            if isinstance(ev, OutputEnd):
                 out += self._finish(ev)
             elif isinstance(ev, TextDelta):
                 if not ev.text:
@@ -271,7 +267,7 @@ class MessageTranslator:
                     out += self._close()
         return out
 
-    def _finish(self, finish: Finish) -> list[dict[str, Any]]:
+    def _finish(self, finish: OutputEnd) -> list[dict[str, Any]]:
         """Close the open block; message_delta (stop reason, final usage) and message_stop."""
         self.finished = True
         if finish.reason == "length":

@@ -10,12 +10,12 @@ events, in output order:
   concatenation is the call's arguments (a JSON object as text), then `ToolCallEnd(index, arguments)` with
   the whole arguments text. Calls are numbered 0, 1, ... per choice; events of one call are never interleaved
   with another's. A block that looked like a call but does not parse as one is emitted as `TextDelta`.
-- `Finish(reason, stop_reason, error)`, last, exactly once: reason is "stop", "length", "tool_calls" (the
+- `OutputEnd(reason, stop_reason, error)`, last, exactly once: reason is "stop", "length", "tool_calls" (the
   output ended normally and made at least one call), "grammar" (the grammar engine could not continue; `error`
   says why) or "abort".
 
-Every API renders the same stream: OpenAI chat completions (web/openai/response.py's ResponseBuilder), and the
-Anthropic Messages and OpenAI Responses translations.
+Every surface renders the same stream: OpenAI chat and text completions (web/openai/response.py), the
+Anthropic Messages and OpenAI Responses translations, and /v1/ws (which the router proxies as it comes).
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from trillm.engine.outputs import FinishReason
+from trillm.engine.outputs import FinishReason, RequestOutput
 from trillm.web.chat.reasoning import ReasoningFormat, ReasoningSplitter, held_back
 from trillm.web.chat.tool_parsers import ParsedCall, ToolFormat
 
@@ -62,13 +62,13 @@ class ToolCallEnd:
 
 
 @dataclass(frozen=True, slots=True)
-class Finish:
+class OutputEnd:
     reason: FinishKind
     stop_reason: str | int | None = None  # the stop string or token id that ended the output
     error: str | None = None  # reason "grammar": what the grammar engine reported
 
 
-OutputEvent = TextDelta | ReasoningDelta | ToolCallStart | ToolCallArgumentsDelta | ToolCallEnd | Finish
+OutputEvent = TextDelta | ReasoningDelta | ToolCallStart | ToolCallArgumentsDelta | ToolCallEnd | OutputEnd
 
 
 @dataclass(frozen=True, slots=True)
@@ -192,7 +192,7 @@ class ChoiceParser:
 
     def finish(self, reason: FinishReason, *, stop_reason: str | int | None = None,
                error: str | None = None) -> list[OutputEvent]:
-        """Release everything held back, close an open call, and end with the one `Finish`."""
+        """Release everything held back, close an open call, and end with the one `OutputEnd`."""
         if self._finished:
             return []
         self._finished = True
@@ -217,12 +217,15 @@ class ChoiceParser:
             kind = "timeout"
         else:
             kind = "tool_calls" if self._tools is not None and self._tools.num_calls else "stop"
-        events.append(Finish(kind, stop_reason, error))
+        events.append(OutputEnd(kind, stop_reason, error))
         return events
 
-    @property
-    def num_tool_calls(self) -> int:
-        return self._tools.num_calls if self._tools is not None else 0
+    def feed_output(self, out: RequestOutput) -> list[OutputEvent]:
+        """One engine delta of this choice as its events; the last delta's end with the one `OutputEnd`."""
+        events = self.feed(out.new_text)
+        if out.finish_reason is not None:
+            events += self.finish(out.finish_reason, stop_reason=out.stop_reason, error=out.error)
+        return events
 
 
 def arguments_object(arguments: str) -> dict[str, Any]:

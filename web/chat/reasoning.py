@@ -72,10 +72,6 @@ class ReasoningSplitter:
         self._state = "inside" if inside else "before"  # before: the block may still open
         self._pending = ""
 
-    @property
-    def in_reasoning(self) -> bool:
-        return self._state == "inside"
-
     def feed(self, text: str) -> tuple[str, str]:
         """(reasoning, answer) text that is safe to emit now."""
         buf = self._pending + text

@@ -42,21 +42,12 @@ def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("--log-level", default="info")
 
 
-def _loopback(host: str) -> bool:
-    import ipaddress
-
-    host = host.strip("[]").lower()
-    if host == "localhost" or host.endswith(".localhost"):
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False  # a name, or a wildcard like 0.0.0.0: reachable from elsewhere
-
-
 def open_relay_warning(host: str, api_key: str | None, replica_api_key: str | None) -> str | None:
-    """The warning for a router that would lend its replica key to anyone who can reach it, or None."""
-    if replica_api_key is None or api_key is not None or _loopback(host):
+    """The warning for a router that would lend its replica key to anyone who can reach it, or None (a name or a
+    wildcard like 0.0.0.0 is reachable from elsewhere)."""
+    from trillm.web.http.guards import is_loopback_host
+
+    if replica_api_key is None or api_key is not None or is_loopback_host(host):
         return None
     return (f"trillm route: warning: listening on {host} with --replica-api-key and no --api-key: anyone who can "
             "reach the router uses the replicas with their key; set --api-key (or $TRILLM_API_KEY)")

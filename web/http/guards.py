@@ -37,6 +37,12 @@ def error_response(err: APIError, path: str = "") -> Response:
     return json_response(err.body(), err.status, err.headers)
 
 
+ORIGIN_REFUSED = APIError(403, "cross-origin request refused: this page's origin may not use this server (see "
+                                "--allowed-origin)", "permission_error", "origin_not_allowed")
+WRONG_KEY = APIError(401, "missing or wrong API key (Authorization: Bearer ... or x-api-key)", "authentication_error",
+                     "invalid_api_key")
+
+
 def is_authorized(api_key: str | None, headers: Any, offered_key: bytes | None = None) -> bool:
     """No key configured, or the right one: a Bearer token, x-api-key, or offered as a websocket subprotocol."""
     if api_key is None:
@@ -55,7 +61,7 @@ def is_protected(path: str) -> bool:
     return path.startswith(("/v1/", "/internal/")) or path in ("/tokenize", "/detokenize", "/tokenizer_info")
 
 
-def _loopback_host(host: str) -> bool:
+def is_loopback_host(host: str) -> bool:
     """localhost, *.localhost (browsers resolve both to loopback, never through DNS) or a loopback address."""
     host = host.lower().rstrip(".")
     if host == "localhost" or host.endswith(".localhost"):
@@ -103,7 +109,7 @@ def same_or_allowed_origin(headers: Any, allowed_origins: Sequence[str], bind_ho
         return False
     address, bound = _ip_literal(page.hostname), _ip_literal(bind_host)
     wildcard = bound is not None and bound.is_unspecified  # 0.0.0.0 or ::, loopback included
-    if (_loopback_host(bind_host) or wildcard) and _loopback_host(page.hostname):
+    if (is_loopback_host(bind_host) or wildcard) and is_loopback_host(page.hostname):
         return True
     if address is None or bound is None:
         return False
@@ -132,28 +138,21 @@ def install_guards(app: QuartTrio, api_key: str | None, allowed_origins: Sequenc
                     or (api_key is not None and is_authorized(api_key, headers, offered)))
         return is_authorized(api_key, headers, offered)
 
-    def origin_refused() -> Response:
-        return error_response(APIError(403, "cross-origin request refused: this page's origin may not use this "
-                                            "server (see --allowed-origin)", "permission_error",
-                                       "origin_not_allowed"))
-
     @app.before_request
     async def check_auth() -> Response | None:
         if request.path.startswith("/internal/") and not same_or_allowed_origin(
                 request.headers, allowed_origins, bind_host):
-            return origin_refused()
+            return error_response(ORIGIN_REFUSED)
         if not authorized(request.path, request.headers):
-            return error_response(APIError(401, "missing or wrong API key (Authorization: Bearer ... or x-api-key)",
-                                           "authentication_error", "invalid_api_key"), request.path)
+            return error_response(WRONG_KEY, request.path)
         return None
 
     @app.before_websocket
     async def check_ws_auth() -> Response | None:
         if not same_or_allowed_origin(websocket.headers, allowed_origins, bind_host):
-            return origin_refused()
+            return error_response(ORIGIN_REFUSED)
         if not authorized(websocket.path, websocket.headers, subprotocol_api_key(websocket.requested_subprotocols)):
-            return error_response(APIError(401, "missing or wrong API key", "authentication_error",
-                                           "invalid_api_key"))
+            return error_response(WRONG_KEY)
         return None
 
     @app.errorhandler(HTTPException)

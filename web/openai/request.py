@@ -83,10 +83,6 @@ class GenerationRequest:
 
 # ---- parsing ----
 
-def _bad(message: str) -> InvalidRequest:
-    return InvalidRequest(message)
-
-
 def _messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
     """Messages as chat templates want them: text content, tool calls' arguments as objects."""
     out = []
@@ -156,7 +152,7 @@ def render_chat(messages: list[dict[str, Any]], tokenizer: Tokenizer, *, tools: 
     except InvalidRequest:
         raise
     except Exception as exc:  # template errors are the request's fault (e.g. a role it does not allow)
-        raise _bad(f"the chat template could not be applied: {exc}") from exc
+        raise InvalidRequest(f"the chat template could not be applied: {exc}") from exc
 
 
 def completion_prompts(body: CompletionRequest) -> list[str | list[int]]:
@@ -173,7 +169,7 @@ def prompt_ids(prompt: str | list[int], tokenizer: Tokenizer) -> list[int]:
     if isinstance(prompt, str):
         return tokenizer.encode(prompt, add_special_tokens=True)
     if any(t >= tokenizer.vocab_size for t in prompt):
-        raise _bad(f"prompt token ids must be in [0, {tokenizer.vocab_size})")
+        raise InvalidRequest(f"prompt token ids must be in [0, {tokenizer.vocab_size})")
     return prompt
 
 
@@ -181,16 +177,16 @@ def sampling_params(body: ChatCompletionRequest | CompletionRequest, kind: Kind,
                     model: RequestLimits, limits: Limits) -> list[SamplingParams]:
     """Every sampling parameter the engine has, with OpenAI's names; one SamplingParams per choice."""
     if not body.n <= limits.max_n:
-        raise _bad(f"'n' must be in [1, {limits.max_n}]")
+        raise InvalidRequest(f"'n' must be in [1, {limits.max_n}]")
     if isinstance(body, ChatCompletionRequest) and body.echo is not None and body.echo is not False:
-        raise _bad("'echo' is not supported on chat completions (it is on /v1/completions)")
+        raise InvalidRequest("'echo' is not supported on chat completions (it is on /v1/completions)")
     if body.best_of is not None and not (type(body.best_of) is int and body.best_of == body.n):
-        raise _bad("'best_of' is not supported (only best_of = n)")
+        raise InvalidRequest("'best_of' is not supported (only best_of = n)")
     if body.suffix is not None and body.suffix != "":
-        raise _bad("'suffix' is not supported")
+        raise InvalidRequest("'suffix' is not supported")
     echo = isinstance(body, CompletionRequest) and body.echo
     if echo and body.n > 1 and body.temperature > 0:
-        raise _bad("'echo' with n > 1 needs temperature 0: sampled choices would each score the prompt again")
+        raise InvalidRequest("'echo' with n > 1 needs temperature 0: sampled choices would each score the prompt again")
     if isinstance(body, ChatCompletionRequest):
         max_tokens = body.max_completion_tokens or body.max_tokens
     else:
@@ -202,36 +198,39 @@ def sampling_params(body: ChatCompletionRequest | CompletionRequest, kind: Kind,
         if limits.max_tokens_limit is not None:
             max_tokens = min(max_tokens, limits.max_tokens_limit)
     elif limits.max_tokens_limit is not None and max_tokens > limits.max_tokens_limit:
-        raise _bad(f"max_tokens is {max_tokens}; this server allows at most {limits.max_tokens_limit}")
+        raise InvalidRequest(f"max_tokens is {max_tokens}; this server allows at most {limits.max_tokens_limit}")
     stop = body.stop_strings
     if len(stop) > limits.max_stop_strings:
-        raise _bad(f"'stop' has {len(stop)} strings; this server allows at most {limits.max_stop_strings}")
+        raise InvalidRequest(f"'stop' has {len(stop)} strings; this server allows at most {limits.max_stop_strings}")
     if any(len(s) > limits.max_stop_string_chars for s in stop):
-        raise _bad(f"stop strings may be at most {limits.max_stop_string_chars} characters long")
+        raise InvalidRequest(f"stop strings may be at most {limits.max_stop_string_chars} characters long")
     stop_ids = tuple(body.stop_token_ids or ())
     if len(stop_ids) > limits.max_stop_token_ids:
-        raise _bad(f"'stop_token_ids' has {len(stop_ids)} ids; this server allows at most {limits.max_stop_token_ids}")
+        raise InvalidRequest(f"'stop_token_ids' has {len(stop_ids)} ids; this server allows at most "
+                             f"{limits.max_stop_token_ids}")
     bias = body.logit_bias or {}
     if len(bias) > limits.max_logit_bias:
-        raise _bad(f"'logit_bias' has {len(bias)} entries; this server allows at most {limits.max_logit_bias}")
+        raise InvalidRequest(f"'logit_bias' has {len(bias)} entries; this server allows at most "
+                             f"{limits.max_logit_bias}")
     logit_bias = tuple((int(k), v) for k, v in bias.items())
     if any(t >= model.vocab_size for t, _ in logit_bias) or any(t >= model.vocab_size for t in stop_ids):
-        raise _bad(f"token ids in 'logit_bias' and 'stop_token_ids' must be in [0, {model.vocab_size})")
+        raise InvalidRequest(f"token ids in 'logit_bias' and 'stop_token_ids' must be in [0, {model.vocab_size})")
     if isinstance(body, ChatCompletionRequest):
         logprobs, top_logprobs = body.logprobs, body.top_logprobs or 0
         if top_logprobs and not logprobs:
-            raise _bad("'top_logprobs' requires 'logprobs': true")
+            raise InvalidRequest("'top_logprobs' requires 'logprobs': true")
     else:
         logprobs, top_logprobs = body.logprobs is not None, body.logprobs or 0
     if top_logprobs > MAX_TOP_LOGPROBS:
-        raise _bad(f"at most {MAX_TOP_LOGPROBS} top logprobs per token")
+        raise InvalidRequest(f"at most {MAX_TOP_LOGPROBS} top logprobs per token")
     if body.prompt_logprobs is not None and body.prompt_logprobs > MAX_TOP_LOGPROBS:
-        raise _bad(f"'prompt_logprobs' must be in [0, {MAX_TOP_LOGPROBS}]")
+        raise InvalidRequest(f"'prompt_logprobs' must be in [0, {MAX_TOP_LOGPROBS}]")
     # The engine computes the prompt's logprobs once for both uses: echoed logprobs and vLLM's field.
     wanted = [k for k in (body.prompt_logprobs, top_logprobs if echo and logprobs else None) if k is not None]
     prompt_logprobs = max(wanted) if wanted else None
     if max_tokens == 0 and not echo and body.prompt_logprobs is None:
-        raise _bad("max_tokens 0 generates nothing: it is for scoring a prompt (with 'echo' or 'prompt_logprobs')")
+        raise InvalidRequest("max_tokens 0 generates nothing: it is for scoring a prompt (with 'echo' or "
+                             "'prompt_logprobs')")
     common: dict[str, Any] = dict(
         max_tokens=max_tokens, min_tokens=body.min_tokens, temperature=body.temperature, top_p=body.top_p,
         top_k=max(0, body.top_k), min_p=body.min_p, repetition_penalty=body.repetition_penalty,
@@ -265,9 +264,9 @@ def answer_spec(body: ChatCompletionRequest | CompletionRequest) -> AnswerSpec |
             try:
                 value = json.loads(value)
             except ValueError as exc:
-                raise _bad(f"'{where}' is not a JSON schema: {exc}") from None
+                raise InvalidRequest(f"'{where}' is not a JSON schema: {exc}") from None
         if not isinstance(value, dict):
-            raise _bad(f"'{where}' must be a JSON schema object")
+            raise InvalidRequest(f"'{where}' must be a JSON schema object")
         return json.dumps(value)
 
     rf = body.response_format if isinstance(body, ChatCompletionRequest) else None
@@ -275,7 +274,7 @@ def answer_spec(body: ChatCompletionRequest | CompletionRequest) -> AnswerSpec |
         found.append(AnswerSpec("json_schema", '{"type": "object"}'))
     elif rf is not None and rf.type == "json_schema":
         if rf.json_schema is None or rf.json_schema.schema_ is None:
-            raise _bad("'response_format.json_schema.schema' is required for type 'json_schema'")
+            raise InvalidRequest("'response_format.json_schema.schema' is required for type 'json_schema'")
         found.append(AnswerSpec("json_schema", schema_text(rf.json_schema.schema_, "response_format.json_schema.schema"),
                                 lenient=rf.json_schema.strict is not True))
     def vllm_constraints(json_: Any, regex: str | None, grammar: str | None, choice: Any, where: str) -> None:
@@ -296,7 +295,8 @@ def answer_spec(body: ChatCompletionRequest | CompletionRequest) -> AnswerSpec |
             found.append(AnswerSpec("json_schema", '{"type": "object"}'))
     vllm_constraints(body.guided_json, body.guided_regex, body.guided_grammar, body.guided_choice, "guided_{}")
     if len(found) > 1:
-        raise _bad("give at most one output constraint (response_format, structured_outputs or one guided_* field)")
+        raise InvalidRequest("give at most one output constraint (response_format, structured_outputs or one "
+                             "guided_* field)")
     return found[0] if found else None
 
 
@@ -305,12 +305,12 @@ def tool_request(body: ChatCompletionRequest) -> ToolRequest | None:
     choice = body.tool_choice
     if not body.tools:
         if choice not in (None, "none"):
-            raise _bad("'tool_choice' needs 'tools'")
+            raise InvalidRequest("'tool_choice' needs 'tools'")
         return None
     tools = tuple(t.model_dump(exclude_none=True) for t in body.tools)
     names = [t["function"]["name"] for t in tools]
     if len(set(names)) != len(names):
-        raise _bad("'tools' has two functions with the same name")
+        raise InvalidRequest("'tools' has two functions with the same name")
     parallel = body.parallel_tool_calls is not False
     if choice is None or isinstance(choice, str):
         return ToolRequest(tools, choice or "auto", None, parallel)
@@ -336,28 +336,29 @@ def parse_generation(body: ChatCompletionRequest | CompletionRequest, model_name
     kind: Kind = "chat" if isinstance(body, ChatCompletionRequest) else "completion"
     size = prompt_bytes(body)
     if size > limits.max_prompt_bytes:
-        raise _bad(f"the prompt has {size} bytes (messages, tool calls and results, tool definitions); this "
-                   f"server allows at most {limits.max_prompt_bytes} (--max-prompt-bytes)")
+        raise InvalidRequest(f"the prompt has {size} bytes (messages, tool calls and results, tool definitions); this "
+                             f"server allows at most {limits.max_prompt_bytes} (--max-prompt-bytes)")
     answer = answer_spec(body)
     tools = tool_request(body) if isinstance(body, ChatCompletionRequest) else None
     echo_texts: tuple[str, ...] = ()
     given = completion_prompts(body) if isinstance(body, CompletionRequest) else []
     if len(given) > limits.max_prompts:
-        raise _bad(f"'prompt' has {len(given)} prompts; this server allows at most {limits.max_prompts}")
+        raise InvalidRequest(f"'prompt' has {len(given)} prompts; this server allows at most {limits.max_prompts}")
     # Before any prompt is tokenized: what the request would put in the engine's queue.
     fan_out = body.n * max(1, len(given))
     if fan_out > limits.max_engine_requests:
-        raise _bad(f"the request asks for {fan_out} generations (prompts x n); this server runs at most "
-                   f"{limits.max_engine_requests} for one request (--max-engine-requests)")
+        raise InvalidRequest(f"the request asks for {fan_out} generations (prompts x n); this server runs at most "
+                             f"{limits.max_engine_requests} for one request (--max-engine-requests)")
     if isinstance(body, CompletionRequest) and body.echo:  # a text prompt echoes as given; token ids as they decode
         echo_texts = tuple(p if isinstance(p, str) else tokenizer.decode(p, skip_special_tokens=False) for p in given)
     prompts = generation_prompt_ids(body, tokenizer, tools, options)
     for i, ids in enumerate(prompts):
         which = f"prompt {i}" if len(prompts) > 1 else "the prompt"
         if not ids:
-            raise _bad(f"{which} is empty")
+            raise InvalidRequest(f"{which} is empty")
         if limits.max_prompt_tokens is not None and len(ids) > limits.max_prompt_tokens:
-            raise _bad(f"{which} has {len(ids)} tokens; this server allows at most {limits.max_prompt_tokens}")
+            raise InvalidRequest(f"{which} has {len(ids)} tokens; this server allows at most "
+                                 f"{limits.max_prompt_tokens}")
     # Only the chat default of max_tokens depends on the prompt, and chat has one prompt.
     params = sampling_params(body, kind, max(len(ids) for ids in prompts), model, limits)
     grammar: GrammarSpec | None = None
@@ -410,9 +411,10 @@ def check_response_size(req: GenerationRequest, limits: Limits) -> None:
         return
     size = response_bytes(req)
     if size > limits.max_response_bytes:
-        raise _bad(f"the response could reach {size} bytes (n x max_tokens x (1 + top_logprobs), with echo and "
-                   f"prompt_logprobs); this server builds at most {limits.max_response_bytes} bytes in memory "
-                   "(--max-response-bytes): use \"stream\": true, or lower n, max_tokens or top_logprobs")
+        raise InvalidRequest(f"the response could reach {size} bytes (n x max_tokens x (1 + top_logprobs), with "
+                             f"echo and prompt_logprobs); this server builds at most {limits.max_response_bytes} "
+                             "bytes in memory (--max-response-bytes): use \"stream\": true, or lower n, max_tokens "
+                             "or top_logprobs")
 
 
 def needs_grammar(body: ChatCompletionRequest | CompletionRequest) -> bool:

@@ -9,7 +9,7 @@ from trillm.web.config import ServerConfig
 from trillm.web.errors import APIError
 from trillm.web.http.body import event_stream_response, json_body, json_response, large_body, started
 from trillm.web.openai.request import chat_prompt_ids
-from trillm.web.openai.response import ResponseBuilder, sse_stream
+from trillm.web.openai.response import response_builder, sse_stream
 from trillm.web.openai.schema import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
 from trillm.web.openai.submit import off_thread, start_generation
 from trillm.web.service.registry import ModelRegistry, any_tokenizer
@@ -19,7 +19,7 @@ def register_openai(app: QuartTrio, registry: ModelRegistry, config: ServerConfi
     async def generate(body: ChatCompletionRequest | CompletionRequest) -> Response:
         service = registry.select(body.model)
         req, handle, tokenizer = await start_generation(service, body, config, large=await large_body())
-        builder = ResponseBuilder(req, handle.request_ids, tokenizer)
+        builder = response_builder(req, handle.request_ids, tokenizer)
         if req.stream:
             return event_stream_response(await started(sse_stream(handle, builder, keepalive_s=config.sse_keepalive_s)))
         await handle.drain(builder.add)

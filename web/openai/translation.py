@@ -18,14 +18,6 @@ from trillm.web.http.sse import sse_named_event
 from trillm.web.openai.request import GenerationRequest
 
 
-def choice_events(parser: ChoiceParser, out: RequestOutput) -> list[OutputEvent]:
-    """One delta of a choice as its output events; the last delta's events end with the one `Finish`."""
-    events = parser.feed(out.new_text)
-    if out.finish_reason is not None:
-        events += parser.finish(out.finish_reason, stop_reason=out.stop_reason, error=out.error)
-    return events
-
-
 @dataclass(frozen=True, slots=True)
 class FitMaxTokens:
     """An agent's max_tokens is an upper bound: lowered to the room the prompt leaves in the context.
@@ -81,7 +73,7 @@ class NamedEventStream(Generic[T]):
 
     def outputs(self, outputs: list[RequestOutput]) -> bytes:
         return named_events([ev for o in outputs
-                             for ev in self.translator.feed(choice_events(self.parser, o), o.usage)])
+                             for ev in self.translator.feed(self.parser.feed_output(o), o.usage)])
 
     def closing(self) -> bytes:
         return b""  # the translator's last events came with the final output

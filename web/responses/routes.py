@@ -15,7 +15,7 @@ from trillm.web.config import ServerConfig
 from trillm.web.http.body import body_work, event_stream_response, json_body, json_response, large_body, started
 from trillm.web.http.sse import event_stream
 from trillm.web.openai.submit import start_generation
-from trillm.web.openai.translation import FitMaxTokens, choice_events
+from trillm.web.openai.translation import FitMaxTokens
 from trillm.web.responses.schema import ResponsesRequest
 from trillm.web.responses.translate import ResponseTranslator, ResponsesStream, chat_body
 from trillm.web.service.registry import ModelRegistry
@@ -38,5 +38,5 @@ def register_responses(app: QuartTrio, registry: ModelRegistry, config: ServerCo
         if body.stream:
             stream = event_stream(handle, ResponsesStream(translator, parser), keepalive_s=config.sse_keepalive_s)
             return event_stream_response(await started(stream))
-        await handle.drain(lambda out: translator.feed(choice_events(parser, out), out.usage))
+        await handle.drain(lambda out: translator.feed(parser.feed_output(out), out.usage))
         return json_response(translator.response())

@@ -25,7 +25,7 @@ from pydantic import ValidationError
 from trillm.engine.errors import InvalidRequest
 from trillm.engine.outputs import Usage
 from trillm.web.chat.output_events import (
-    Finish, OutputEvent, ReasoningDelta, TextDelta, ToolCallArgumentsDelta, ToolCallEnd, ToolCallStart,
+    OutputEnd, OutputEvent, ReasoningDelta, TextDelta, ToolCallArgumentsDelta, ToolCallEnd, ToolCallStart,
 )
 from trillm.web.errors import to_api_error
 from trillm.web.http.sse import KEEPALIVE
@@ -45,25 +45,22 @@ DEFAULT_TOP_P = 1.0
 STATELESS = "this server is stateless"
 
 
-def _bad(message: str) -> InvalidRequest:
-    return InvalidRequest(message)
-
-
 # ---- request ----
 
 def _refuse_stateful(body: ResponsesRequest) -> None:
     if body.store:
-        raise _bad(f"'store': true is not supported: {STATELESS} and keeps no responses (send store: false)")
+        raise InvalidRequest(f"'store': true is not supported: {STATELESS} and keeps no responses (send store: false)")
     if body.previous_response_id is not None:
-        raise _bad(f"'previous_response_id' is not supported: {STATELESS}; send the whole conversation as 'input'")
+        raise InvalidRequest(f"'previous_response_id' is not supported: {STATELESS}; send the whole conversation as "
+                             f"'input'")
     if body.conversation is not None:
-        raise _bad(f"'conversation' is not supported: {STATELESS}; send the whole conversation as 'input'")
+        raise InvalidRequest(f"'conversation' is not supported: {STATELESS}; send the whole conversation as 'input'")
     if body.prompt is not None:
-        raise _bad(f"'prompt' (a stored prompt template) is not supported: {STATELESS}")
+        raise InvalidRequest(f"'prompt' (a stored prompt template) is not supported: {STATELESS}")
     if body.background:
-        raise _bad(f"'background': true is not supported: {STATELESS}")
+        raise InvalidRequest(f"'background': true is not supported: {STATELESS}")
     if body.top_logprobs:
-        raise _bad("'top_logprobs' is not supported")
+        raise InvalidRequest("'top_logprobs' is not supported")
 
 
 def _parts_text(parts: str | list[TextPart | RefusalPart | OtherPart], where: str) -> str:
@@ -76,7 +73,7 @@ def _parts_text(parts: str | list[TextPart | RefusalPart | OtherPart], where: st
         elif isinstance(part, RefusalPart):
             texts.append(part.refusal)
         else:
-            raise _bad(f"'{where}.{k}': this model takes text only ({part.type!r} content is not supported)")
+            raise InvalidRequest(f"'{where}.{k}': this model takes text only ({part.type!r} content is not supported)")
     return "".join(texts)
 
 
@@ -106,10 +103,11 @@ def _conversation(body: ResponsesRequest) -> list[ChatMessage]:
         elif isinstance(item, ReasoningItem):
             pass  # earlier turns' reasoning: chat templates drop it from the prompt
         elif item.type == "item_reference":
-            raise _bad(f"'{where}': item references are not supported: {STATELESS}; send the items themselves")
+            raise InvalidRequest(f"'{where}': item references are not supported: {STATELESS}; send the items "
+                                 f"themselves")
         else:
-            raise _bad(f"'{where}': input items of type {item.type!r} are not supported (supported: message, "
-                       "function_call, function_call_output, reasoning)")
+            raise InvalidRequest(f"'{where}': input items of type {item.type!r} are not supported (supported: message, "
+                                 "function_call, function_call_output, reasoning)")
     return out
 
 
@@ -120,17 +118,17 @@ def _tools(body: ResponsesRequest) -> dict[str, Any]:
         fields["parallel_tool_calls"] = body.parallel_tool_calls
     choice = body.tool_choice
     if choice is not None and not isinstance(choice, str) and (choice.type != "function" or choice.name is None):
-        raise _bad(f"'tool_choice': {choice.type!r} is not supported (give 'none', 'auto', 'required' or "
-                   "{'type': 'function', 'name': ...})")
+        raise InvalidRequest(f"'tool_choice': {choice.type!r} is not supported (give 'none', 'auto', 'required' or "
+                             "{'type': 'function', 'name': ...})")
     if not body.tools:
         return fields
     tools = []
     for i, tool in enumerate(body.tools):
         if not isinstance(tool, FunctionTool) and tool.type == "custom":
-            raise _bad(f"'tools.{i}': custom (free-form input) tools are not supported; give function tools")
+            raise InvalidRequest(f"'tools.{i}': custom (free-form input) tools are not supported; give function tools")
         if not isinstance(tool, FunctionTool):
-            raise _bad(f"'tools.{i}': {tool.type!r} is a built-in tool: {STATELESS} and runs no tools of its "
-                       "own; give function tools")
+            raise InvalidRequest(f"'tools.{i}': {tool.type!r} is a built-in tool: {STATELESS} and runs no tools of its "
+                                 "own; give function tools")
         tools.append(Tool(type="function", function=FunctionDef(name=tool.name, description=tool.description,
                                                                 parameters=tool.parameters, strict=tool.strict)))
     fields["tools"] = tools
@@ -148,7 +146,7 @@ def _response_format(body: ResponsesRequest) -> ResponseFormat | None:
     if fmt.type == "json_object":
         return ResponseFormat(type="json_object")
     if fmt.schema_ is None:
-        raise _bad("'text.format.schema' is required for type 'json_schema'")
+        raise InvalidRequest("'text.format.schema' is required for type 'json_schema'")
     return ResponseFormat(type="json_schema", json_schema=JsonSchemaFormat(
         name=fmt.name or "response", description=fmt.description, schema=fmt.schema_, strict=fmt.strict))
 
@@ -168,7 +166,7 @@ def chat_body(body: ResponsesRequest) -> ChatCompletionRequest:
             top_p=DEFAULT_TOP_P if body.top_p is None else body.top_p,
         )
     except ValidationError as exc:
-        raise _bad(describe(exc)) from None
+        raise InvalidRequest(describe(exc)) from None
 
 
 # ---- response ----
@@ -286,7 +284,7 @@ class ResponseTranslator:
             self.usage = usage
         out: list[dict[str, Any]] = []
         for ev in events:
-            if isinstance(ev, Finish):
+            if isinstance(ev, OutputEnd):
                 out += self._finish(ev)
             elif isinstance(ev, TextDelta):
                 if not ev.text:
@@ -330,7 +328,7 @@ class ResponseTranslator:
                         out += self._close("completed")
         return out
 
-    def _finish(self, finish: Finish) -> list[dict[str, Any]]:
+    def _finish(self, finish: OutputEnd) -> list[dict[str, Any]]:
         if finish.reason == "length":
             out = self._close("incomplete")
             self.status, self.incomplete_reason = "incomplete", "max_output_tokens"

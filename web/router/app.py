@@ -22,13 +22,14 @@ from quart import Response, request, websocket
 from quart_trio import QuartTrio
 
 from trillm.web.anthropic.translate import MESSAGES_PATH, anthropic_error
-from trillm.web.errors import APIError, to_api_error
+from trillm.web.errors import to_api_error
 from trillm.web.http.asgi import ShieldedFinalSend
 from trillm.web.http.body import json_response
 from trillm.web.http.guards import (
-    error_response, install_guards, is_authorized, register_error_shape, same_or_allowed_origin,
+    ORIGIN_REFUSED, WRONG_KEY, error_response, install_guards, is_authorized, register_error_shape,
+    same_or_allowed_origin,
 )
-from trillm.web.http.keys import subprotocol_api_key
+from trillm.web.http.keys import offered_key, subprotocol_api_key
 from trillm.web.router.config import RouterConfig
 from trillm.web.router.core import Router
 from trillm.web.router.metrics import RouterMetrics, statistics_json
@@ -124,27 +125,20 @@ def create_router_app(config: RouterConfig, router: Router, forwarder: Forwarder
         # It changes what /stats reports: the API key when one is set, and never from another site's page (a
         # form POST from any page needs no CORS preflight).
         if not same_or_allowed_origin(request.headers, config.server.allowed_origins, config.server.host):
-            return error_response(APIError(403, "cross-origin request refused (see --allowed-origin)",
-                                           "permission_error", "origin_not_allowed"))
+            return error_response(ORIGIN_REFUSED)
         if not is_authorized(api_key, request.headers):
-            return error_response(APIError(401, "missing or wrong API key (Authorization: Bearer ... or x-api-key)",
-                                           "authentication_error", "invalid_api_key"))
+            return error_response(WRONG_KEY)
         metrics.reset_window()
         return {"reset": True}
 
     @app.websocket("/v1/ws")
     async def ws() -> None:
         await websocket.accept(subprotocol=SUBPROTOCOL if SUBPROTOCOL in websocket.requested_subprotocols else None)
-        auth = config.replica_api_key
-        headers: list[tuple[bytes, bytes]] = []
-        if auth is not None:
-            headers.append((b"Authorization", f"Bearer {auth}".encode()))
-        elif "Authorization" in websocket.headers:
-            headers.append((b"Authorization", websocket.headers["Authorization"].encode()))
-        elif "x-api-key" in websocket.headers:
-            headers.append((b"x-api-key", websocket.headers["x-api-key"].encode()))
-        elif (offered := subprotocol_api_key(websocket.requested_subprotocols)) is not None:
-            headers.append((b"Authorization", b"Bearer " + offered))
+        # The replicas' key, or the one the client offered (a header or a subprotocol), as a Bearer token.
+        key = config.replica_api_key or offered_key(websocket.headers,
+                                                    subprotocol_api_key(websocket.requested_subprotocols))
+        key = key.encode() if isinstance(key, str) else key
+        headers = [] if key is None else [(b"Authorization", b"Bearer " + key)]
         send, recv = trio.open_memory_channel[str](256)
         metrics.ws_sessions += 1
         session: WSSession | None = None

@@ -20,6 +20,7 @@ from trillm.web.openai.request import generation_prompt_ids, tool_request
 from trillm.web.openai.schema import ChatCompletionRequest, CompletionRequest
 from trillm.web.responses.schema import ResponsesRequest
 from trillm.web.responses.translate import chat_body as responses_chat_body
+from trillm.web.ws.envelope import generate_fields
 
 # chat and completion: OpenAI's endpoints; messages and responses: Anthropic's Messages and OpenAI's
 # Responses APIs, which the replicas translate into a chat request (the same translation is used here).
@@ -52,10 +53,9 @@ def chat_request(kind: PromptKind, body: dict[str, Any]) -> ChatCompletionReques
 
 
 def ws_request(message: dict[str, Any]) -> tuple[PromptKind, dict[str, Any]]:
-    """The endpoint a /v1/ws generate message asks for, and its request fields (the same rule as web/ws/session.py)."""
-    body = {k: v for k, v in message.items() if k not in ("type", "id", "endpoint")}
-    endpoint = message.get("endpoint")
-    return ("chat" if endpoint == "chat" or (endpoint is None and "messages" in body) else "completion"), body
+    """The endpoint a /v1/ws generate message asks for, and its request fields (the replicas' own rule)."""
+    chat, body = generate_fields(message)
+    return ("chat" if chat else "completion"), body
 
 
 def probe_kind(body: dict[str, Any]) -> PromptKind:

@@ -42,9 +42,6 @@ class PromptSource:
         self._trusted: dict[str, TokenizerLike | None] = {}  # model id -> verified local tokenizer (None: remote)
         self._checking: set[str] = set()
 
-    def local_for(self, model_id: str) -> TokenizerLike | None:
-        return self._trusted.get(model_id)
-
     def statistics(self) -> dict[str, str]:
         """model id -> how its prompts are tokenized: "local" (trusted), "remote", or "checking"."""
         out = {m: "local" if t is not None else "remote" for m, t in self._trusted.items()}

@@ -10,7 +10,6 @@ when its replica refuses it as overloaded or unavailable, or when the upstream s
 
 from __future__ import annotations
 
-import json
 import logging
 from dataclasses import dataclass, field
 from typing import Any
@@ -25,7 +24,7 @@ from trillm.web.router.prompt import ws_request
 from trillm.web.router.proxy import request_model, request_salt
 from trillm.web.router.replica import failure_reason
 from trillm.web.router.tokenizers import PromptSource
-from trillm.web.ws.envelope import BadMessage, MAX_SEND_BYTES, parse_message
+from trillm.web.ws.envelope import BadMessage, MAX_SEND_BYTES, encode_message, parse_message
 
 log = logging.getLogger("trillm.web.router")
 
@@ -69,7 +68,7 @@ class WSSession:
         self._opening: dict[str, trio.Lock] = {}
 
     async def send(self, msg: dict[str, Any]) -> None:
-        await self.out.send(json.dumps(msg, separators=(",", ":"), ensure_ascii=False))
+        await self.out.send(encode_message(msg))
 
     async def error(self, gid: object, exc: BaseException) -> None:
         await self.send({"type": "error", "id": gid, "error": to_api_error(exc).body()["error"]})
@@ -176,10 +175,10 @@ class WSSession:
 
     async def _from_upstream(self, url: str, text: str) -> None:
         try:
-            msg = json.loads(text)
-        except ValueError:
+            msg, gid = parse_message(text)  # as strictly as the client's messages
+        except BadMessage:
             return
-        key = str(msg.get("id"))
+        key = str(gid)
         gen = self.active.get(key)
         if gen is None or gen.assignment is None or gen.assignment.worker.replica != url:
             return  # a generation that already moved or ended

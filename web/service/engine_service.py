@@ -149,6 +149,7 @@ class EngineService:
         self._stopping = False  # draining: admit nothing new
         self._stopped = trio.Event()  # run() is over: an engine thread still waiting or loading must quit
         self._drained = trio.Event()  # drain() is done: nothing live is left
+        self._emptied = trio.Event()  # set whenever the last live request ends (drain waits on a fresh one)
         self._declared_failure: Exception | None = None  # set by `fail`, raised in the engine's next hop
 
     @property
@@ -360,9 +361,10 @@ class EngineService:
         the rest with an error (their streams get an error event and their end, not a cut connection)."""
         self._stopping = True
         self._notify()  # requests waiting for a load give up now
+        self._emptied = trio.Event()
         with trio.move_on_after(timeout_s):
-            while self._live:
-                await trio.sleep(0.02)
+            if self._live:
+                await self._emptied.wait()
         if self._live:
             log.warning("model %s: %d requests still running after %s s; ending them", self.model_name,
                         len(self._live), timeout_s)
@@ -378,6 +380,7 @@ class EngineService:
     def _fail_all(self, error: str | Callable[[], Exception]) -> None:
         """End every live generation with an error (GenerationFailed(error), or error()) and abort it."""
         live, self._live = self._live, {}
+        self._emptied.set()
         for handle in {id(h): h for h in live.values()}.values():
             handle.fail(GenerationFailed(error) if isinstance(error, str) else error())
 
@@ -465,8 +468,14 @@ class EngineService:
         self._wakeup.set()
         return handle
 
+    def _forget(self, request_id: str) -> GenerationHandle | None:
+        handle = self._live.pop(request_id, None)
+        if not self._live:
+            self._emptied.set()
+        return handle
+
     def _abort(self, request_id: str) -> None:
-        if self._live.pop(request_id, None) is not None:
+        if self._forget(request_id) is not None:
             self._inbox.append(Abort(request_id))
             self._wakeup.set()
 
@@ -534,7 +543,7 @@ class EngineService:
         if result.ran:
             self._num_steps += 1
         for rejected in result.rejected:
-            handle = self._live.pop(rejected.request_id, None)
+            handle = self._forget(rejected.request_id)
             if handle is not None:
                 handle.on_rejected(rejected.request_id, rejected.error)
         for out in result.outputs:
@@ -542,7 +551,7 @@ class EngineService:
             if handle is None:
                 continue  # aborted meanwhile: its abort is in the inbox
             if out.finished:
-                del self._live[out.request_id]
+                self._forget(out.request_id)
             handle.feed(out)
         return self._take_work()
 

@@ -63,6 +63,14 @@ def parse_message(raw: str | bytes) -> tuple[dict[str, Any], str | int]:
     return msg, gid
 
 
+def generate_fields(msg: dict[str, Any]) -> tuple[bool, dict[str, Any]]:
+    """A generate message's request fields, and whether they are a chat (endpoint "chat", or "messages"
+    without an endpoint) rather than a completion."""
+    fields = {k: v for k, v in msg.items() if k not in ("type", "id", "endpoint")}
+    endpoint = msg.get("endpoint")
+    return endpoint == "chat" or (endpoint is None and "messages" in fields), fields
+
+
 def encode_message(msg: dict[str, Any]) -> str:
     """A server's message as text; APIError (for its generation alone) if it is over MAX_SEND_BYTES."""
     text = json.dumps(msg, separators=(",", ":"), ensure_ascii=False)

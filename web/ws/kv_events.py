@@ -40,10 +40,6 @@ class KVEventHub:
         self._buffer = buffer
         self._subscribers: set[trio.MemorySendChannel[str]] = set()
 
-    @property
-    def num_subscribers(self) -> int:
-        return len(self._subscribers)
-
     async def run(self) -> None:
         """Drain and fan out until cancelled (reports are dropped while nobody listens). A new epoch is news
         even without reports: subscribers must drop what they know of the old engine's cache now."""

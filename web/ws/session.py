@@ -1,9 +1,10 @@
 """The websocket API, /v1/ws: many generations multiplexed on one socket, each cancellable.
 
 Client -> server: {"type": "generate", "id": ..., <chat or completion params>} and {"type": "cancel", "id"}.
-Server -> client: {"type": "delta", "id", "index", "text", "token_ids", "logprobs", "finish_reason"} ...,
-then {"type": "done", "id", "usage", "finish_reasons"}; or {"type": "cancelled", "id"}; or
-{"type": "error", "id", "error": {...}}. A malformed message gets an error and the socket stays open.
+Server -> client: {"type": "delta", "id", "index", "text", "token_ids", "logprobs", "finish_reason"} ...
+(a chat delta with "reasoning" and "tool_calls" when its output has them: the output events every surface
+renders, so "text" is the answer alone), then {"type": "done", "id", "usage", "finish_reasons"}; or
+{"type": "cancelled", "id"}; or {"type": "error", "id", "error": {...}}. A malformed message gets an error and the socket stays open.
 Closing the socket cancels the handler (quart-trio), which aborts every generation it started.
 
 Browsers cannot set an Authorization header on a websocket, so a client may instead offer the subprotocols
@@ -24,13 +25,13 @@ from trillm.web.config import ServerConfig
 from trillm.web.errors import APIError, to_api_error
 from trillm.web.http.validate import parse_object
 from trillm.web.openai.request import completion_prompts
-from trillm.web.openai.response import ResponseBuilder, usage_dict
+from trillm.web.openai.response import StreamedDelta, event_delta, finish_reason, response_builder, usage_dict
 from trillm.web.openai.schema import ChatCompletionRequest, CompletionRequest
 from trillm.web.openai.submit import start_generation
 from trillm.web.service.engine_service import EngineService
 from trillm.web.service.registry import ModelNotFound, ModelRegistry
 from trillm.web.service.stream import GenerationFailed
-from trillm.web.ws.envelope import BadMessage, encode_message, parse_message
+from trillm.web.ws.envelope import BadMessage, encode_message, generate_fields, parse_message
 
 log = logging.getLogger("trillm.web.ws.session")
 
@@ -46,6 +47,7 @@ class _Session:
         self.config = config
         self.active: dict[str, trio.CancelScope] = {}
         self.num_requests = 0  # engine requests (n per prompt of each generation) running on this socket
+        self.emptied = trio.Event()  # set whenever the last generation ends
 
     async def send(self, msg: dict[str, Any]) -> None:
         await self.out.send(encode_message(msg))  # APIError past MAX_SEND_BYTES: that generation fails alone
@@ -92,14 +94,15 @@ class _Session:
                 await self.error(gid, exc)
             finally:
                 del self.active[key]
+                if not self.active:
+                    self.emptied.set()
         if scope.cancelled_caught:
             await self.send({"type": "cancelled", "id": gid})
 
     async def _generate(self, gid: str | int, msg: dict[str, Any]) -> None:
         # Always streamed (so no cap on a whole response applies): deltas go out as they come.
-        fields = {k: v for k, v in msg.items() if k not in ("type", "id")} | {"stream": True}
-        endpoint = fields.pop("endpoint", None)
-        chat = endpoint == "chat" or (endpoint is None and "messages" in fields)
+        chat, fields = generate_fields(msg)
+        fields["stream"] = True
         body: ChatCompletionRequest | CompletionRequest = (
             parse_object(ChatCompletionRequest, fields) if chat else parse_object(CompletionRequest, fields))
         n = body.n * (len(completion_prompts(body)) if isinstance(body, CompletionRequest) else 1)
@@ -116,7 +119,7 @@ class _Session:
     async def _stream(self, gid: str | int, service: EngineService, body: ChatCompletionRequest | CompletionRequest,
                       ) -> None:
         req, handle, tokenizer = await start_generation(service, body, self.config)
-        builder = ResponseBuilder(req, handle.request_ids, tokenizer)
+        builder = response_builder(req, handle.request_ids, tokenizer)
         with handle:
             while True:
                 try:
@@ -124,19 +127,25 @@ class _Session:
                 except trio.EndOfChannel:
                     break
                 for out in outputs:
-                    i, text, logprobs, prompt_logprobs = builder.stream_delta(out)
-                    message = {
-                        "type": "delta", "id": gid, "index": i, "text": text,
-                        "token_ids": list(out.new_token_ids), "logprobs": logprobs,
-                        "finish_reason": None if out.finish_reason is None else out.finish_reason.value,
-                    }
-                    if prompt_logprobs is not None:
-                        message["prompt_logprobs"] = prompt_logprobs
-                    await self.send(message)
-        await self.send({
-            "type": "done", "id": gid, "usage": usage_dict(builder.total_usage()),
-            "finish_reasons": [None if c.finish_reason is None else c.finish_reason.value for c in builder.choices],
-        })
+                    await self.send(delta_message(gid, builder.stream_delta(out), out.new_token_ids))
+        await self.send({"type": "done", "id": gid, "usage": usage_dict(builder.total_usage()),
+                         "finish_reasons": [finish_reason(c.finish) for c in builder.choices]})
+
+
+def delta_message(gid: str | int, d: StreamedDelta, token_ids: tuple[int, ...]) -> dict[str, Any]:
+    """One delta of one choice as a websocket message: its answer text, and (chat) its reasoning and tool
+    calls as OpenAI's chunks carry them; finish_reason as the HTTP APIs give it."""
+    message: dict[str, Any] = {"type": "delta", "id": gid, "index": d.index, "text": d.text,
+                               "token_ids": list(token_ids), "logprobs": d.logprobs,
+                               "finish_reason": finish_reason(d.finish)}
+    deltas = [delta for ev in d.events if (delta := event_delta(ev)) is not None]
+    if reasoning := "".join(delta.get("reasoning", "") for delta in deltas):
+        message["reasoning"] = reasoning
+    if calls := [call for delta in deltas for call in delta.get("tool_calls", ())]:
+        message["tool_calls"] = calls
+    if d.prompt_logprobs is not None:
+        message["prompt_logprobs"] = d.prompt_logprobs
+    return message
 
 
 GOING_AWAY = 1001  # the websocket close code of a server shutting down
@@ -157,9 +166,10 @@ async def _writer(out: trio.MemoryReceiveChannel[str | None], done: trio.CancelS
 async def _close_when_drained(session: _Session) -> None:
     # A graceful shutdown has ended every generation: each sends its error message, then the socket closes.
     await session.registry.wait_drained()
+    session.emptied = trio.Event()
     with trio.move_on_after(CLOSE_FLUSH_S):
-        while session.active:
-            await trio.sleep(0.01)
+        if session.active:
+            await session.emptied.wait()
     await session.out.send(None)
 
 
