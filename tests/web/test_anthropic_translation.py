@@ -20,8 +20,7 @@ from trillm.web.anthropic.translate import MessageTranslator, anthropic_error, c
 from trillm.web.chat.output_events import (
     OutputEnd, OutputEvent, ReasoningDelta, TextDelta, ToolCallArgumentsDelta, ToolCallEnd, ToolCallStart,
 )
-from trillm.web.errors import APIError, to_api_error
-from trillm.web.http.validate import parse_body
+from trillm.web.errors import APIError, parse_body, to_api_error
 from trillm.web.openai.request import Limits, parse_generation
 from trillm.web.openai.schema import NamedToolChoice
 from trillm.web.openai.translation import FitMaxTokens

@@ -12,7 +12,7 @@ from trillm.engine.errors import InvalidRequest
 from trillm.engine.mock.tokenizer import MockTokenizer
 from trillm.engine.outputs import FinishReason, RequestOutput, TokenLogprob, Usage
 from trillm.web.cli import build_parser, main
-from trillm.web.http.validate import parse_body
+from trillm.web.errors import parse_body
 from trillm.web.openai.request import GenerationRequest, Limits, parse_generation
 from trillm.web.openai.response import response_builder
 from trillm.web.openai.schema import ChatCompletionRequest, CompletionRequest

@@ -18,7 +18,7 @@ from trillm.engine.outputs import Usage
 from trillm.web.chat.output_events import (
     OutputEnd, OutputEvent, ReasoningDelta, TextDelta, ToolCallArgumentsDelta, ToolCallEnd, ToolCallStart,
 )
-from trillm.web.http.validate import parse_body
+from trillm.web.errors import parse_body
 from trillm.web.openai.schema import NamedToolChoice
 from trillm.web.responses.schema import ResponsesRequest
 from trillm.web.responses.translate import ResponseTranslator, chat_body

@@ -16,7 +16,7 @@ from trillm.engine.admission import RequestLimits
 from trillm.engine.config import EngineConfig
 from trillm.engine.llm_engine import LLMEngine
 from trillm.engine.loader import LoadedModel
-from trillm.web.http.validate import parse_body
+from trillm.web.errors import parse_body
 from trillm.web.openai.request import Limits, parse_generation
 from trillm.web.openai.schema import ChatCompletionRequest
 

@@ -10,31 +10,27 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag
+from pydantic import Discriminator, Field, Tag
 
-from trillm.web.openai.schema import MAX_MESSAGES, MAX_NAME, Text
+from trillm.web.openai.schema import MAX_MESSAGES, MAX_NAME, StrictModel, Text
 
 MAX_BLOCKS = 4096
 MAX_TOOLS = 1024
 MAX_STOP_SEQUENCES = 1024  # the server's own cap (--max-stop-strings) applies later
 
 
-class _Model(BaseModel):
-    model_config = ConfigDict(strict=True, extra="ignore", frozen=True, allow_inf_nan=False)
-
-
 Name = Annotated[str, Field(min_length=1, max_length=MAX_NAME)]
 CacheControl = dict[str, Any] | None  # accepted on every block and tool, ignored: the prefix cache is automatic
 
 
-class TextBlock(_Model):
+class TextBlock(StrictModel):
     type: Literal["text"]
     text: Text
     cache_control: CacheControl = None
     citations: list[Any] | None = None
 
 
-class ToolUseBlock(_Model):
+class ToolUseBlock(StrictModel):
     type: Literal["tool_use"]
     id: Name
     name: Name
@@ -42,7 +38,7 @@ class ToolUseBlock(_Model):
     cache_control: CacheControl = None
 
 
-class OtherBlock(_Model):
+class OtherBlock(StrictModel):
     """A block type only named here (image, document, search_result, server tool results, ...)."""
 
     type: Annotated[str, Field(max_length=64)]
@@ -59,7 +55,7 @@ ToolResultContent = Annotated[
 ]
 
 
-class ToolResultBlock(_Model):
+class ToolResultBlock(StrictModel):
     type: Literal["tool_result"]
     tool_use_id: Name
     content: Text | Annotated[list[ToolResultContent], Field(max_length=MAX_BLOCKS)] = ""
@@ -67,13 +63,13 @@ class ToolResultBlock(_Model):
     cache_control: CacheControl = None
 
 
-class ThinkingBlock(_Model):
+class ThinkingBlock(StrictModel):
     type: Literal["thinking"]
     thinking: Text
     signature: Text = ""
 
 
-class RedactedThinkingBlock(_Model):
+class RedactedThinkingBlock(StrictModel):
     type: Literal["redacted_thinking"]
     data: Text = ""
 
@@ -88,12 +84,12 @@ ContentBlock = Annotated[
 ]
 
 
-class Message(_Model):
+class Message(StrictModel):
     role: Literal["user", "assistant", "system"]
     content: Text | Annotated[list[ContentBlock], Field(max_length=MAX_BLOCKS)]
 
 
-class ToolDef(_Model):
+class ToolDef(StrictModel):
     """A client tool (`type` absent or "custom"); any other `type` is one of Anthropic's server tools."""
 
     name: Name
@@ -104,58 +100,58 @@ class ToolDef(_Model):
     strict: bool | None = None
 
 
-class ToolChoiceAuto(_Model):
+class ToolChoiceAuto(StrictModel):
     type: Literal["auto"]
     disable_parallel_tool_use: bool = False
 
 
-class ToolChoiceAny(_Model):
+class ToolChoiceAny(StrictModel):
     type: Literal["any"]
     disable_parallel_tool_use: bool = False
 
 
-class ToolChoiceTool(_Model):
+class ToolChoiceTool(StrictModel):
     type: Literal["tool"]
     name: Name
     disable_parallel_tool_use: bool = False
 
 
-class ToolChoiceNone(_Model):
+class ToolChoiceNone(StrictModel):
     type: Literal["none"]
 
 
 ToolChoice = Annotated[ToolChoiceAuto | ToolChoiceAny | ToolChoiceTool | ToolChoiceNone, Field(discriminator="type")]
 
 
-class ThinkingEnabled(_Model):
+class ThinkingEnabled(StrictModel):
     type: Literal["enabled"]
     budget_tokens: Annotated[int, Field(ge=1, le=2**31 - 1)]
     display: Literal["summarized", "omitted"] | None = None
 
 
-class ThinkingAdaptive(_Model):
+class ThinkingAdaptive(StrictModel):
     type: Literal["adaptive"]
     display: Literal["summarized", "omitted"] | None = None
 
 
-class ThinkingDisabled(_Model):
+class ThinkingDisabled(StrictModel):
     type: Literal["disabled"]
 
 
 Thinking = Annotated[ThinkingEnabled | ThinkingAdaptive | ThinkingDisabled, Field(discriminator="type")]
 
 
-class JSONOutputFormat(_Model):
+class JSONOutputFormat(StrictModel):
     type: Literal["json_schema"]
     schema_: Annotated[dict[str, Any], Field(alias="schema")]
 
 
-class OutputConfig(_Model):
+class OutputConfig(StrictModel):
     effort: Literal["low", "medium", "high", "xhigh", "max"] | None = None
     format: JSONOutputFormat | None = None
 
 
-class _MessagesBase(_Model):
+class _MessagesBase(StrictModel):
     """What shapes the prompt: shared by /v1/messages and /v1/messages/count_tokens."""
 
     model: Annotated[str, Field(max_length=MAX_NAME)]

@@ -29,8 +29,7 @@ from trillm.web.chat.output_events import (
     OutputEnd, OutputEvent, ReasoningDelta, TextDelta, ToolCallArgumentsDelta, ToolCallEnd, ToolCallStart,
     arguments_object,
 )
-from trillm.web.errors import APIError, to_api_error
-from trillm.web.http.validate import describe
+from trillm.web.errors import APIError, describe, to_api_error
 from trillm.web.openai.schema import (
     ChatCompletionRequest, ChatMessage, FunctionDef, JsonSchemaFormat, NamedFunction, NamedToolChoice,
     ResponseFormat, Tool, ToolCall, ToolCallFunction,

@@ -11,8 +11,7 @@ import trio
 from pydantic import BaseModel
 from quart import Response, request
 
-from trillm.web.errors import APIError
-from trillm.web.http.validate import parse_body
+from trillm.web.errors import APIError, parse_body
 
 M = TypeVar("M", bound=BaseModel)
 

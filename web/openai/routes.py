@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import trio
 from quart import Response, request
 from quart_trio import QuartTrio
 
@@ -11,7 +12,7 @@ from trillm.web.http.body import event_stream_response, json_body, json_response
 from trillm.web.openai.request import chat_prompt_ids
 from trillm.web.openai.response import response_builder, sse_stream
 from trillm.web.openai.schema import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
-from trillm.web.openai.submit import off_thread, start_generation
+from trillm.web.openai.submit import start_generation
 from trillm.web.service.registry import ModelRegistry, any_tokenizer
 
 
@@ -49,11 +50,11 @@ def register_openai(app: QuartTrio, registry: ModelRegistry, config: ServerConfi
         tokenizer = await any_tokenizer(service)
         if body.messages is not None:
             messages = body.messages
-            ids = await off_thread(lambda: chat_prompt_ids(messages, tokenizer,
+            ids = await trio.to_thread.run_sync(lambda: chat_prompt_ids(messages, tokenizer,
                                                            template_kwargs=body.chat_template_kwargs))
         elif body.prompt is not None:
             prompt = body.prompt
-            ids = await off_thread(lambda: tokenizer.encode(prompt, add_special_tokens=body.add_special_tokens))
+            ids = await trio.to_thread.run_sync(lambda: tokenizer.encode(prompt, add_special_tokens=body.add_special_tokens))
         else:
             raise APIError(400, "give 'prompt' (a string) or 'messages'")
         return json_response({"tokens": ids, "count": len(ids), "max_model_len": service.max_model_len})
@@ -76,4 +77,4 @@ def register_openai(app: QuartTrio, registry: ModelRegistry, config: ServerConfi
         if any(t >= tokenizer.vocab_size for t in body.tokens):
             raise APIError(400, f"token ids must be in [0, {tokenizer.vocab_size})")
         tokens = body.tokens
-        return json_response({"prompt": await off_thread(lambda: tokenizer.decode(tokens, skip_special_tokens=False))})
+        return json_response({"prompt": await trio.to_thread.run_sync(lambda: tokenizer.decode(tokens, skip_special_tokens=False))})

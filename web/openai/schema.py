@@ -26,11 +26,13 @@ Text = Annotated[str, Field(max_length=4 << 20)]
 TokenId = Annotated[int, Field(ge=0, le=MAX_ID)]
 
 
-class _Model(BaseModel):
+class StrictModel(BaseModel):
+    """A request body's model: strict types, unknown fields ignored, no inf or nan (the APIs' schemas share it)."""
+
     model_config = ConfigDict(strict=True, extra="ignore", frozen=True, allow_inf_nan=False)
 
 
-class TextPart(_Model):
+class TextPart(StrictModel):
     type: Annotated[str, Field(max_length=64)]
     text: Text = ""
 
@@ -42,18 +44,18 @@ class TextPart(_Model):
         return value
 
 
-class ToolCallFunction(_Model):
+class ToolCallFunction(StrictModel):
     name: Annotated[str, Field(max_length=MAX_NAME)]
     arguments: Text = ""  # a JSON string, as OpenAI sends it
 
 
-class ToolCall(_Model):
+class ToolCall(StrictModel):
     id: Annotated[str, Field(max_length=MAX_NAME)] = ""
     type: Literal["function"] = "function"
     function: ToolCallFunction
 
 
-class ChatMessage(_Model):
+class ChatMessage(StrictModel):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: Text | Annotated[list[TextPart], Field(max_length=MAX_MESSAGES)] | None = None
     name: Annotated[str, Field(max_length=MAX_NAME)] | None = None
@@ -67,19 +69,19 @@ class ChatMessage(_Model):
         return "".join(p.text for p in self.content)
 
 
-class FunctionDef(_Model):
+class FunctionDef(StrictModel):
     name: Annotated[str, Field(min_length=1, max_length=MAX_NAME)]
     description: Text | None = None
     parameters: dict[str, Any] | None = None
     strict: bool | None = None
 
 
-class Tool(_Model):
+class Tool(StrictModel):
     type: Literal["function"]
     function: FunctionDef
 
 
-class StreamOptions(_Model):
+class StreamOptions(StrictModel):
     include_usage: bool = False
 
 
@@ -87,7 +89,7 @@ Schema = dict[str, Any]
 GrammarText = Annotated[str, Field(min_length=1, max_length=1 << 20)]
 
 
-class JsonSchemaFormat(_Model):
+class JsonSchemaFormat(StrictModel):
     model_config = ConfigDict(strict=True, extra="ignore", frozen=True, allow_inf_nan=False, populate_by_name=True)
 
     name: Annotated[str, Field(min_length=1, max_length=64)] = "response"
@@ -96,12 +98,12 @@ class JsonSchemaFormat(_Model):
     strict: bool | None = None
 
 
-class ResponseFormat(_Model):
+class ResponseFormat(StrictModel):
     type: Literal["text", "json_object", "json_schema"]
     json_schema: JsonSchemaFormat | None = None
 
 
-class StructuredOutputs(_Model):
+class StructuredOutputs(StrictModel):
     """vLLM's `structured_outputs` (one of them): the output matches a JSON schema, a regex, a Lark or GBNF
     grammar, one of a list of strings, or any JSON object."""
 
@@ -114,16 +116,16 @@ class StructuredOutputs(_Model):
     json_object: bool | None = None
 
 
-class NamedFunction(_Model):
+class NamedFunction(StrictModel):
     name: Annotated[str, Field(min_length=1, max_length=MAX_NAME)]
 
 
-class NamedToolChoice(_Model):
+class NamedToolChoice(StrictModel):
     type: Literal["function"]
     function: NamedFunction
 
 
-class _Sampling(_Model):
+class _Sampling(StrictModel):
     """The sampling and stopping fields both endpoints share (OpenAI's names, plus vLLM's extensions)."""
 
     model: Annotated[str, Field(max_length=MAX_NAME)] | None = None
@@ -206,7 +208,7 @@ class CompletionRequest(_Sampling):
     best_of: Annotated[int, Field(ge=1, le=MAX_ID)] | None = None  # only best_of = n (request.py)
 
 
-class TokenizeRequest(_Model):
+class TokenizeRequest(StrictModel):
     model: Annotated[str, Field(max_length=MAX_NAME)] | None = None
     prompt: Text | None = None
     messages: Annotated[list[ChatMessage], Field(min_length=1, max_length=MAX_MESSAGES)] | None = None
@@ -214,7 +216,7 @@ class TokenizeRequest(_Model):
     chat_template_kwargs: dict[str, Any] | None = None
 
 
-class DetokenizeRequest(_Model):
+class DetokenizeRequest(StrictModel):
     model: Annotated[str, Field(max_length=MAX_NAME)] | None = None
     tokens: list[TokenId]
 

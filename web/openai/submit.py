@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from typing import TypeVar
 
 import trio
 from quart import g, has_request_context, request
@@ -26,14 +25,7 @@ from trillm.web.service.stream import GenerationHandle
 
 
 # Prompts this large are templated and tokenized on a worker thread, so the event loop keeps serving streams.
-OFF_THREAD_PROMPT_BYTES = 16 << 10
-
-T = TypeVar("T")
-
-
-async def off_thread(fn: Callable[[], T]) -> T:
-    """Run CPU-bound request work (templates, tokenizers) on a worker thread; the tokenizers are thread-safe."""
-    return await trio.to_thread.run_sync(fn)
+OFF_THREAD_PROMPT_BYTES = 16 << 10  # (the tokenizers are thread-safe)
 
 
 async def prepare_generation(
@@ -58,7 +50,7 @@ async def prepare_generation(
     # Compiling a grammar takes milliseconds (the first one for a tokenizer, about a second): off the loop.
     # (needs_grammar first: with tools, counting their schemas' bytes is itself work for the thread.)
     slow = large or needs_grammar(body) or prompt_bytes(body) > OFF_THREAD_PROMPT_BYTES
-    req = await off_thread(parse) if slow else parse()
+    req = await trio.to_thread.run_sync(parse) if slow else parse()
     return req, tokenizer
 
 

@@ -9,33 +9,29 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag
+from pydantic import Discriminator, Field, Tag
 
-from trillm.web.openai.schema import MAX_MESSAGES, MAX_NAME, Text
+from trillm.web.openai.schema import MAX_MESSAGES, MAX_NAME, StrictModel, Text
 
 MAX_PARTS = 4096
 MAX_TOOLS = 1024
-
-
-class _Model(BaseModel):
-    model_config = ConfigDict(strict=True, extra="ignore", frozen=True, allow_inf_nan=False)
 
 
 Name = Annotated[str, Field(min_length=1, max_length=MAX_NAME)]
 Kind = Annotated[str, Field(max_length=64)]
 
 
-class TextPart(_Model):
+class TextPart(StrictModel):
     type: Literal["input_text", "output_text"]
     text: Text
 
 
-class RefusalPart(_Model):
+class RefusalPart(StrictModel):
     type: Literal["refusal"]
     refusal: Text
 
 
-class OtherPart(_Model):
+class OtherPart(StrictModel):
     """input_image, input_file, input_audio, ..."""
 
     type: Kind
@@ -55,7 +51,7 @@ Part = Annotated[
 ]
 
 
-class MessageItem(_Model):
+class MessageItem(StrictModel):
     type: Literal["message"] = "message"
     role: Literal["user", "assistant", "system", "developer"]
     content: Text | Annotated[list[Part], Field(max_length=MAX_PARTS)]
@@ -63,7 +59,7 @@ class MessageItem(_Model):
     status: Kind | None = None
 
 
-class FunctionCallItem(_Model):
+class FunctionCallItem(StrictModel):
     type: Literal["function_call"]
     call_id: Name
     name: Name
@@ -72,7 +68,7 @@ class FunctionCallItem(_Model):
     status: Kind | None = None
 
 
-class FunctionCallOutputItem(_Model):
+class FunctionCallOutputItem(StrictModel):
     type: Literal["function_call_output"]
     call_id: Name
     output: Text | Annotated[list[Part], Field(max_length=MAX_PARTS)]
@@ -80,7 +76,7 @@ class FunctionCallOutputItem(_Model):
     status: Kind | None = None
 
 
-class ReasoningItem(_Model):
+class ReasoningItem(StrictModel):
     """An earlier turn's reasoning, sent back by clients such as Codex; chat templates drop it."""
 
     type: Literal["reasoning"]
@@ -90,7 +86,7 @@ class ReasoningItem(_Model):
     encrypted_content: Text | None = None
 
 
-class OtherItem(_Model):
+class OtherItem(StrictModel):
     """item_reference, built-in tools' calls and outputs, ..."""
 
     type: Kind
@@ -104,7 +100,7 @@ InputItem = Annotated[
 ]
 
 
-class FunctionTool(_Model):
+class FunctionTool(StrictModel):
     type: Literal["function"]
     name: Name
     description: Text | None = None
@@ -112,7 +108,7 @@ class FunctionTool(_Model):
     strict: bool | None = None
 
 
-class OtherTool(_Model):
+class OtherTool(StrictModel):
     """web_search, file_search, code_interpreter, computer_use, mcp, local_shell, ...: built-in tools."""
 
     type: Kind
@@ -124,12 +120,12 @@ Tool = Annotated[
 ]
 
 
-class NamedFunction(_Model):
+class NamedFunction(StrictModel):
     type: Kind
     name: Name | None = None
 
 
-class TextFormat(_Model):
+class TextFormat(StrictModel):
     type: Literal["text", "json_object", "json_schema"]
     name: Annotated[str, Field(max_length=MAX_NAME)] | None = None
     schema_: Annotated[dict[str, Any] | None, Field(alias="schema")] = None
@@ -137,17 +133,17 @@ class TextFormat(_Model):
     strict: bool | None = None
 
 
-class TextConfig(_Model):
+class TextConfig(StrictModel):
     format: TextFormat | None = None
     verbosity: Literal["low", "medium", "high"] | None = None
 
 
-class ReasoningConfig(_Model):
+class ReasoningConfig(StrictModel):
     effort: Literal["none", "minimal", "low", "medium", "high", "xhigh"] | None = None
     summary: Literal["auto", "concise", "detailed"] | None = None
 
 
-class ResponsesRequest(_Model):
+class ResponsesRequest(StrictModel):
     model: Annotated[str, Field(max_length=MAX_NAME)] | None = None
     input: Text | Annotated[list[InputItem], Field(min_length=1, max_length=MAX_MESSAGES)]
     instructions: Text | None = None

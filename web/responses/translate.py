@@ -27,9 +27,8 @@ from trillm.engine.outputs import Usage
 from trillm.web.chat.output_events import (
     OutputEnd, OutputEvent, ReasoningDelta, TextDelta, ToolCallArgumentsDelta, ToolCallEnd, ToolCallStart,
 )
-from trillm.web.errors import to_api_error
+from trillm.web.errors import describe, to_api_error
 from trillm.web.http.sse import KEEPALIVE
-from trillm.web.http.validate import describe
 from trillm.web.openai.schema import (
     ChatCompletionRequest, ChatMessage, FunctionDef, JsonSchemaFormat, NamedFunction, NamedToolChoice,
     ResponseFormat, Tool, ToolCall, ToolCallFunction,

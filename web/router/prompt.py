@@ -15,7 +15,7 @@ from trillm.engine.errors import InvalidRequest
 from trillm.engine.tokenizer import TokenizerLike
 from trillm.web.anthropic.schema import MessagesRequest
 from trillm.web.anthropic.translate import chat_body as messages_chat_body
-from trillm.web.http.validate import parse_object
+from trillm.web.errors import parse_object
 from trillm.web.openai.request import generation_prompt_ids, tool_request
 from trillm.web.openai.schema import ChatCompletionRequest, CompletionRequest
 from trillm.web.responses.schema import ResponsesRequest

@@ -22,8 +22,7 @@ from quart_trio import QuartTrio
 
 from trillm.engine.errors import EngineError
 from trillm.web.config import ServerConfig
-from trillm.web.errors import APIError, to_api_error
-from trillm.web.http.validate import parse_object
+from trillm.web.errors import APIError, parse_object, to_api_error
 from trillm.web.openai.request import completion_prompts
 from trillm.web.openai.response import StreamedDelta, event_delta, finish_reason, response_builder, usage_dict
 from trillm.web.openai.schema import ChatCompletionRequest, CompletionRequest
