@@ -19,15 +19,16 @@ from pathlib import Path
 
 import trio
 
-from trillm.bench import llama_cpp, report
-from trillm.bench.arrival import Arrival
-from trillm.bench.client import GenerationOptions, Target
-from trillm.bench.metrics import Summary
-from trillm.bench.results import new_results_dir, write_meta
-from trillm.bench.runner import RunResult
+from trillm.bench import llama_cpp
+from trillm.bench.harness import report
+from trillm.bench.harness.arrival import Arrival
+from trillm.bench.harness.client import GenerationOptions, Target
+from trillm.bench.harness.metrics import Summary
+from trillm.bench.harness.results import new_results_dir, write_meta
+from trillm.bench.harness.run import RunResult
 from trillm.bench.serve import run_matrix
-from trillm.bench.servers import ServerProcess, free_port, mlx_lm_command, trillm_command
-from trillm.bench.workloads import Workload, fixed, multi_turn, random_lengths
+from trillm.bench.harness.servers import ServerProcess, free_port, mlx_lm_command, trillm_command
+from trillm.bench.harness.workloads import Workload, fixed, multi_turn, random_lengths
 
 TRILLM, MLX_LM, NO_CACHE, LLAMA_CPP = "trillm", "mlx_lm.server", "trillm-no-cache", "llama.cpp"
 HIGH = "high-concurrency"  # the targets are set at concurrency 32 (--high-concurrency)
@@ -233,7 +234,7 @@ def main(argv: list[str] | None = None) -> int:
     out = new_results_dir(args.results_dir)
     model_given = args.model is not None
     if args.model is None:
-        from trillm.bench.export_mlx import export_gguf
+        from trillm.bench.harness.export_mlx import export_gguf
 
         print("exporting the default model to an fp32 MLX folder (cached) ...", file=sys.stderr)
         args.model = str(export_gguf())

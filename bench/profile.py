@@ -17,7 +17,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from trillm.bench.results import int_list, new_results_dir, write_meta
+from trillm.bench.harness.results import int_list, new_results_dir, write_meta
 from trillm.engine.llm_engine import LLMEngine
 from trillm.engine.scheduler import ScheduledBatch
 from trillm.engine.mock.timing import (

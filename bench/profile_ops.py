@@ -26,7 +26,7 @@ from trillm.kernels import BLAS
 
 import mlx.core as mx  # noqa: E402
 
-from trillm.bench.results import new_results_dir, write_meta  # noqa: E402
+from trillm.bench.harness.results import new_results_dir, write_meta  # noqa: E402
 from trillm.engine.fused_ops import fused_ops  # noqa: E402
 from trillm.engine.kv_cache import KVLayout, KVPool  # noqa: E402
 from trillm.engine.loader import LoadedModel, load_model  # noqa: E402

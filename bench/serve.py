@@ -9,13 +9,13 @@ import sys
 import httpx
 import trio
 
-from trillm.bench import report
-from trillm.bench.arrival import Arrival
-from trillm.bench.client import TRANSPORTS, GenerationOptions, Target, send_sse, send_ws
-from trillm.bench.metrics import SLO
-from trillm.bench.results import new_results_dir, write_meta
-from trillm.bench.runner import RunResult, run_workload
-from trillm.bench.workloads import WORKLOADS, BenchRequest, Workload, WorkloadSpec, build
+from trillm.bench.harness import report
+from trillm.bench.harness.arrival import Arrival
+from trillm.bench.harness.client import TRANSPORTS, GenerationOptions, Target, send_sse, send_ws
+from trillm.bench.harness.metrics import SLO
+from trillm.bench.harness.results import new_results_dir, write_meta
+from trillm.bench.harness.run import RunResult, run_workload
+from trillm.bench.harness.workloads import WORKLOADS, BenchRequest, Workload, WorkloadSpec, build
 
 
 def add_workload_args(p: argparse.ArgumentParser) -> None:

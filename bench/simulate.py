@@ -26,7 +26,7 @@ from typing import Any
 import trio
 import trio.testing
 
-from trillm.bench.metrics import RequestRecord
+from trillm.bench.harness.metrics import RequestRecord
 from trillm.engine.config import add_engine_arguments, engine_config_from_args
 from trillm.engine.errors import EngineError
 from trillm.engine.llm_engine import LLMEngine
@@ -264,12 +264,12 @@ def main(argv: list[str] | None = None) -> int:
 
 def run(args: argparse.Namespace) -> int:
     """`trillm simulate`: write serve.json / serve.md (as `trillm bench serve`) plus sim.json."""
-    from trillm.bench import report
-    from trillm.bench.arrival import Arrival
-    from trillm.bench.client import Target
-    from trillm.bench.metrics import summarize
-    from trillm.bench.results import new_results_dir, write_meta
-    from trillm.bench.runner import RunResult
+    from trillm.bench.harness import report
+    from trillm.bench.harness.arrival import Arrival
+    from trillm.bench.harness.client import Target
+    from trillm.bench.harness.metrics import summarize
+    from trillm.bench.harness.results import new_results_dir, write_meta
+    from trillm.bench.harness.run import RunResult
 
     if args.synthetic and args.conversations:
         trace = multi_turn_trace(num_conversations=args.conversations, num_turns=args.turns,

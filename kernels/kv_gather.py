@@ -45,7 +45,7 @@ def kv_gather_ref(pool: mx.array, block_tables: mx.array, max_len: int) -> mx.ar
     Shapes: pool [num_blocks, bs, Hkv, D]; block_tables int32 [B, max_blocks] -> [B, Hkv, max_len, D].
     Position p of row b is slot block_tables[b, p // bs] * bs + p % bs; positions at/after a row's
     context length hold whatever the table points at (callers mask them). On CPU, SDPA on the transposed
-    view is ~2x slower than this copy plus SDPA on contiguous K/V (bench_kernels).
+    view is ~2x slower than this copy plus SDPA on contiguous K/V (`trillm bench kernels`).
     """
     b = block_tables.shape[0]
     _, bs, hkv, d = pool.shape

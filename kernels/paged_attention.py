@@ -493,7 +493,7 @@ def _decode_ref(
 
     On CPU the [B, N, Hkv, D] -> [B, Hkv, N, D] copy costs more than the attention itself; multiplying
     queries that are zero outside their KV head's D-slice reads gathered K/V as they lie, for Hkv x the
-    (negligible at L == 1) flops: 1.3-2x faster than the SDPA path from B = 8 up (bench_kernels).
+    (negligible at L == 1) flops: 1.3-2x faster than the SDPA path from B = 8 up (`trillm bench kernels`).
     """
     b, hq, _, d = q.shape
     _, bs, hkv, _ = k_pool.shape

@@ -10,7 +10,7 @@ import pytest
 import trillm.kernels  # noqa: F401  (BLAS before mlx)
 import mlx.core as mx
 
-from trillm.bench import bench_kernels as bk
+from trillm.bench import kernels as bk
 
 GIB = 2**30
 

@@ -10,7 +10,7 @@ import json
 from pathlib import Path
 
 from trillm.bench import cli
-from trillm.bench.servers import ServerProcess, free_port, trillm_command
+from trillm.bench.harness.servers import ServerProcess, free_port, trillm_command
 
 
 def test_bench_serve_against_live_trillm_sse_and_ws(tiny_model_path: Path, tmp_path: Path) -> None:

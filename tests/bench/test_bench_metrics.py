@@ -7,8 +7,8 @@ import errno
 import httpx
 import pytest
 
-from trillm.bench.client import StreamError, classify_error
-from trillm.bench.metrics import SLO, RequestRecord, Stat, summarize
+from trillm.bench.harness.client import StreamError, classify_error
+from trillm.bench.harness.metrics import SLO, RequestRecord, Stat, summarize
 
 
 def rec(rid: str, chunks: tuple[float, ...], latency: float, *, completion: int | None = None,

@@ -6,11 +6,11 @@ from typing import Any
 
 import pytest
 
-from trillm.bench.arrival import Arrival
-from trillm.bench.bench_router import NothingMeasured, check_measured, median_of
-from trillm.bench.client import Target
-from trillm.bench.metrics import RequestRecord, summarize
-from trillm.bench.runner import RunResult
+from trillm.bench.harness.arrival import Arrival
+from trillm.bench.router import NothingMeasured, check_measured, median_of
+from trillm.bench.harness.client import Target
+from trillm.bench.harness.metrics import RequestRecord, summarize
+from trillm.bench.harness.run import RunResult
 
 
 def run_of(records: list[RequestRecord]) -> RunResult:

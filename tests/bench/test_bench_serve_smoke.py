@@ -14,10 +14,10 @@ import trio
 
 from bench_standin import StandIn, serve
 from trillm.bench import cli
-from trillm.bench.arrival import Arrival
-from trillm.bench.client import GenerationOptions, Target
+from trillm.bench.harness.arrival import Arrival
+from trillm.bench.harness.client import GenerationOptions, Target
 from trillm.bench.serve import run_matrix
-from trillm.bench.workloads import multi_turn, random_lengths
+from trillm.bench.harness.workloads import multi_turn, random_lengths
 
 
 async def test_sse_and_ws_runs_time_every_token(nursery: trio.Nursery) -> None:

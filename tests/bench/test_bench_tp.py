@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from trillm.bench.bench_tp import _check, predict, ring_all_sum_s
+from trillm.bench.tp import _check, predict, ring_all_sum_s
 
 
 def test_ring_all_sum_cost_is_2_n_minus_1_hops_of_a_1_over_n_slice() -> None:

@@ -8,8 +8,8 @@ import statistics
 
 import pytest
 
-from trillm.bench import workloads as W
-from trillm.bench.arrival import Arrival, start_offsets
+from trillm.bench.harness import workloads as W
+from trillm.bench.harness.arrival import Arrival, start_offsets
 
 
 @pytest.mark.parametrize("name", W.WORKLOADS)

@@ -71,7 +71,7 @@ async def test_aliases_apply_to_every_endpoint() -> None:
     assert unknown.status_code == 404 and unknown.json()["error"]["type"] == "not_found_error"
 
 def test_an_alias_checked_once_the_models_load_is_one_line(capsys: pytest.CaptureFixture[str]) -> None:
-    from trillm.bench.servers import free_port
+    from trillm.bench.harness.servers import free_port
 
     # No --served-model-name: the mock's name is known only once it loaded, so the alias is checked then.
     args = build_parser().parse_args(["serve", "--mock", "--port", str(free_port()), "--model-alias", "claude-*=other"])

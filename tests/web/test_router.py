@@ -17,11 +17,11 @@ from quart import Response
 from quart_trio import QuartTrio
 
 from conftest import scripted
-from trillm.bench.arrival import Arrival
-from trillm.bench.client import GenerationOptions, Target
-from trillm.bench.runner import run_workload
-from trillm.bench.servers import free_port
-from trillm.bench.workloads import multi_turn
+from trillm.bench.harness.arrival import Arrival
+from trillm.bench.harness.client import GenerationOptions, Target
+from trillm.bench.harness.run import run_workload
+from trillm.bench.harness.servers import free_port
+from trillm.bench.harness.workloads import multi_turn
 from trillm.engine.block_manager import root_hash
 from trillm.engine.config import EngineConfig
 from trillm.engine.mock import MockModelSpec, make_mock_engine, mock_model_id

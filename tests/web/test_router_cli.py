@@ -10,7 +10,7 @@ from pathlib import Path
 
 import httpx
 
-from trillm.bench.servers import ServerProcess, free_port
+from trillm.bench.harness.servers import ServerProcess, free_port
 
 SERVE = [sys.executable, "-m", "trillm.web.cli", "serve", "--mock", "--speedup", "20", "--max-num-seqs", "8",
          "--num-kv-blocks", "512"]

@@ -15,7 +15,7 @@ import trio
 import trio_websocket
 
 from test_router import mock_factory, routing, start_replica, wait_synced
-from trillm.bench.servers import free_port
+from trillm.bench.harness.servers import free_port
 from trillm.web.cli.route import open_relay_warning
 from trillm.web.config import ServerConfig
 from trillm.web.router.app import Routing, route

@@ -20,7 +20,7 @@ from typing import Any
 import trillm.kernels  # noqa: F401  (BLAS before mlx)
 import mlx.core as mx
 
-from trillm.bench.results import int_list, new_results_dir, write_meta
+from trillm.bench.harness.results import int_list, new_results_dir, write_meta
 from trillm.kernels.backend import kernel_backend
 from trillm.kernels.kv_gather import kv_gather, kv_gather_ref
 from trillm.kernels.kv_write import kv_write_ref
@@ -62,7 +62,7 @@ def device_peak(override: float | None) -> tuple[str, float]:
             if key in name:
                 return name, gbs
         return name, float("nan")
-    from trillm.bench.bench_engine import memory_bandwidth_gbs  # all cores; MLX's own copy is single-threaded
+    from trillm.bench.engine import memory_bandwidth_gbs  # all cores; MLX's own copy is single-threaded
 
     return "cpu (measured read, all cores)", memory_bandwidth_gbs()
 

@@ -18,7 +18,7 @@ from trillm.kernels import BLAS
 
 import mlx.core as mx  # noqa: E402
 
-from trillm.bench.results import int_list, new_results_dir, write_json, write_meta  # noqa: E402
+from trillm.bench.harness.results import int_list, new_results_dir, write_json, write_meta  # noqa: E402
 from trillm.engine.config import EngineConfig  # noqa: E402
 from trillm.engine.llm_engine import LLMEngine  # noqa: E402
 from trillm.engine.loader import LoadedModel, load_model  # noqa: E402

@@ -28,13 +28,13 @@ from typing import Any
 import httpx
 import trio
 
-from trillm.bench.arrival import Arrival
-from trillm.bench.client import GenerationOptions, Target
-from trillm.bench.metrics import Stat
-from trillm.bench.results import new_results_dir, write_json, write_meta, write_text_atomic
-from trillm.bench.runner import RunResult, run_workload
-from trillm.bench.servers import ServerProcess, ServerStartError, free_port
-from trillm.bench.workloads import Workload, WorkloadSpec, build
+from trillm.bench.harness.arrival import Arrival
+from trillm.bench.harness.client import GenerationOptions, Target
+from trillm.bench.harness.metrics import Stat
+from trillm.bench.harness.results import new_results_dir, write_json, write_meta, write_text_atomic
+from trillm.bench.harness.run import RunResult, run_workload
+from trillm.bench.harness.servers import ServerProcess, ServerStartError, free_port
+from trillm.bench.harness.workloads import Workload, WorkloadSpec, build
 
 POLICIES = ("kv", "round-robin", "least-loaded")
 WORKLOADS = ("multi-turn", "shared-prefix")

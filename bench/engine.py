@@ -234,14 +234,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--batch", type=int, default=16, help="--constrained: the batch size")
     ap.add_argument("--speculative", default=None, choices=("ngram",),
                     help="instead: the engine with this speculative decoding against without, on code editing, chat "
-                         "and c=16 chat (bench/bench_spec.py)")
+                         "and c=16 chat (bench/engine_spec.py)")
     ap.add_argument("--num-speculative-tokens", type=int, default=4, help="--speculative: tokens proposed per step")
     ap.add_argument("--spec-code-tokens", type=int, default=320, help="--speculative: the code edit's max_tokens")
     args = ap.parse_args(argv)
 
     model = load_model(args.model)
     if args.speculative is not None:
-        from trillm.bench.bench_spec import spec_main
+        from trillm.bench.engine_spec import spec_main
 
         return spec_main(args, model)
     engine = LLMEngine(EngineConfig(max_num_seqs=64, max_num_batched_tokens=2048), loaded=model)

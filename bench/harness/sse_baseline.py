@@ -3,9 +3,9 @@
 POST /v1/completions {"max_tokens": N, ...} answers N OpenAI-style completion chunks (the size of trillm's,
 text from the mock tokenizer's vocabulary) and `data: [DONE]`, as fast as hypercorn sends them (each send is
 a trio checkpoint), or one every --step-ms. It is the ceiling for trillm's web layer: the target is for
-`trillm serve --mock` to deliver at least 0.8x its events/s (measure both with bench/sse_load.py).
+`trillm serve --mock` to deliver at least 0.8x its events/s (measure both with bench/harness/sse_load.py).
 
-    .venv/bin/python -m trillm.bench.sse_baseline --port 8100
+    .venv/bin/python -m trillm.bench.harness.sse_baseline --port 8100
 """
 
 from __future__ import annotations

@@ -9,7 +9,7 @@ the p50/p99 latency of the well-behaved clients (those that did not disconnect).
 
 With --hostile N the run has two measured phases after a short warm-up: --duration seconds of
 the well-behaved load alone, then the same load (same seed) for --duration more beside N hostile clients
-(bench/soak_hostile.py: oversized bodies of every API, which must get 400s; completions fan-outs of prompts x n
+(bench/harness/hostile.py: oversized bodies of every API, which must get 400s; completions fan-outs of prompts x n
 up to the server's cap; special-token floods). It reports the well-behaved clients' p99 TTFT and ITL (gaps
 between one choice's SSE chunks) in each phase and their ratio (target under --max-ratio, 1.5); a phase that
 measured no TTFT or ITL fails the run (exit 2).
@@ -39,9 +39,9 @@ import httpx
 import trio
 import trio_websocket
 
-from trillm.bench.results import new_results_dir, write_json, write_meta
-from trillm.bench.servers import ServerProcess, blas_env, free_port
-from trillm.bench.soak_hostile import HostileMix, HostileTally, hostile_clients, hostile_missed
+from trillm.bench.harness.results import new_results_dir, write_json, write_meta
+from trillm.bench.harness.servers import ServerProcess, blas_env, free_port
+from trillm.bench.harness.hostile import HostileMix, HostileTally, hostile_clients, hostile_missed
 
 STOP_STRINGS = (".", "\n", " the", " a", " ab", " zz", " q")
 WORDS = ("the quick brown fox jumps over the lazy dog while a small model learns to count and write "

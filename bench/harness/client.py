@@ -11,8 +11,8 @@ import httpx
 import trio
 import trio_websocket
 
-from trillm.bench.metrics import RequestRecord
-from trillm.bench.workloads import BenchRequest
+from trillm.bench.harness.metrics import RequestRecord
+from trillm.bench.harness.workloads import BenchRequest
 
 TRANSPORTS = ("sse", "ws")
 

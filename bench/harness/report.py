@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from trillm.bench.runner import RunResult
+from trillm.bench.harness.run import RunResult
 
 
 def write_json(path: Path, runs: list[RunResult], extra: dict[str, object] | None = None) -> Path:

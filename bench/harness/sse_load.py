@@ -5,7 +5,7 @@ Each stream is one raw HTTP/1.1 POST on its own TCP connection (trio sockets, no
 
 Modes:
   --duration S   closed loop: --streams workers each send request after request for S seconds; reports
-                 events/s (compare `trillm serve --mock --speedup 1e9` with bench/sse_baseline.py).
+                 events/s (compare `trillm serve --mock --speedup 1e9` with bench/harness/sse_baseline.py).
   (default)      --streams requests opened at once, each held to the end: reports how many were open
                  together, errors, and (with --server-pid) the server's RSS before, at the peak, and after.
 --hold-first N waits until N streams have their response headers (then samples memory) before any reads:
@@ -14,7 +14,7 @@ idle streams cost what a queued request costs.
 keep-alive connections (as SDKs do), so connections are reused: errors count what the client saw, e.g.
 "closed-without-response" for a reused connection the server closed as the next request arrived.
 
-    .venv/bin/python -m trillm.bench.sse_load --url http://127.0.0.1:8000 --streams 2000 --max-tokens 32
+    .venv/bin/python -m trillm.bench.harness.sse_load --url http://127.0.0.1:8000 --streams 2000 --max-tokens 32
 """
 
 from __future__ import annotations

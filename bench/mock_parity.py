@@ -6,7 +6,7 @@ the threaded EngineService on the real clock, once against the mock engine (timi
 config, so the scheduler makes the same decisions. Reports TTFT and ITL p50/p90 of both and the relative
 error of the prediction (the bar: within +-20%). A benchmark that reports its error, never a test.
 
-    .venv/bin/python -m trillm.bench.bench_mock_parity [--profile P.json] [--num-requests 12] [--rate 0.5]
+    .venv/bin/python -m trillm.bench.mock_parity [--profile P.json] [--num-requests 12] [--rate 0.5]
 """
 
 from __future__ import annotations
@@ -20,8 +20,8 @@ from typing import Any
 import trio
 import trio.testing
 
-from trillm.bench.metrics import summarize
-from trillm.bench.results import new_results_dir, write_meta
+from trillm.bench.harness.metrics import summarize
+from trillm.bench.harness.results import new_results_dir, write_meta
 from trillm.engine.mock.timing import relative_error
 
 

@@ -10,10 +10,10 @@ import httpx
 import trio
 from tqdm import tqdm
 
-from trillm.bench.arrival import Arrival, start_offsets
-from trillm.bench.client import GenerationOptions, Target, send_sse, send_ws
-from trillm.bench.metrics import SLO, RequestRecord, Summary, summarize
-from trillm.bench.workloads import BenchRequest, Workload
+from trillm.bench.harness.arrival import Arrival, start_offsets
+from trillm.bench.harness.client import GenerationOptions, Target, send_sse, send_ws
+from trillm.bench.harness.metrics import SLO, RequestRecord, Summary, summarize
+from trillm.bench.harness.workloads import BenchRequest, Workload
 
 
 @dataclass(frozen=True, slots=True)

@@ -29,7 +29,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from trillm.bench.results import int_list, new_results_dir, write_json, write_meta
+from trillm.bench.harness.results import int_list, new_results_dir, write_json, write_meta
 
 _SHARDED = re.compile(r"\.(self_attn\.(q|k|v|o)_proj|mlp\.(gate|up|down)_proj)\.")
 QUESTIONS = ["What is the capital of France?", "Write a haiku about the sea.", "Why is the sky blue?",
@@ -167,7 +167,7 @@ def _collective_schedule(args: argparse.Namespace, rank0: bool) -> dict[str, Any
 def phase_collectives(args: argparse.Namespace) -> dict[str, Any]:
     from trillm.engine.distributed import LocalRanks
 
-    worker = [sys.executable, "-m", "trillm.bench.bench_tp", "--phase", "collectives-worker",
+    worker = [sys.executable, "-m", "trillm.bench.tp", "--phase", "collectives-worker",
               "--batches", ",".join(map(str, args.batches)), "--hidden", str(args.hidden), "--layers",
               str(args.layers), "--plan-capacity", str(args.plan_capacity), "--repeats", str(args.repeats),
               "--steps", str(args.steps), *(["--model", args.model] if args.model else [])]
@@ -233,7 +233,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _run_phase(argv: list[str], out: Path) -> dict[str, Any]:
-    subprocess.run([sys.executable, "-m", "trillm.bench.bench_tp", *argv, "--out", str(out)], check=True)
+    subprocess.run([sys.executable, "-m", "trillm.bench.tp", *argv, "--out", str(out)], check=True)
     result: dict[str, Any] = json.loads(out.read_text())
     return result
 
