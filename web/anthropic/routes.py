@@ -39,11 +39,11 @@ def register_anthropic(app: QuartTrio, registry: ModelRegistry, config: ServerCo
         translator = MessageTranslator(
             model=req.model, prompt_tokens=len(req.prompt_token_ids), stop_sequences=body.stop_sequences,
             context_limited=fit.context_limited(req, config.limits.max_tokens_limit))
-        parser = ChoiceParser(req.parsing)
+        stream = MessagesStream(translator, ChoiceParser(req.parsing))
         if body.stream:
-            stream = event_stream(handle, MessagesStream(translator, parser), keepalive_s=config.sse_keepalive_s)
-            return event_stream_response(await started(stream))
-        await handle.drain(lambda out: translator.feed(parser.feed_output(out), out.usage))
+            events = event_stream(handle, stream, keepalive_s=config.sse_keepalive_s)
+            return event_stream_response(await started(events))
+        await handle.drain(stream.feed)
         return json_response(translator.message())
 
     @app.post(MESSAGES_PATH + "/count_tokens")

@@ -71,9 +71,12 @@ class NamedEventStream(Generic[T]):
     def opening(self) -> bytes:
         return named_events(self.translator.start())
 
+    def feed(self, out: RequestOutput) -> list[dict[str, Any]]:
+        """One delta through the parser and the translator (a non-streamed answer keeps only the latter's state)."""
+        return self.translator.feed(self.parser.feed_output(out), out.usage)
+
     def outputs(self, outputs: list[RequestOutput]) -> bytes:
-        return named_events([ev for o in outputs
-                             for ev in self.translator.feed(self.parser.feed_output(o), o.usage)])
+        return named_events([ev for out in outputs for ev in self.feed(out)])
 
     def closing(self) -> bytes:
         return b""  # the translator's last events came with the final output

@@ -34,9 +34,9 @@ def register_responses(app: QuartTrio, registry: ModelRegistry, config: ServerCo
         chat = await body_work(lambda: chat_body(body))
         req, handle, _ = await start_generation(service, chat, config, adjust=fit, large=await large_body())
         translator = ResponseTranslator(body, model=req.model, prompt_tokens=len(req.prompt_token_ids))
-        parser = ChoiceParser(req.parsing)
+        stream = ResponsesStream(translator, ChoiceParser(req.parsing))
         if body.stream:
-            stream = event_stream(handle, ResponsesStream(translator, parser), keepalive_s=config.sse_keepalive_s)
-            return event_stream_response(await started(stream))
-        await handle.drain(lambda out: translator.feed(parser.feed_output(out), out.usage))
+            events = event_stream(handle, stream, keepalive_s=config.sse_keepalive_s)
+            return event_stream_response(await started(events))
+        await handle.drain(stream.feed)
         return json_response(translator.response())

@@ -24,7 +24,7 @@ from trillm.web.router.prompt import ws_request
 from trillm.web.router.proxy import request_model, request_salt
 from trillm.web.router.replica import failure_reason
 from trillm.web.router.tokenizers import PromptSource
-from trillm.web.ws.envelope import BadMessage, MAX_SEND_BYTES, encode_message, parse_message
+from trillm.web.ws.envelope import BadMessage, MAX_SEND_BYTES, encode_message, parse_message, refusal
 
 log = logging.getLogger("trillm.web.router")
 
@@ -82,13 +82,11 @@ class WSSession:
             await self.error(exc.gid, exc.error)
             return
         key = str(gid)
-        kind = msg.get("type")
         text = raw if isinstance(raw, str) else raw.decode()
-        if kind == "cancel":
-            gen = self.active.get(key)
-            if gen is None:
-                await self.error(gid, APIError(404, f"no running generation has id {gid!r}"))
-                return
+        if (refused := refusal(msg, gid, self.active, self.max_generations)) is not None:
+            await self.error(gid, refused)
+        elif msg["type"] == "cancel":
+            gen = self.active[key]
             if gen.assignment is None:  # between two replicas: it simply goes nowhere
                 del self.active[key]
                 await self.send({"type": "cancelled", "id": gen.gid})
@@ -99,23 +97,16 @@ class WSSession:
                     await upstream.ws.send_message(text)
                 except trio_websocket.ConnectionClosed:
                     pass  # its reader reports the generation
-        elif kind == "generate":
-            if key in self.active:
-                await self.error(gid, APIError(400, f"a generation with id {gid!r} is already running"))
-            elif len(self.active) >= self.max_generations:
-                await self.error(gid, APIError(429, "too many concurrent generations on this socket"))
-            else:
-                prompt_kind, body = ws_request(msg)
-                model = request_model(body)
-                ids = None
-                if self.router.policy.uses_kv:
-                    ids = await self.prompts.token_ids(prompt_kind, body, model)
-                gen = _Generation(gid, text, model, ids, request_salt(body))
-                self.active[key] = gen
-                self.metrics.ws_generations += 1
-                await self.dispatch(key, gen)
         else:
-            await self.error(gid, APIError(400, "'type' must be 'generate' or 'cancel'"))
+            prompt_kind, body = ws_request(msg)
+            model = request_model(body)
+            ids = None
+            if self.router.policy.uses_kv:
+                ids = await self.prompts.token_ids(prompt_kind, body, model)
+            gen = _Generation(gid, text, model, ids, request_salt(body))
+            self.active[key] = gen
+            self.metrics.ws_generations += 1
+            await self.dispatch(key, gen)
 
     async def dispatch(self, key: str, gen: _Generation) -> None:
         """Send a generation to the best replica it has not tried; an error to the client if none is left."""

@@ -14,6 +14,7 @@ accept exactly that much, so no message can close a socket that other generation
 from __future__ import annotations
 
 import json
+from collections.abc import Collection
 from typing import Any
 
 import pydantic_core
@@ -61,6 +62,18 @@ def parse_message(raw: str | bytes) -> tuple[dict[str, Any], str | int]:
     if not isinstance(gid, (str, int)) or isinstance(gid, bool):
         raise BadMessage(gid, APIError(400, "a message needs an 'id' (string or integer)"))
     return msg, gid
+
+
+def refusal(msg: dict[str, Any], gid: str | int, active: Collection[str], max_generations: int) -> APIError | None:
+    """Why a socket with the generations `active` (by str(id)) refuses this message; None if it takes it."""
+    kind, key = msg.get("type"), str(gid)
+    if kind == "cancel" and key not in active:
+        return APIError(404, f"no running generation has id {gid!r}", code="generation_not_found")
+    if kind == "generate" and key in active:
+        return APIError(400, f"a generation with id {gid!r} is already running")
+    if kind == "generate" and len(active) >= max_generations:
+        return APIError(429, "too many concurrent generations on this socket")
+    return None if kind in ("generate", "cancel") else APIError(400, "'type' must be 'generate' or 'cancel'")
 
 
 def generate_fields(msg: dict[str, Any]) -> tuple[bool, dict[str, Any]]:

@@ -4,8 +4,9 @@ Client -> server: {"type": "generate", "id": ..., <chat or completion params>} a
 Server -> client: {"type": "delta", "id", "index", "text", "token_ids", "logprobs", "finish_reason"} ...
 (a chat delta with "reasoning" and "tool_calls" when its output has them: the output events every surface
 renders, so "text" is the answer alone), then {"type": "done", "id", "usage", "finish_reasons"}; or
-{"type": "cancelled", "id"}; or {"type": "error", "id", "error": {...}}. A malformed message gets an error and the socket stays open.
-Closing the socket cancels the handler (quart-trio), which aborts every generation it started.
+{"type": "cancelled", "id"}; or {"type": "error", "id", "error": {...}}. A malformed message gets an error
+and the socket stays open. Closing the socket cancels the handler (quart-trio), which aborts every
+generation it started.
 
 Browsers cannot set an Authorization header on a websocket, so a client may instead offer the subprotocols
 "trillm" and "trillm.bearer.<the API key, base64url without padding>"; the server then selects "trillm".
@@ -30,7 +31,7 @@ from trillm.web.openai.submit import start_generation
 from trillm.web.service.engine_service import EngineService
 from trillm.web.service.registry import ModelNotFound, ModelRegistry
 from trillm.web.service.stream import GenerationFailed
-from trillm.web.ws.envelope import BadMessage, encode_message, generate_fields, parse_message
+from trillm.web.ws.envelope import BadMessage, encode_message, generate_fields, parse_message, refusal
 
 log = logging.getLogger("trillm.web.ws.session")
 
@@ -61,23 +62,12 @@ class _Session:
             await self.error(exc.gid, exc.error)
             return
         key = str(gid)
-        kind = msg.get("type")
-        if kind == "cancel":
-            scope = self.active.get(key)
-            if scope is None:
-                await self.error(gid, APIError(404, f"no running generation has id {gid!r}",
-                                               code="generation_not_found"))
-            else:
-                scope.cancel()
-        elif kind == "generate":
-            if key in self.active:
-                await self.error(gid, APIError(400, f"a generation with id {gid!r} is already running"))
-            elif len(self.active) >= self.config.max_ws_generations:
-                await self.error(gid, APIError(429, "too many concurrent generations on this socket"))
-            else:
-                await self.nursery.start(self.generate, gid, key, msg)
+        if (refused := refusal(msg, gid, self.active, self.config.max_ws_generations)) is not None:
+            await self.error(gid, refused)
+        elif msg["type"] == "cancel":
+            self.active[key].cancel()
         else:
-            await self.error(gid, APIError(400, "'type' must be 'generate' or 'cancel'"))
+            await self.nursery.start(self.generate, gid, key, msg)
 
     async def generate(self, gid: str | int, key: str, msg: dict[str, Any],
                        task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
