@@ -32,7 +32,8 @@ from trillm.kernels import cpu_ext
 from trillm.kernels.backend import Case, Kernel, KernelOp, KernelSpec, float32_params, gpu_backend, int32_params, kernel_backend
 from trillm.kernels.layout import ModelShapes, shuffled_tables
 from trillm.kernels.paged_attention import (
-    GPU_DTYPES, MAX_ROWS_X_D, NUM_SIMDGROUPS, TOLERANCES, attention_mask, int32_tables, launch_attention, launch_plan,
+    GPU_DTYPES, GRID_INDICES, MAX_ROWS_X_D, MERGE_SIMDGROUPS, NUM_SIMDGROUPS, PARTIAL_EPILOGUE, TOLERANCES,
+    attention_mask, int32_tables, launch_attention, launch_plan,
 )  # fmt: skip
 
 CPU_DTYPES = (mx.float32, mx.float16, mx.bfloat16)
@@ -49,19 +50,7 @@ _MLA_BODY = """
   constexpr int DPL = D / 32;
   constexpr int EPL = P / 32;
   constexpr int R = QT * HPG;
-  const int max_blocks = meta[0];
-  const int num_parts = meta[1];
-  const int part_size = meta[2];
-  const int L = meta[3];
-  const int gx = threadgroup_position_in_grid.x;
-  const int part = gx % num_parts;
-  const int qtile = gx / num_parts;
-  const int h0 = threadgroup_position_in_grid.y * HPG;
-  const int b = threadgroup_position_in_grid.z;
-  const int lane = thread_index_in_simdgroup;
-  const int warp = simdgroup_index_in_threadgroup;
-  const int tid = thread_position_in_threadgroup.x;
-  const int ctx = context_lens[b];
+""" + GRID_INDICES + """  const int ctx = context_lens[b];
   const float sc = scale[0];
 
   int pos[QT];
@@ -136,55 +125,13 @@ _MLA_BODY = """
     }
   }
 
-  SHARED float sm_m[NW * R];
-  SHARED float sm_l[NW * R];
-  SHARED float sm_o[NW * R * D];
-  UNROLL for (int r = 0; r < R; ++r) {
-    if (lane == 0) {
-      sm_m[warp * R + r] = m[r];
-      sm_l[warp * R + r] = l[r];
-    }
-    UNROLL for (int e = 0; e < DPL; ++e) {
-      sm_o[(warp * R + r) * D + lane * DPL + e] = acc[r][e];
-    }
-  }
-  BARRIER();
-  for (int idx = tid; idx < R * D; idx += NW * 32) {
-    const int r = idx / D;
-    const int d = idx % D;
-    const int i = qtile * QT + r / HPG;
-    const int h = h0 + r % HPG;
-    if (i < L) {
-      float M = NEG_INF;
-      UNROLL for (int w = 0; w < NW; ++w) {
-        M = MAXF(M, sm_m[w * R + r]);
-      }
-      float S = 0.0f;
-      float O = 0.0f;
-      UNROLL for (int w = 0; w < NW; ++w) {
-        const float c = EXPF(sm_m[w * R + r] - M);
-        S += sm_l[w * R + r] * c;
-        O += sm_o[(w * R + r) * D + d] * c;
-      }
-      const size_t row = (size_t)(b * HQ + h) * L + i;
-@EPILOGUE@
-    }
-  }
-"""
+""" + MERGE_SIMDGROUPS
 _MLA_FINAL_EPILOGUE = """
       out[row * D + d] = static_cast<T>(S > 0.0f ? O / S : 0.0f);
 """
-_MLA_PARTIAL_EPILOGUE = """
-      const size_t slot = row * num_parts + part;
-      o_part[slot * D + d] = O;
-      if (d == 0) {
-        m_part[slot] = M;
-        l_part[slot] = S;
-      }
-"""
 MLA_FINAL = KernelSpec("mla_attn_final", _MLA_INPUTS, ("out",), _MLA_BODY.replace("@EPILOGUE@", _MLA_FINAL_EPILOGUE))
 MLA_PARTIAL = KernelSpec("mla_attn_partial", _MLA_INPUTS, ("o_part", "m_part", "l_part"),
-                         _MLA_BODY.replace("@EPILOGUE@", _MLA_PARTIAL_EPILOGUE))  # fmt: skip
+                         _MLA_BODY.replace("@EPILOGUE@", PARTIAL_EPILOGUE))  # fmt: skip
 
 
 def mla_attention_kernel(

@@ -55,14 +55,9 @@ _MAIN_INPUTS = ("q", "k_pool", "v_pool", "block_tables", "context_lens", "sinks"
 # HAS_SINKS.
 # meta (int32): [max_blocks, num_parts, part_size, L]; scale (float32): [scale, softcap (0 = none)]. Every
 # input has >= 8 elements (see backend.int32_params), so MLX builds one variant per template tuple.
-_MAIN_BODY = """
-  constexpr int DPL = D / 32;
-  constexpr int R = QT * HPG;
-  constexpr int REP = HQ / HKV;
-  constexpr int KV_ROW = HKV * D;
-  constexpr int KV_BLOCK = BS * KV_ROW;
-  constexpr int CHUNK_DIV = CHUNK > 0 ? CHUNK : 1;  // never % 0, even in the branch CHUNK == 0 skips
-  const int max_blocks = meta[0];
+# What the paged and the MLA kernels share: the threadgroup's place in the grid (from meta), the merge of its
+# simdgroups' softmax states (m, l, acc per row; then @EPILOGUE@ writes row `row`), the partial epilogue.
+GRID_INDICES = """  const int max_blocks = meta[0];
   const int num_parts = meta[1];
   const int part_size = meta[2];
   const int L = meta[3];
@@ -74,7 +69,59 @@ _MAIN_BODY = """
   const int lane = thread_index_in_simdgroup;
   const int warp = simdgroup_index_in_threadgroup;
   const int tid = thread_position_in_threadgroup.x;
-  const int kvh = h0 / REP;
+"""
+MERGE_SIMDGROUPS = """  // Merge the simdgroups' partial softmax states.
+  SHARED float sm_m[NW * R];
+  SHARED float sm_l[NW * R];
+  SHARED float sm_o[NW * R * D];
+  UNROLL for (int r = 0; r < R; ++r) {
+    if (lane == 0) {
+      sm_m[warp * R + r] = m[r];
+      sm_l[warp * R + r] = l[r];
+    }
+    UNROLL for (int e = 0; e < DPL; ++e) {
+      sm_o[(warp * R + r) * D + lane * DPL + e] = acc[r][e];
+    }
+  }
+  BARRIER();
+  for (int idx = tid; idx < R * D; idx += NW * 32) {
+    const int r = idx / D;
+    const int d = idx % D;
+    const int i = qtile * QT + r / HPG;
+    const int h = h0 + r % HPG;
+    if (i < L) {
+      float M = NEG_INF;
+      UNROLL for (int w = 0; w < NW; ++w) {
+        M = MAXF(M, sm_m[w * R + r]);
+      }
+      float S = 0.0f;
+      float O = 0.0f;
+      UNROLL for (int w = 0; w < NW; ++w) {
+        const float c = EXPF(sm_m[w * R + r] - M);
+        S += sm_l[w * R + r] * c;
+        O += sm_o[(w * R + r) * D + d] * c;
+      }
+      const size_t row = (size_t)(b * HQ + h) * L + i;
+@EPILOGUE@
+    }
+  }
+"""
+PARTIAL_EPILOGUE = """
+      const size_t slot = row * num_parts + part;
+      o_part[slot * D + d] = O;
+      if (d == 0) {
+        m_part[slot] = M;
+        l_part[slot] = S;
+      }
+"""
+_MAIN_BODY = """
+  constexpr int DPL = D / 32;
+  constexpr int R = QT * HPG;
+  constexpr int REP = HQ / HKV;
+  constexpr int KV_ROW = HKV * D;
+  constexpr int KV_BLOCK = BS * KV_ROW;
+  constexpr int CHUNK_DIV = CHUNK > 0 ? CHUNK : 1;  // never % 0, even in the branch CHUNK == 0 skips
+""" + GRID_INDICES + """  const int kvh = h0 / REP;
   const int ctx = context_lens[b];
   const float sc = scale[0];
   const float cap = scale[1];
@@ -157,42 +204,7 @@ _MAIN_BODY = """
     }
   }
 
-  // Merge the simdgroups' partial softmax states.
-  SHARED float sm_m[NW * R];
-  SHARED float sm_l[NW * R];
-  SHARED float sm_o[NW * R * D];
-  UNROLL for (int r = 0; r < R; ++r) {
-    if (lane == 0) {
-      sm_m[warp * R + r] = m[r];
-      sm_l[warp * R + r] = l[r];
-    }
-    UNROLL for (int e = 0; e < DPL; ++e) {
-      sm_o[(warp * R + r) * D + lane * DPL + e] = acc[r][e];
-    }
-  }
-  BARRIER();
-  for (int idx = tid; idx < R * D; idx += NW * 32) {
-    const int r = idx / D;
-    const int d = idx % D;
-    const int i = qtile * QT + r / HPG;
-    const int h = h0 + r % HPG;
-    if (i < L) {
-      float M = NEG_INF;
-      UNROLL for (int w = 0; w < NW; ++w) {
-        M = MAXF(M, sm_m[w * R + r]);
-      }
-      float S = 0.0f;
-      float O = 0.0f;
-      UNROLL for (int w = 0; w < NW; ++w) {
-        const float c = EXPF(sm_m[w * R + r] - M);
-        S += sm_l[w * R + r] * c;
-        O += sm_o[(w * R + r) * D + d] * c;
-      }
-      const size_t row = (size_t)(b * HQ + h) * L + i;
-@EPILOGUE@
-    }
-  }
-"""
+""" + MERGE_SIMDGROUPS
 
 _FINAL_EPILOGUE = """
       float Mf = M;
@@ -206,15 +218,6 @@ _FINAL_EPILOGUE = """
       }
       // A row that sees no token and has no sink: 0 (as the CPU primitive), not 0 / 0.
       out[row * D + d] = static_cast<T>(denom > 0.0f ? O * c / denom : 0.0f);
-"""
-
-_PARTIAL_EPILOGUE = """
-      const size_t slot = row * num_parts + part;
-      o_part[slot * D + d] = O;
-      if (d == 0) {
-        m_part[slot] = M;
-        l_part[slot] = S;
-      }
 """
 
 # One threadgroup of D threads per (b, h, i) row; merges the partitions' (max, sum, output) and the sink.
@@ -247,7 +250,7 @@ _REDUCE_BODY = """
 
 ATTN_FINAL = KernelSpec("paged_attn_final", _MAIN_INPUTS, ("out",), _MAIN_BODY.replace("@EPILOGUE@", _FINAL_EPILOGUE))
 ATTN_PARTIAL = KernelSpec(
-    "paged_attn_partial", _MAIN_INPUTS, ("o_part", "m_part", "l_part"), _MAIN_BODY.replace("@EPILOGUE@", _PARTIAL_EPILOGUE)
+    "paged_attn_partial", _MAIN_INPUTS, ("o_part", "m_part", "l_part"), _MAIN_BODY.replace("@EPILOGUE@", PARTIAL_EPILOGUE)
 )
 ATTN_REDUCE = KernelSpec("paged_attn_reduce", ("o_part", "m_part", "l_part", "sinks", "meta"), ("out",), _REDUCE_BODY)
 
