@@ -47,9 +47,7 @@ def linear_cpu_kernel(x: mx.array, weight: mx.array) -> mx.array:
 def linear(x: mx.array, weight: mx.array) -> mx.array:
     """x @ weight.T: the CPU primitive on CPU for up to MAX_ROWS rows, else the reference. Unchecked: the
     engine runs what its start-up self-check chose (`trillm.kernels.selfcheck`)."""
-    if cpu_ext.enabled() and cpu_supports(x, weight):
-        return linear_cpu(x, weight)
-    return linear_ref(x, weight)
+    return (linear_cpu_kernel if cpu_ext.enabled() else linear_ref)(x, weight)
 
 
 # K summed in another order (16 lanes, then a tree) than BLAS's.

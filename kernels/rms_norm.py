@@ -38,17 +38,13 @@ def _cpu_supports_call(x: mx.array, weight: mx.array) -> bool:
 
 def rms_norm_cpu_kernel(x: mx.array, weight: mx.array, eps: float) -> mx.array:
     """The "cpu" kernel the self-check runs: the primitive, or the reference for a call it does not take."""
-    if _cpu_supports_call(x, weight):
-        return rms_norm_cpu(x, weight, eps)
-    return rms_norm_ref(x, weight, eps)
+    return rms_norm_cpu(x, weight, eps) if _cpu_supports_call(x, weight) else rms_norm_ref(x, weight, eps)
 
 
 def rms_norm(x: mx.array, weight: mx.array, eps: float) -> mx.array:
     """RMSNorm of x [..., D] with weight [D]: the CPU primitive on CPU, else the reference. Unchecked: the
     engine runs what its start-up self-check chose (`trillm.kernels.selfcheck`)."""
-    if cpu_ext.enabled() and _cpu_supports_call(x, weight):
-        return rms_norm_cpu(x, weight, eps)
-    return rms_norm_ref(x, weight, eps)
+    return (rms_norm_cpu_kernel if cpu_ext.enabled() else rms_norm_ref)(x, weight, eps)
 
 
 def _cases(shapes: ModelShapes, rows: list[tuple[str, int, int]], seed: int) -> list[Case]:

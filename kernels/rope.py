@@ -56,9 +56,8 @@ def rope(x: mx.array, dims: int, *, traditional: bool, base: float, scale: float
          offset: int | mx.array) -> mx.array:  # fmt: skip
     """RoPE (forward) of x: the CPU primitive on CPU, else the reference. Unchecked: the engine runs what its
     start-up self-check chose (`trillm.kernels.selfcheck`)."""
-    if cpu_ext.enabled() and _cpu_supports(x, dims, offset):
-        return rope_cpu(x, dims, traditional=traditional, base=base, scale=scale, offset=offset)
-    return rope_ref(x, dims, traditional=traditional, base=base, scale=scale, offset=offset)
+    fn = rope_cpu_kernel if cpu_ext.enabled() else rope_ref
+    return fn(x, dims, traditional=traditional, base=base, scale=scale, offset=offset)
 
 
 def _cases(shapes: ModelShapes, rows: list[tuple[str, int, int]], seed: int, *, both: bool) -> list[Case]:

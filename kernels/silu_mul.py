@@ -46,9 +46,7 @@ def silu_mul_cpu_kernel(gate: mx.array, up: mx.array) -> mx.array:
 def silu_mul(gate: mx.array, up: mx.array) -> mx.array:
     """silu(gate) * up: the CPU primitive on CPU, else the reference. Unchecked: the engine runs what its
     start-up self-check chose (`trillm.kernels.selfcheck`)."""
-    if cpu_ext.enabled() and _cpu_supports_call(gate, up):
-        return silu_mul_cpu(gate, up)
-    return silu_mul_ref(gate, up)
+    return (silu_mul_cpu_kernel if cpu_ext.enabled() else silu_mul_ref)(gate, up)
 
 
 def _cases(shapes: ModelShapes, rows: list[tuple[str, int, int]], seed: int) -> list[Case]:
