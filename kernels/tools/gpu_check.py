@@ -45,7 +45,6 @@ FULL_DEADLINE_S = 3600
 MIN_STEP_S = 15  # a step with less left than this is not started
 SKIP_CODE = 77  # a step's "prerequisite missing" exit status (automake's convention)
 NESTED_ENV = "GPU_CHECK_NESTED"  # set in every step's environment: a check inside a check runs no tests
-STATUSES = ("PASS", "FAIL", "SKIP")
 
 # The env step. Exit 77 when mlx, trillm or a GPU back-end is missing (argv[1] == "stub": CPU will do).
 ENV_SNIPPET = r"""
