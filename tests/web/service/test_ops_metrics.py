@@ -13,7 +13,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from conftest import MockFactory, running_app
 from trillm.web.service.metrics import VLLM_FAMILIES, VLLM_ITL_BUCKETS, VLLM_REQUEST_LATENCY_BUCKETS, VLLM_TTFT_BUCKETS
 
-DASHBOARD = pathlib.Path(__file__).resolve().parents[2] / "docs" / "grafana-dashboard.json"
+DASHBOARD = pathlib.Path(__file__).resolve().parents[3] / "docs" / "grafana-dashboard.json"
 
 # What vLLM's v1 PrometheusStatLogger declares (vllm/v1/metrics/loggers.py): family name as the parser reports
 # it (counters without `_total`) -> type. Written out here, independently of web/metrics.py's table.

@@ -11,7 +11,7 @@ from trillm.engine.config import engine_config_from_args
 from trillm.web.cli import build_parser, serve as cli_serve
 from trillm.web.service import tracing
 
-DOC = pathlib.Path(__file__).resolve().parents[2] / "docs" / "operations.md"
+DOC = pathlib.Path(__file__).resolve().parents[3] / "docs" / "operations.md"
 
 
 def parse(*argv: str):  # type: ignore[no-untyped-def]
