@@ -67,13 +67,12 @@ def test_scheduler_invariants_on_the_mock(config: EngineConfig, first: list[tupl
     bm = engine.block_manager
     sch = engine.scheduler
     batches: list[Any] = []
-    launch = engine.runner.launch
 
-    def spy(batch: Any, rows: Any, check_abort: Any = None, **kw: Any) -> Any:
-        batches.append((batch.num_tokens, len(sch.running)))
-        return launch(batch, rows, check_abort, **kw)
+    def spy(phase: str, _: float, batch: Any) -> None:
+        if phase == "launch":
+            batches.append((batch.num_tokens, len(sch.running)))
 
-    engine.runner.launch = spy  # type: ignore[method-assign]
+    engine.on_phase = spy
     want: dict[str, int] = {}  # live or finished, not aborted -> max_tokens
     got: dict[str, int] = {}
     finished: set[str] = set()
@@ -87,6 +86,7 @@ def test_scheduler_invariants_on_the_mock(config: EngineConfig, first: list[tupl
                 finished.add(out.request_id)
         index.apply(events.take())
         bm.check_invariants(sch.running)
+        assert len(batches) == (engine.last_step is not None), "the mock launches once per step that runs"
         for num_tokens, running in batches:
             assert num_tokens <= config.max_num_batched_tokens or not config.enable_chunked_prefill
             assert running <= config.max_num_seqs
