@@ -191,8 +191,6 @@ class MessageTranslator:
         self.stop_sequence: str | None = None
         self._open: int | None = None  # index of the block being streamed
         self._tool_blocks: dict[int, int] = {}  # tool call index -> block index
-        self._tool_json: dict[int, str] = {}
-        self.finished = False
 
     def _message(self, content: list[dict[str, Any]]) -> dict[str, Any]:
         return {"id": self.id, "type": "message", "role": "assistant", "model": self.model, "content": content,
@@ -248,10 +246,8 @@ class MessageTranslator:
                 out += self._begin({"type": "tool_use", "id": ev.id, "name": ev.name, "input": {}})
                 assert self._open is not None
                 self._tool_blocks[ev.index] = self._open
-                self._tool_json[ev.index] = ""
             elif isinstance(ev, ToolCallArgumentsDelta):
                 if ev.delta and ev.index in self._tool_blocks:
-                    self._tool_json[ev.index] += ev.delta
                     out.append({"type": "content_block_delta", "index": self._tool_blocks[ev.index],
                                 "delta": {"type": "input_json_delta", "partial_json": ev.delta}})
             elif isinstance(ev, ToolCallEnd):
@@ -268,7 +264,6 @@ class MessageTranslator:
 
     def _finish(self, finish: OutputEnd) -> list[dict[str, Any]]:
         """Close the open block; message_delta (stop reason, final usage) and message_stop."""
-        self.finished = True
         if finish.reason == "length":
             self.stop_reason = "model_context_window_exceeded" if self.context_limited else "max_tokens"
         elif isinstance(finish.stop_reason, str) and finish.stop_reason in self.stop_sequences:

@@ -328,13 +328,10 @@ class ResponseTranslator:
         return out
 
     def _finish(self, finish: OutputEnd) -> list[dict[str, Any]]:
-        if finish.reason == "length":
+        if finish.reason in ("length", "timeout"):  # a timeout (its deadline passed) cuts short as a budget does
             out = self._close("incomplete")
-            self.status, self.incomplete_reason = "incomplete", "max_output_tokens"
-            return out + [self._event("response.incomplete", response=self.response())]
-        if finish.reason == "timeout":  # its deadline passed: cut short, as by a budget
-            out = self._close("incomplete")
-            self.status, self.incomplete_reason = "incomplete", "timeout"
+            self.status = "incomplete"
+            self.incomplete_reason = "max_output_tokens" if finish.reason == "length" else "timeout"
             return out + [self._event("response.incomplete", response=self.response())]
         if finish.reason == "grammar":  # the constrained output could not go on: not a valid answer
             out = self._close("incomplete")
