@@ -30,6 +30,9 @@ from trillm.web.chat.reasoning import ReasoningFormat, ReasoningSplitter, held_b
 from trillm.web.chat.tool_parsers import ParsedCall, ToolFormat
 
 FinishKind = Literal["stop", "length", "tool_calls", "grammar", "abort", "error", "timeout"]
+_END_KINDS: dict[FinishReason, FinishKind] = {  # a normal stop is "stop", or "tool_calls" after calls
+    FinishReason.LENGTH: "length", FinishReason.GRAMMAR: "grammar", FinishReason.ABORT: "abort",
+    FinishReason.ERROR: "error", FinishReason.TIMEOUT: "timeout"}
 
 
 @dataclass(frozen=True, slots=True)
@@ -204,20 +207,8 @@ class ChoiceParser:
             events += self._answer(answer)
         if self._tools is not None:
             events += self._tools.flush()
-        kind: FinishKind
-        if reason is FinishReason.LENGTH:
-            kind = "length"
-        elif reason is FinishReason.GRAMMAR:
-            kind = "grammar"
-        elif reason is FinishReason.ABORT:
-            kind = "abort"
-        elif reason is FinishReason.ERROR:
-            kind = "error"
-        elif reason is FinishReason.TIMEOUT:
-            kind = "timeout"
-        else:
-            kind = "tool_calls" if self._tools is not None and self._tools.num_calls else "stop"
-        events.append(OutputEnd(kind, stop_reason, error))
+        called = self._tools is not None and self._tools.num_calls
+        events.append(OutputEnd(_END_KINDS.get(reason) or ("tool_calls" if called else "stop"), stop_reason, error))
         return events
 
     def feed_output(self, out: RequestOutput) -> list[OutputEvent]:
