@@ -188,6 +188,12 @@
       if (msg.token_ids.length) turn.tLast = now;
       turn.tokens += msg.token_ids.length;
       turn.text += msg.text;
+      turn.reasoning += msg.reasoning || "";
+      for (const call of msg.tool_calls || []) {
+        const seen = turn.calls[call.index] || (turn.calls[call.index] = { name: "", arguments: "" });
+        seen.name += (call.function && call.function.name) || "";
+        seen.arguments += (call.function && call.function.arguments) || "";
+      }
       scheduleRender(turn);
     } else if (msg.type === "done") {
       finishTurn(turn, "done", { usage: msg.usage, finish: msg.finish_reasons[0] });
@@ -211,12 +217,19 @@
     return box;
   }
 
+  // The answer as shown: the reasoning quoted above it, each tool call below it (the history keeps the answer).
+  function shown(turn) {
+    const quoted = turn.reasoning ? turn.reasoning.split("\n").map((line) => "> " + line).join("\n") + "\n\n" : "";
+    const calls = turn.calls.filter(Boolean).map((c) => "\n\n`" + c.name + "(" + c.arguments + ")`").join("");
+    return quoted + turn.text + calls;
+  }
+
   function scheduleRender(turn) {
     if (turn.renderPending) return;
     turn.renderPending = true;
     requestAnimationFrame(() => {
       turn.renderPending = false;
-      renderMarkdown(turn.body, turn.text);
+      renderMarkdown(turn.body, shown(turn));
       turn.view.dataset.state = turn.status;
       turn.view.dataset.tokens = String(turn.tokens);
       scrollToEnd();
@@ -263,7 +276,7 @@
     addMessage("user", text);
     const view = addMessage("assistant", "");
     const turn = {
-      id: state.nextId++, view, body: view.querySelector(".body"), user, text: "", tokens: 0,
+      id: state.nextId++, view, body: view.querySelector(".body"), user, text: "", reasoning: "", calls: [], tokens: 0,
       tSend: performance.now(), tFirst: null, tLast: null, status: "waiting", ws: null, renderPending: false,
     };
     view.dataset.state = "waiting";
@@ -306,7 +319,7 @@
     if (state.turn !== turn) return;
     state.turn = null;
     turn.status = status;
-    renderMarkdown(turn.body, turn.text);
+    renderMarkdown(turn.body, shown(turn));
     const view = turn.view;
     view.dataset.state = status;
     view.dataset.tokens = String(turn.tokens);
