@@ -19,6 +19,7 @@ from trillm.kernels.layout import RESERVED_BLOCK
 from trillm.engine.sequence import Sequence
 
 if TYPE_CHECKING:
+    from trillm.engine.kv_slabs import PoolCapacity
     from trillm.engine.state_pool import StateSlots
 
 
@@ -56,17 +57,20 @@ class Block:
 
 class BlockManager:
     def __init__(self, num_blocks: int, block_size: int, *, model_id: str = "", enable_prefix_caching: bool = True,
-                 state_slots: StateSlots | None = None) -> None:
-        """state_slots: a hybrid model's recurrent-state slots, taken and freed with each sequence's blocks."""
+                 state_slots: StateSlots | None = None, capacity: PoolCapacity | None = None) -> None:
+        """state_slots: a hybrid model's recurrent-state slots, taken and freed with each sequence's blocks.
+        capacity: a pool that grows to num_blocks as blocks are needed (engine/kv_slabs.py); None: all exist."""
         assert num_blocks >= 2
         self.block_size = block_size
         self.num_blocks = num_blocks
         self.enable_prefix_caching = enable_prefix_caching
         self._model_id = model_id
         self._root = root_hash(model_id)
-        self.blocks = [Block(i) for i in range(num_blocks)]
+        self.capacity = capacity
+        existing = num_blocks if capacity is None else capacity.capacity
+        self.blocks = [Block(i) for i in range(existing)]  # the blocks that exist now
         # ref_count == 0 blocks, least recently freed first; RESERVED_BLOCK is never handed out.
-        self._free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks) if i != RESERVED_BLOCK)
+        self._free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(existing) if i != RESERVED_BLOCK)
         self._cached: dict[bytes, int] = {}  # block hash -> block id
         self._num_cached_free = 0  # free blocks still holding a hash (kept, not counted: statistics() is per step)
         self.num_queried_tokens = 0
@@ -83,11 +87,12 @@ class BlockManager:
 
     @property
     def num_free_blocks(self) -> int:
-        return len(self._free)
+        """Free blocks, counting those a growing pool can still add."""
+        return len(self._free) + (self.capacity.growable() if self.capacity is not None else 0)
 
     @property
     def num_used_blocks(self) -> int:
-        return self.num_usable_blocks - len(self._free)
+        return len(self.blocks) - 1 - len(self._free)
 
     @property
     def num_cached_free_blocks(self) -> int:
@@ -197,6 +202,9 @@ class BlockManager:
         self.num_hit_tokens += seq.num_computed_tokens
 
     def _take_free(self) -> int:
+        # A growing pool adds blocks rather than evict a cached prefix, while memory allows.
+        if self.capacity is not None and (not self._free or self.blocks[next(iter(self._free))].hash is not None):
+            self._add_blocks(self.capacity.grow(1, promised=not self._free))
         block_id, _ = self._free.popitem(last=False)
         block = self.blocks[block_id]
         assert block.ref_count == 0
@@ -211,6 +219,48 @@ class BlockManager:
             block.hash = None
         block.ref_count = 1
         return block_id
+
+    def _add_blocks(self, ids: range) -> None:
+        """New blocks (a grown pool) go to the front of the free list: taken before any cached block."""
+        assert ids.start == len(self.blocks)
+        self.blocks.extend(Block(i) for i in ids)
+        for i in reversed(ids):
+            self._free[i] = None
+            self._free.move_to_end(i, last=False)
+
+    def shrink(self) -> list[bytes]:
+        """Release a growing pool's slabs while no sequence holds a block: keep the most recently freed cached
+        blocks (capacity.idle_keep_blocks at most), renamed to the lowest ids, and drop the rest of the prefix
+        cache. Returns the hashes dropped (already reported as removed)."""
+        cap = self.capacity
+        assert cap is not None and all(b.ref_count == 0 for b in self.blocks[1:]), "shrink only an idle pool"
+        recent = [b for b in reversed(self._free) if self.blocks[b].hash is not None]
+        kept = recent[: max(0, cap.idle_keep_blocks - 1)]  # the reserved block counts: keep 64 MB = one slab
+        ids = [RESERVED_BLOCK] + kept
+        if cap.shrink(ids) == len(self.blocks):
+            return []
+        dropped = []
+        for block_id in recent[len(kept):]:
+            h = self.blocks[block_id].hash
+            assert h is not None
+            dropped.append(h)
+            del self._cached[h]
+            if self.state_slots is not None and self.state_slots.checkpoints is not None:
+                self.state_slots.checkpoints.drop(h)
+            if self.on_kv_event is not None:
+                self.on_kv_event("removed", h, None)
+        # Renamed: kept[i] is block i + 1 now, in the same least-recently-freed order; new blocks go first.
+        hashes = [self.blocks[b].hash for b in kept]
+        self.blocks = [Block(i) for i in range(cap.capacity)]
+        self._free = OrderedDict((i, None) for i in range(len(ids), cap.capacity))
+        for new_id in range(len(kept), 0, -1):
+            h = hashes[new_id - 1]
+            assert h is not None
+            self.blocks[new_id].hash = h
+            self._cached[h] = new_id
+            self._free[new_id] = None
+        self._num_cached_free = len(kept)
+        return dropped
 
     def deallocate(self, seq: Sequence) -> None:
         # Tail blocks first, so a prefix's head outlives its tail in the LRU order.
@@ -270,7 +320,7 @@ class BlockManager:
 
     def check_invariants(self, live: list[Sequence]) -> None:
         """Blocks are conserved: each live reference is counted once, and free means unreferenced."""
-        refs = [0] * self.num_blocks
+        refs = [0] * len(self.blocks)
         for seq in live:
             for b in seq.block_table:
                 refs[b] += 1

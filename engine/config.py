@@ -7,6 +7,7 @@ from dataclasses import MISSING, dataclass, fields
 from typing import Any
 
 from trillm.engine.errors import InvalidRequest
+from trillm.engine.memory import parse_memory_size
 from trillm.kernels.selfcheck import MODES as KERNEL_MODES
 
 SCHEDULING_POLICIES = ("fcfs", "priority")
@@ -46,6 +47,14 @@ class EngineConfig:
     # within a quarter of kv_cache_memory_gb), out of the KV memory budget.
     state_checkpoint_interval: int = 4
     max_state_checkpoints: int | None = None
+    # Memory that follows the load (engine/kv_slabs.py, engine/memory.py): the pool grows by slabs of this
+    # many MB up to its block count, within memory_limit bytes for the whole process (None: a fraction of the
+    # machine); idle for kv_idle_release_s seconds, it shrinks to the slabs of its kv_idle_keep_mb most
+    # recently used cached MB.
+    memory_limit: int | None = None
+    kv_slab_mb: float = 64.0
+    kv_idle_release_s: float = 30.0
+    kv_idle_keep_mb: float = 64.0
 
     def __post_init__(self) -> None:
         if self.block_size <= 0 or self.block_size & (self.block_size - 1):
@@ -73,6 +82,10 @@ class EngineConfig:
             raise InvalidRequest(f"num_speculative_tokens must be in [1, 16], got {self.num_speculative_tokens}")
         if self.speculative_max_batch < 1:
             raise InvalidRequest(f"speculative_max_batch must be >= 1, got {self.speculative_max_batch}")
+        if (self.memory_limit is not None and self.memory_limit <= 0) or self.kv_slab_mb <= 0:
+            raise InvalidRequest("memory_limit and kv_slab_mb must be > 0")
+        if self.kv_idle_release_s < 0 or self.kv_idle_keep_mb < 0:
+            raise InvalidRequest("kv_idle_release_s and kv_idle_keep_mb must be >= 0")
         if self.kernels not in KERNEL_MODES:
             raise InvalidRequest(f"kernels must be one of {', '.join(KERNEL_MODES)}, got {self.kernels!r}")
 
@@ -107,6 +120,13 @@ _FLAGS: dict[str, tuple[str, str]] = {
                                                            "(fewer while a row's proposals are rejected)"),
     "speculative_max_batch": ("--speculative-max-batch", "--speculative: speculate only while at most this many "
                                                          "requests decode (a larger batch already fills the compute)"),
+    "memory_limit": ("--memory-limit", "memory for the whole process (12GB, 512MB, 8GiB; a plain number is GB): "
+                                       "the KV pool grows only within it and requests past it get 503 with "
+                                       "Retry-After (none: 90%% of what the process holds plus the available RAM; "
+                                       "on a Mac, of Metal's recommended working set)"),
+    "kv_slab_mb": ("--kv-slab-mb", "the KV pool grows in slabs of this many MB (geometrically, at least 1.5x)"),
+    "kv_idle_release_s": ("--kv-idle-release-s", "seconds idle after which the KV pool shrinks; 0: at once"),
+    "kv_idle_keep_mb": ("--kv-idle-keep-mb", "MB of the most recently used prefix cache an idle pool keeps"),
 }
 
 
@@ -123,8 +143,10 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         if isinstance(default, bool):
             g.add_argument(flag, dest=name, action="store_false" if default else "store_true", help=help_text)
         else:
-            kind = {"dtype": str, "kernels": str, "scheduling_policy": str, "speculative": str,
-                    "kv_cache_memory_gb": float}.get(name, int)
+            kind: Any = {"dtype": str, "kernels": str, "scheduling_policy": str, "speculative": str,
+                         "kv_cache_memory_gb": float, "kv_idle_release_s": float, "kv_slab_mb": float,
+                         "kv_idle_keep_mb": float,
+                         "memory_limit": parse_memory_size}.get(name, int)
             choices = {"kernels": KERNEL_MODES, "scheduling_policy": SCHEDULING_POLICIES,
                        "speculative": SPECULATIVE_METHODS}.get(name)
             g.add_argument(flag, dest=name, type=kind, default=default, help=f"{help_text} (default: {default})",

@@ -72,9 +72,16 @@ class EngineDriver:
     def idle(self) -> bool:
         return not self.engine.has_unfinished_requests()
 
+    @property
+    def release_after_s(self) -> float | None:
+        """How long an idle shell may park before calling `run_once([])` to shrink the KV pool (None: forever)."""
+        return self.engine.idle_release_in
+
     def run_once(self, work: Sequence[Work], *, check_abort: Callable[[], None] | None = None) -> StepResult:
         """Apply `work`, then one engine step if anything is live. check_abort may raise to stop mid-step."""
         rejected = self._apply(work)
+        if not work and self.engine.idle_release_in == 0.0:
+            self.engine.release_idle_memory()
         outputs: list[RequestOutput] = []
         report = None
         step_s = 0.0

@@ -20,6 +20,8 @@ from trillm.engine.detokenizer import IncrementalDetokenizer, StopStringMatcher
 from trillm.engine.errors import InvalidRequest, ModelLoadError, UnknownRequest, UnverifiedModel
 from trillm.engine.grammar import grammar_compiler
 from trillm.engine.kv_cache import KVLayout
+from trillm.engine.kv_slabs import check_memory, memory_statistics, pool_capacity_for, resize_pool
+from trillm.engine.memory import MemoryBudget, default_memory_limit
 from trillm.engine.loader import LoadedModel
 from trillm.engine.outputs import EngineStatistics, FinishReason, RequestOutput, TokenLogprob, Usage
 from trillm.engine.prompt_logprobs import PromptLogprobsBuffer, ScoredSpan
@@ -189,8 +191,13 @@ class LLMEngine:
         if config.enable_prefix_caching and not prefix_caching:
             log.info("%s has recurrent layers and no room for state checkpoints: prefix caching is off for it",
                      lm.name)
+        # The MLX pool grows with the load within the process's memory budget (engine/kv_slabs.py).
+        self.memory = MemoryBudget(config.memory_limit or default_memory_limit())
+        self.pool_capacity = (pool_capacity_for(config, num_blocks, per_block, 2 * len(layout.layers), self.memory)
+                              if self.kv_layout is not None and per_block else None)
+        self._bytes_per_block = per_block
         self.block_manager = BlockManager(num_blocks, bs, model_id=lm.model_id, enable_prefix_caching=prefix_caching,
-                                          state_slots=self.state_slots)
+                                          state_slots=self.state_slots, capacity=self.pool_capacity)
         # Token ids must index both the tokenizer and the logits: a tokenizer with added tokens and no resize
         # of the embedding has more ids than the LM head has rows.
         rows = lm.vocab_size or self.tokenizer.vocab_size
@@ -199,7 +206,8 @@ class LLMEngine:
         self.scheduler = Scheduler(config, self.block_manager, self.limits, self.eos_token_ids)
         self.grammars = grammar_compiler(self.tokenizer)  # llguidance's view of the tokenizer is built on first use
         self.kernel_report: KernelReport | None = None  # which implementation each kernel op runs (MLX runner)
-        self.runner: Runner = runner_factory(num_blocks)
+        self.runner: Runner = runner_factory(num_blocks if self.pool_capacity is None else self.pool_capacity.capacity)
+        self._idle_since: float | None = time.monotonic()  # when the engine last ran out of requests
         self._pipelined = config.pipeline_decode and self.runner.supports_launch_ahead
         self.speculator = make_speculator(config, self.block_manager, self.max_model_len, self.runner,
                                           hybrid=self.state_slots is not None)
@@ -211,6 +219,7 @@ class LLMEngine:
         self.probe_result: ProbeResult | None = None  # the load-time check of the paged forward (MLX runner)
         if self.kv_layout is not None and config.verify_model:
             self._verify_model()
+            self.release_idle_memory()  # the probe's blocks are nobody's: start from the smallest pool
 
     def _verify_model(self) -> None:
         from trillm.engine.model_probe import probe
@@ -247,6 +256,8 @@ class LLMEngine:
         from trillm.engine.sampler import Sampler
 
         pool = make_kv_pool(lm, self.config, num_blocks, self.max_model_len, self.kv_layout, self.state_slots)
+        if self.pool_capacity is not None:
+            self.pool_capacity.on_resize = partial(resize_pool, pool)
         self.kernel_report = pool.kernels.report
         # Padded embeddings (more logits than tokens) must never yield an id the tokenizer cannot decode.
         return ModelRunner(lm.model, pool, Sampler(self.config.seed, vocab_size=self.tokenizer.vocab_size))
@@ -267,6 +278,8 @@ class LLMEngine:
             StopStringMatcher(params.stop, include_stop=params.include_stop_str_in_output),
             None if params.prompt_logprobs is None else PromptLogprobsBuffer(len(prompt_token_ids)),
         )
+        if self.pool_capacity is not None:
+            check_memory(self.pool_capacity, self.block_manager, self.scheduler.waiting, seq)  # Overloaded
         if self.speculator is not None:
             self.speculator.track(seq)
         self.scheduler.add(seq)  # raises InvalidRequest / Overloaded; the last thing that may fail
@@ -345,6 +358,28 @@ class LLMEngine:
         if self._inflight is not None and not self._requests:
             self.runner.collect(self._inflight)
             self._inflight = None
+        if not self._requests:
+            self._idle_since = self._idle_since or time.monotonic()
+        else:
+            self._idle_since = None
+
+    @property
+    def idle_release_in(self) -> float | None:
+        """Seconds until the idle pool may shrink (0: now); None while busy or with nothing to release."""
+        cap = self.pool_capacity
+        if cap is None or self._idle_since is None or self._requests or cap.capacity <= cap.idle_floor:
+            return None
+        return max(0.0, self._idle_since + self.config.kv_idle_release_s - time.monotonic())
+
+    def release_idle_memory(self) -> int:
+        """Shrink an idle pool to the slabs of its most recently used cached blocks; returns the bytes freed."""
+        cap = self.pool_capacity
+        if cap is None or self._requests or self._inflight is not None:
+            return 0
+        before = cap.nbytes
+        self.block_manager.shrink()
+        self._idle_since = None  # released: nothing more until the next request has come and gone
+        return before - cap.nbytes
 
     def _outputs(self, batch: ScheduledBatch, sampled: list[SampledToken],
                  scored: list[ScoredSpan]) -> list[RequestOutput]:
@@ -493,6 +528,7 @@ class LLMEngine:
             spec_draft_tokens=self._spec_counters.num_draft_tokens,
             spec_accepted_tokens=self._spec_counters.num_accepted_tokens,
             spec_verifies=self._spec_counters.num_verifies,
+            **memory_statistics(self.memory, bm, self._bytes_per_block),
         )
 
     @property

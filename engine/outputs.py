@@ -93,6 +93,13 @@ class EngineStatistics:
     spec_draft_tokens: int = 0
     spec_accepted_tokens: int = 0
     spec_verifies: int = 0
+    # Memory (engine/memory.py): the process's resident bytes now and at its peak, its limit (0: none), and the
+    # KV pool's bytes allocated and in use (engine/kv_slabs.py).
+    memory_rss_bytes: int = 0
+    memory_peak_bytes: int = 0
+    memory_limit_bytes: int = 0
+    kv_pool_bytes: int = 0
+    kv_pool_used_bytes: int = 0
 
     @property
     def prefix_cache_hit_rate(self) -> float:

@@ -508,19 +508,22 @@ class EngineService:
         self._wakeup = trio.Event()
         return work
 
-    async def _wait_for_work_or_idle(self) -> list[Work] | None:
-        """The next work; None (and UNLOADED) after `unload_after_idle_s` without any, or once run() is over."""
+    async def _wait_for_work_or_idle(self, release_after_s: float | None = None) -> list[Work] | None:
+        """The next work; None (and UNLOADED) after `unload_after_idle_s` without any, or once run() is over;
+        [] after `release_after_s` without any (the engine then shrinks its KV pool)."""
         timeout = self._config.unload_after_idle_s
         with trio.move_on_after(math.inf if timeout is None else timeout):
-            # (On the threaded shell this runs in a system task, which run()'s cancellation cannot reach:
-            # run() sets _stopped and the wakeup when it ends.)
-            while not self._inbox and not self._stopped.is_set():
-                self._raise_declared_failure()
-                await self._wakeup.wait()
-                self._wakeup = trio.Event()
-            if self._stopped.is_set():
-                return None
-            return self._take_work()
+            with trio.move_on_after(math.inf if release_after_s is None else release_after_s):
+                # (On the threaded shell this runs in a system task, which run()'s cancellation cannot reach:
+                # run() sets _stopped and the wakeup when it ends.)
+                while not self._inbox and not self._stopped.is_set():
+                    self._raise_declared_failure()
+                    await self._wakeup.wait()
+                    self._wakeup = trio.Event()
+                if self._stopped.is_set():
+                    return None
+                return self._take_work()
+            return self._take_work()  # [] unless work arrived in the very tick the release fired
         if self._inbox:  # arrived in the very tick the deadline fired: serve it
             return self._take_work()
         self._set_state(ServiceState.UNLOADED)  # from now on a request waits for a reload (ensure_loaded)
@@ -568,7 +571,7 @@ class EngineService:
         while True:
             trio.from_thread.check_cancelled()
             if not work and driver.idle:
-                idle_work = trio.from_thread.run(self._wait_for_work_or_idle)
+                idle_work = trio.from_thread.run(self._wait_for_work_or_idle, driver.release_after_s)
                 if idle_work is None:
                     return  # unload: dropping the engine frees the model and its KV cache
                 work = idle_work

@@ -192,6 +192,11 @@ def render_metrics(
         ("trillm_kv_blocks_total", "num_blocks_total", "KV cache blocks in the pool."),
         ("trillm_prefix_cache_hit_rate", "prefix_cache_hit_rate", "Prompt tokens found in the prefix cache."),
         ("trillm_num_preemptions", "num_preemptions", "Preemptions so far."),
+        ("trillm_memory_rss_bytes", "memory_rss_bytes", "Resident memory of the process."),
+        ("trillm_memory_peak_bytes", "memory_peak_bytes", "Peak resident memory of the process."),
+        ("trillm_memory_limit_bytes", "memory_limit_bytes", "The process's memory limit (--memory-limit; 0: none)."),
+        ("trillm_kv_pool_bytes", "kv_pool_bytes", "Memory the KV pool has allocated (it grows and shrinks)."),
+        ("trillm_kv_pool_used_bytes", "kv_pool_used_bytes", "Of it, blocks held by requests."),
     )
     for name, attr, help_text in gauges:
         family(name, "gauge", help_text)
