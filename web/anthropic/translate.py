@@ -17,8 +17,6 @@ import uuid
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-from pydantic import ValidationError
-
 from trillm.engine.errors import InvalidRequest
 from trillm.engine.outputs import Usage
 from trillm.web.anthropic.schema import (
@@ -29,7 +27,7 @@ from trillm.web.chat.output_events import (
     OutputEnd, OutputEvent, ReasoningDelta, TextDelta, ToolCallArgumentsDelta, ToolCallEnd, ToolCallStart,
     arguments_object,
 )
-from trillm.web.errors import APIError, describe, to_api_error
+from trillm.web.errors import APIError, parse_object, to_api_error
 from trillm.web.openai.schema import (
     ChatCompletionRequest, ChatMessage, FunctionDef, JsonSchemaFormat, NamedFunction, NamedToolChoice,
     ResponseFormat, Tool, ToolCall, ToolCallFunction,
@@ -163,10 +161,7 @@ def chat_body(body: MessagesRequest | CountTokensRequest) -> ChatCompletionReque
             top_p=DEFAULT_TOP_P if body.top_p is None else body.top_p,
             top_k=DEFAULT_TOP_K if body.top_k is None else body.top_k, cache_salt=body.cache_salt,
         )
-    try:
-        return ChatCompletionRequest(**fields)
-    except ValidationError as exc:
-        raise InvalidRequest(describe(exc)) from None
+    return parse_object(ChatCompletionRequest, fields)
 
 
 # ---- response ----
@@ -174,6 +169,11 @@ def chat_body(body: MessagesRequest | CountTokensRequest) -> ChatCompletionReque
 def usage_json(usage: Usage) -> dict[str, int]:
     return {"input_tokens": usage.prompt_tokens - usage.cached_tokens, "output_tokens": usage.completion_tokens,
             "cache_creation_input_tokens": 0, "cache_read_input_tokens": usage.cached_tokens}
+
+
+# A streamed block of each kind as it starts (its text then grows delta by delta).
+_NEW_BLOCKS: dict[str, dict[str, Any]] = {"text": {"type": "text", "text": "", "citations": None},
+                                          "thinking": {"type": "thinking", "thinking": "", "signature": ""}}
 
 
 class MessageTranslator:
@@ -210,8 +210,8 @@ class MessageTranslator:
         events = self._close()
         self.content.append(block)
         self._open = len(self.content) - 1
-        start = {k: ("" if isinstance(v, str) and k in ("text", "thinking") else v) for k, v in block.items()}
-        return events + [{"type": "content_block_start", "index": self._open, "content_block": start}]
+        # A copy: the block's text grows in self.content, its start event stays as it was sent.
+        return events + [{"type": "content_block_start", "index": self._open, "content_block": dict(block)}]
 
     def _open_type(self) -> str | None:
         return None if self._open is None else str(self.content[self._open]["type"])
@@ -224,24 +224,14 @@ class MessageTranslator:
         for ev in events:
             if isinstance(ev, OutputEnd):
                 out += self._finish(ev)
-            elif isinstance(ev, TextDelta):
-                if not ev.text:
-                    continue
-                if self._open_type() != "text":
-                    out += self._begin({"type": "text", "text": "", "citations": None})
+            elif isinstance(ev, (TextDelta, ReasoningDelta)) and ev.text:
+                kind = "text" if isinstance(ev, TextDelta) else "thinking"
+                if self._open_type() != kind:
+                    out += self._begin(dict(_NEW_BLOCKS[kind]))
                 assert self._open is not None
-                self.content[self._open]["text"] += ev.text
+                self.content[self._open][kind] += ev.text
                 out.append({"type": "content_block_delta", "index": self._open,
-                            "delta": {"type": "text_delta", "text": ev.text}})
-            elif isinstance(ev, ReasoningDelta):
-                if not ev.text:
-                    continue
-                if self._open_type() != "thinking":
-                    out += self._begin({"type": "thinking", "thinking": "", "signature": ""})
-                assert self._open is not None
-                self.content[self._open]["thinking"] += ev.text
-                out.append({"type": "content_block_delta", "index": self._open,
-                            "delta": {"type": "thinking_delta", "thinking": ev.text}})
+                            "delta": {"type": f"{kind}_delta", kind: ev.text}})
             elif isinstance(ev, ToolCallStart):
                 out += self._begin({"type": "tool_use", "id": ev.id, "name": ev.name, "input": {}})
                 assert self._open is not None

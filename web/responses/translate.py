@@ -14,20 +14,18 @@ came from the prefix cache.
 
 from __future__ import annotations
 
-import copy
 import time
 import uuid
 from collections.abc import Iterable
+from copy import deepcopy
 from typing import Any
-
-from pydantic import ValidationError
 
 from trillm.engine.errors import InvalidRequest
 from trillm.engine.outputs import Usage
 from trillm.web.chat.output_events import (
     OutputEnd, OutputEvent, ReasoningDelta, TextDelta, ToolCallArgumentsDelta, ToolCallEnd, ToolCallStart,
 )
-from trillm.web.errors import describe, to_api_error
+from trillm.web.errors import parse_object, to_api_error
 from trillm.web.http.sse import KEEPALIVE
 from trillm.web.openai.schema import (
     ChatCompletionRequest, ChatMessage, FunctionDef, JsonSchemaFormat, NamedFunction, NamedToolChoice,
@@ -158,14 +156,10 @@ def chat_body(body: ResponsesRequest) -> ChatCompletionRequest:
     effort = body.reasoning.effort if body.reasoning is not None else None
     if effort is not None:  # templates that can think (Qwen3, ...) read enable_thinking, others ignore it
         fields["chat_template_kwargs"] = {"enable_thinking": effort != "none"}
-    try:
-        return ChatCompletionRequest(
-            **fields, stream=body.stream, cache_salt=body.cache_salt,
-            temperature=DEFAULT_TEMPERATURE if body.temperature is None else body.temperature,
-            top_p=DEFAULT_TOP_P if body.top_p is None else body.top_p,
-        )
-    except ValidationError as exc:
-        raise InvalidRequest(describe(exc)) from None
+    fields.update(stream=body.stream, cache_salt=body.cache_salt,
+                  temperature=DEFAULT_TEMPERATURE if body.temperature is None else body.temperature,
+                  top_p=DEFAULT_TOP_P if body.top_p is None else body.top_p)
+    return parse_object(ChatCompletionRequest, fields)
 
 
 # ---- response ----
@@ -183,8 +177,15 @@ def _tools_json(body: ResponsesRequest) -> list[dict[str, Any]]:
              "strict": t.strict} for t in body.tools or () if isinstance(t, FunctionTool)]
 
 
+# The one text part of a message and of a reasoning item, as it starts.
+_TEXT_PARTS: dict[str, dict[str, Any]] = {
+    "message": {"type": "output_text", "text": "", "annotations": [], "logprobs": []},
+    "reasoning": {"type": "reasoning_text", "text": ""}}
+
+
 class ResponseTranslator:
-    """One choice's output events -> the Responses stream events, and the Response they add up to."""
+    """One choice's output events -> the Responses stream events, and the Response they add up to. Events carry
+    deep copies of the items: what was sent must not change as its item grows."""
 
     def __init__(self, body: ResponsesRequest, *, model: str, prompt_tokens: int) -> None:
         self.id = "resp_" + uuid.uuid4().hex
@@ -217,7 +218,8 @@ class ResponseTranslator:
             "background": False, "error": self.error,
             "incomplete_details": None if self.incomplete_reason is None else {"reason": self.incomplete_reason},
             "instructions": b.instructions, "max_output_tokens": b.max_output_tokens, "model": self.model,
-            "output": [_copy(item) for item in self.output], "parallel_tool_calls": True if b.parallel_tool_calls is None else b.parallel_tool_calls,
+            "output": deepcopy(self.output),
+            "parallel_tool_calls": True if b.parallel_tool_calls is None else b.parallel_tool_calls,
             "previous_response_id": None,
             "reasoning": {"effort": b.reasoning.effort if b.reasoning else None,
                           "summary": b.reasoning.summary if b.reasoning else None},
@@ -237,19 +239,23 @@ class ResponseTranslator:
     def _open_kind(self) -> str | None:
         return None if self._open is None else str(self.output[self._open]["type"])
 
+    def _text_event(self, index: int, step: str, **fields: Any) -> dict[str, Any]:
+        """response.output_text.<step> of a message, or response.reasoning_text.<step> of a reasoning item."""
+        item = self.output[index]
+        if item["type"] == "message":
+            fields["logprobs"] = []
+        return self._event(f"response.{item['content'][0]['type']}.{step}", item_id=item["id"], output_index=index,
+                           content_index=0, **fields)
+
     def _add(self, item: dict[str, Any]) -> list[dict[str, Any]]:
         events = self._close("completed")
         self.output.append(item)
-        self._open = len(self.output) - 1
-        events.append(self._event("response.output_item.added", output_index=self._open, item=_copy(item)))
-        if item["type"] == "message":
-            events.append(self._event("response.content_part.added", item_id=item["id"], output_index=self._open,
-                                      content_index=0, part=_text_part("")))
-            item["content"].append(_text_part(""))
-        elif item["type"] == "reasoning":
-            events.append(self._event("response.content_part.added", item_id=item["id"], output_index=self._open,
-                                      content_index=0, part={"type": "reasoning_text", "text": ""}))
-            item["content"].append({"type": "reasoning_text", "text": ""})
+        self._open = index = len(self.output) - 1
+        events.append(self._event("response.output_item.added", output_index=index, item=deepcopy(item)))
+        if item["type"] in _TEXT_PARTS:
+            item["content"].append(deepcopy(_TEXT_PARTS[item["type"]]))
+            events.append(self._event("response.content_part.added", item_id=item["id"], output_index=index,
+                                      content_index=0, part=deepcopy(item["content"][0])))
         return events
 
     def _close(self, status: str) -> list[dict[str, Any]]:
@@ -259,22 +265,15 @@ class ResponseTranslator:
         item = self.output[index]
         item["status"] = status
         events = []
-        if item["type"] == "message":
+        if item["type"] in _TEXT_PARTS:
             part = item["content"][0]
-            events += [self._event("response.output_text.done", item_id=item["id"], output_index=index,
-                                   content_index=0, text=part["text"], logprobs=[]),
+            events += [self._text_event(index, "done", text=part["text"]),
                        self._event("response.content_part.done", item_id=item["id"], output_index=index,
-                                   content_index=0, part=_copy(part))]
-        elif item["type"] == "reasoning":
-            part = item["content"][0]
-            events += [self._event("response.reasoning_text.done", item_id=item["id"], output_index=index,
-                                   content_index=0, text=part["text"]),
-                       self._event("response.content_part.done", item_id=item["id"], output_index=index,
-                                   content_index=0, part=_copy(part))]
+                                   content_index=0, part=deepcopy(part))]
         elif item["type"] == "function_call":
             events.append(self._event("response.function_call_arguments.done", item_id=item["id"],
                                       output_index=index, name=item["name"], arguments=item["arguments"]))
-        events.append(self._event("response.output_item.done", output_index=index, item=_copy(item)))
+        events.append(self._event("response.output_item.done", output_index=index, item=deepcopy(item)))
         return events
 
     def feed(self, events: Iterable[OutputEvent], usage: Usage | None = None) -> list[dict[str, Any]]:
@@ -285,28 +284,16 @@ class ResponseTranslator:
         for ev in events:
             if isinstance(ev, OutputEnd):
                 out += self._finish(ev)
-            elif isinstance(ev, TextDelta):
-                if not ev.text:
-                    continue
+            elif isinstance(ev, TextDelta) and ev.text:
                 if self._open_kind() != "message":
                     out += self._add({"id": "msg_" + uuid.uuid4().hex, "type": "message", "status": "in_progress",
                                       "role": "assistant", "content": []})
-                assert self._open is not None
-                item = self.output[self._open]
-                item["content"][0]["text"] += ev.text
-                out.append(self._event("response.output_text.delta", item_id=item["id"], output_index=self._open,
-                                       content_index=0, delta=ev.text, logprobs=[]))
-            elif isinstance(ev, ReasoningDelta):
-                if not ev.text:
-                    continue
+                out += self._add_text(ev.text)
+            elif isinstance(ev, ReasoningDelta) and ev.text:
                 if self._open_kind() != "reasoning":
                     out += self._add({"id": "rs_" + uuid.uuid4().hex, "type": "reasoning", "status": "in_progress",
                                       "summary": [], "content": []})
-                assert self._open is not None
-                item = self.output[self._open]
-                item["content"][0]["text"] += ev.text
-                out.append(self._event("response.reasoning_text.delta", item_id=item["id"],
-                                       output_index=self._open, content_index=0, delta=ev.text))
+                out += self._add_text(ev.text)
             elif isinstance(ev, ToolCallStart):
                 out += self._add({"id": "fc_" + uuid.uuid4().hex, "type": "function_call", "status": "in_progress",
                                   "call_id": ev.id, "name": ev.name, "arguments": ""})
@@ -326,6 +313,11 @@ class ResponseTranslator:
                     if self._open == index:
                         out += self._close("completed")
         return out
+
+    def _add_text(self, text: str) -> list[dict[str, Any]]:
+        assert self._open is not None
+        self.output[self._open]["content"][0]["text"] += text
+        return [self._text_event(self._open, "delta", delta=text)]
 
     def _finish(self, finish: OutputEnd) -> list[dict[str, Any]]:
         if finish.reason in ("length", "timeout"):  # a timeout (its deadline passed) cuts short as a budget does
@@ -349,15 +341,6 @@ class ResponseTranslator:
         # A Response's error.code is one of OpenAI's fixed codes; a failure mid-generation is the server's.
         self.status, self.error = "failed", {"code": "server_error", "message": message}
         return out + [self._event("response.failed", response=self.response())]
-
-
-def _text_part(text: str) -> dict[str, Any]:
-    return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
-
-
-def _copy(obj: dict[str, Any]) -> dict[str, Any]:
-    """A snapshot: an event must not change as its item grows."""
-    return copy.deepcopy(obj)
 
 
 # ---- stream ----
