@@ -83,12 +83,9 @@ def create_router_app(config: RouterConfig, router: Router, forwarder: Forwarder
         return await forward("/v1/" + rest)
 
     @app.post("/tokenize")
-    async def tokenize() -> Response:
-        return await forward("/tokenize")
-
     @app.post("/detokenize")
-    async def detokenize() -> Response:
-        return await forward("/detokenize")
+    async def tokenizer() -> Response:
+        return await forward(request.path)
 
     @app.get("/v1/models")
     async def models() -> Response:
@@ -140,7 +137,6 @@ def create_router_app(config: RouterConfig, router: Router, forwarder: Forwarder
         key = key.encode() if isinstance(key, str) else key
         headers = [] if key is None else [(b"Authorization", b"Bearer " + key)]
         send, recv = trio.open_memory_channel[str](256)
-        metrics.ws_sessions += 1
         session: WSSession | None = None
         try:
             async with trio.open_nursery() as nursery, send:

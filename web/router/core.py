@@ -214,9 +214,6 @@ class Router:
         replica = self.replicas.get(key.replica)
         return replica.workers.get(key.model) if replica is not None else None
 
-    def workers(self) -> list[Worker]:
-        return [w for r in self.replicas.values() for w in r.workers.values()]
-
     def on_hello(self, key: WorkerKey, hello: Hello) -> None:
         worker = self.worker(key)
         if worker is not None:

@@ -34,8 +34,6 @@ class RouterMetrics:
         self.tokenize = Histogram(DECISION_BUCKETS)
         self._recent_decisions: deque[float] = deque(maxlen=window)
         self._recent_tokenize: deque[float] = deque(maxlen=window)
-        self.ws_sessions = 0
-        self.ws_generations = 0
 
     def on_decision(self, seconds: float, tokenize_s: float | None) -> None:
         self.decision.observe(seconds)

@@ -13,7 +13,6 @@ import json
 import logging
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Iterable
-from dataclasses import dataclass
 from typing import Any
 
 import httpx
@@ -39,14 +38,6 @@ RETRY_STATUS = 503
 
 class UpstreamBroke(Exception):
     """The replica's response broke off after it had started (it cannot be retried)."""
-
-
-@dataclass(frozen=True, slots=True)
-class Forwarded:
-    """What a forward attempt produced before any byte went to the client."""
-
-    response: httpx.Response
-    assignment: Assignment
 
 
 def request_headers(headers: Iterable[tuple[str, str]], replica_api_key: str | None) -> list[tuple[str, str]]:

@@ -105,7 +105,6 @@ class WSSession:
                 ids = await self.prompts.token_ids(prompt_kind, body, model)
             gen = _Generation(gid, text, model, ids, request_salt(body))
             self.active[key] = gen
-            self.metrics.ws_generations += 1
             await self.dispatch(key, gen)
 
     async def dispatch(self, key: str, gen: _Generation) -> None:

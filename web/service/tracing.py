@@ -91,9 +91,6 @@ class RequestTrace:
         self._output_tokens: dict[str, int] = {}
         self._ended = False
 
-    def set(self, key: str, value: Any) -> None:
-        self._span.set_attribute(key, value)
-
     def on_submitted(self, request_ids: tuple[str, ...]) -> None:
         self.submitted = _now()
         self._span.set_attribute("trillm.request_ids", list(request_ids))
