@@ -177,14 +177,11 @@ class ChoiceParser:
     def feed(self, text: str) -> list[OutputEvent]:
         if not text:
             return []
-        events: list[OutputEvent] = []
-        answer = text
-        if self._reasoning is not None:
-            reasoning, answer = self._reasoning.feed(text)
-            if reasoning:
-                events.append(ReasoningDelta(reasoning))
-        events += self._answer(answer)
-        return events
+        return self._events(*self._reasoning.feed(text)) if self._reasoning is not None else self._answer(text)
+
+    def _events(self, reasoning: str, answer: str) -> list[OutputEvent]:
+        events: list[OutputEvent] = [ReasoningDelta(reasoning)] if reasoning else []
+        return events + self._answer(answer)
 
     def _answer(self, text: str) -> list[OutputEvent]:
         if not text:
@@ -199,12 +196,7 @@ class ChoiceParser:
         if self._finished:
             return []
         self._finished = True
-        events: list[OutputEvent] = []
-        if self._reasoning is not None:
-            reasoning, answer = self._reasoning.flush()
-            if reasoning:
-                events.append(ReasoningDelta(reasoning))
-            events += self._answer(answer)
+        events = self._events(*self._reasoning.flush()) if self._reasoning is not None else []
         if self._tools is not None:
             events += self._tools.flush()
         called = self._tools is not None and self._tools.num_calls

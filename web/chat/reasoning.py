@@ -32,8 +32,7 @@ class ReasoningFormat:
 
     def starts_inside(self, prompt_text_tail: str) -> bool:
         """Whether a generation after this prompt begins inside the block (the template opened it)."""
-        tail = prompt_text_tail.rstrip()
-        return tail.endswith(self.start)
+        return prompt_text_tail.rstrip().endswith(self.start)
 
 
 def reasoning_format(name: str) -> ReasoningFormat:

@@ -182,10 +182,6 @@ def template_renders_tools(tokenizer: TokenizerLike) -> bool:
 
 # ---- the generic format's prompt and history ----
 
-def generic_tools_text(tools: list[dict[str, Any]]) -> str:
-    return GENERIC_TOOLS_PROMPT.format(tools="\n".join(json.dumps(t, ensure_ascii=False) for t in tools))
-
-
 def render_generic_history(messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None) -> list[dict[str, Any]]:
     """Messages for a template that ignores tools: the tools in the system prompt, assistant calls as
     <tool_call> blocks in its content, tool results as <tool_response> blocks of a user turn."""
@@ -201,7 +197,7 @@ def render_generic_history(messages: list[dict[str, Any]], tools: list[dict[str,
             m = {"role": "user", "content": f"<tool_response>\n{m.get('content') or ''}\n</tool_response>"}
         out.append(m)
     if tools:
-        text = generic_tools_text(tools)
+        text = GENERIC_TOOLS_PROMPT.format(tools="\n".join(json.dumps(t, ensure_ascii=False) for t in tools))
         if out and out[0].get("role") in ("system", "developer"):
             out[0] = {**out[0], "role": "system", "content": f"{out[0].get('content') or ''}\n\n{text}".lstrip()}
         else:
@@ -269,15 +265,11 @@ def calls_grammar(fmt: ToolFormat, tools: list[dict[str, Any]], *, parallel: boo
             fmt)
 
 
-def tool_names(tools: list[dict[str, Any]]) -> list[str]:
-    return [t["function"]["name"] for t in tools]
-
-
 def select_tools(tools: list[dict[str, Any]], forced: str | None) -> list[dict[str, Any]]:
     if forced is None:
         return tools
     chosen = [t for t in tools if t["function"]["name"] == forced]
     if not chosen:
         raise InvalidRequest(f"'tool_choice' names the function {forced!r}, which is not in 'tools' "
-                             f"({', '.join(tool_names(tools)) or 'none given'})")
+                             f"({', '.join(t['function']['name'] for t in tools) or 'none given'})")
     return chosen
