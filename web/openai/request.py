@@ -18,7 +18,7 @@ from trillm.engine.tokenizer import TokenizerLike as Tokenizer
 from trillm.web.chat.features import ChatOptions, ToolRequest, model_features, template_inputs
 from trillm.web.chat.output_events import OutputParsing
 from trillm.web.chat.structured import AnswerSpec, output_plan
-from trillm.web.openai.schema import ChatCompletionRequest, ChatMessage, CompletionRequest, Tool
+from trillm.web.openai.schema import ChatCompletionRequest, ChatMessage, CompletionRequest
 
 Kind = Literal["chat", "completion"]
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for the legacy completions endpoint
@@ -136,11 +136,10 @@ def prompt_bytes(body: ChatCompletionRequest | CompletionRequest) -> int:
     return sum(len(p.encode()) for p in prompt if isinstance(p, str))
 
 
-def chat_prompt_ids(messages: list[ChatMessage], tokenizer: Tokenizer, *, tools: list[Tool] | None = None,
+def chat_prompt_ids(messages: list[ChatMessage], tokenizer: Tokenizer, *,
                     template_kwargs: dict[str, Any] | None = None) -> list[int]:
-    """Apply the model's chat template to `messages` (and `tools`)."""
-    tool_dicts = [t.model_dump(exclude_none=True) for t in tools] if tools else None
-    return render_chat(_messages(messages), tokenizer, tools=tool_dicts, template_kwargs=template_kwargs)
+    """Apply the model's chat template to `messages` (/tokenize's: it takes no tools)."""
+    return render_chat(_messages(messages), tokenizer, template_kwargs=template_kwargs)
 
 
 def render_chat(messages: list[dict[str, Any]], tokenizer: Tokenizer, *, tools: list[dict[str, Any]] | None = None,

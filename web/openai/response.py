@@ -41,6 +41,14 @@ def finish_reason(finish: OutputEnd | None) -> str | None:
     return "stop" if finish.reason in ("abort", "error") else finish.reason
 
 
+def _end_fields(finish: OutputEnd | None) -> dict[str, Any]:
+    """A chat choice's finish_reason, and stop_reason with the error when its end has one."""
+    fields: dict[str, Any] = {"finish_reason": finish_reason(finish)}
+    if finish is not None and finish.error:
+        fields["stop_reason"] = finish.error
+    return fields
+
+
 @dataclass(slots=True)
 class _Choice:
     parser: ChoiceParser
@@ -237,21 +245,20 @@ class ChatResponseBuilder(ResponseBuilder):
         if c.tool_calls:
             message["content"] = c.text if c.text.strip() else None
             message["tool_calls"] = c.tool_calls
-        choice: dict[str, Any] = {"index": i, "message": message, "logprobs": self.logprobs_for(c.logprobs),
-                                  "finish_reason": finish_reason(c.finish)}
-        if c.finish is not None and c.finish.error:
-            choice["stop_reason"] = c.finish.error
-        return choice
+        return {"index": i, "message": message, "logprobs": self.logprobs_for(c.logprobs), **_end_fields(c.finish)}
 
     def stream_delta(self, out: RequestOutput) -> StreamedDelta:
         i, events = self._feed(out)
         return StreamedDelta(i, events, "".join(ev.text for ev in events if isinstance(ev, TextDelta)),
                              self.logprobs_for(out.logprobs), self.prompt_logprobs_for(out.prompt_logprobs))
 
+    def _delta_chunk(self, index: int, delta: dict[str, Any], logprobs: dict[str, Any] | None = None,
+                     finish: OutputEnd | None = None) -> dict[str, Any]:
+        return self._chunk([{"index": index, "delta": delta, "logprobs": logprobs, **_end_fields(finish)}])
+
     def first_chunks(self) -> list[dict[str, Any]]:
         """The role chunk of each choice."""
-        return [self._chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                              "finish_reason": None}]) for i in range(len(self.choices))]
+        return [self._delta_chunk(i, {"role": "assistant", "content": ""}) for i in range(len(self.choices))]
 
     def delta_chunks(self, out: RequestOutput) -> list[dict[str, Any]]:
         """One chunk per event, as OpenAI streams them; this delta's logprobs ride on its first chunk, and
@@ -260,24 +267,16 @@ class ChatResponseBuilder(ResponseBuilder):
         chunks = []
         logprobs = d.logprobs if out.logprobs else None
         for ev in d.events:
-            delta = event_delta(ev)
-            if delta is not None:
-                chunks.append(self._chunk([{"index": d.index, "delta": delta, "logprobs": logprobs,
-                                            "finish_reason": None}]))
+            if (delta := event_delta(ev)) is not None:
+                chunks.append(self._delta_chunk(d.index, delta, logprobs))
                 logprobs = None
         if logprobs is not None:
-            chunks.append(self._chunk([{"index": d.index, "delta": {"content": ""}, "logprobs": logprobs,
-                                        "finish_reason": None}]))
-        if (finish := d.finish) is not None:
-            choice: dict[str, Any] = {"index": d.index, "delta": {}, "logprobs": None,
-                                      "finish_reason": finish_reason(finish)}
-            if finish.error:
-                choice["stop_reason"] = finish.error
-            chunks.append(self._chunk([choice]))
+            chunks.append(self._delta_chunk(d.index, {"content": ""}, logprobs))
+        if d.finish is not None:
+            chunks.append(self._delta_chunk(d.index, {}, finish=d.finish))
         if d.prompt_logprobs is not None:
             if not chunks:
-                chunks.append(self._chunk([{"index": d.index, "delta": {"content": ""}, "logprobs": None,
-                                            "finish_reason": None}]))
+                chunks.append(self._delta_chunk(d.index, {"content": ""}))
             chunks[0]["prompt_logprobs"] = d.prompt_logprobs
         return chunks
 
