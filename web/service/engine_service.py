@@ -260,18 +260,11 @@ class EngineService:
 
     async def ensure_loaded(self) -> None:
         """Wait until the model is ready, loading it first if it is unloaded (lazy, idle, or failed a while ago)."""
-        while self.state is not ServiceState.READY:
-            state = self.state
-            if state is ServiceState.STOPPING:
-                raise EngineUnavailable("the server is shutting down", code="shutting_down")
-            if state is ServiceState.UNHEALTHY:
-                raise EngineUnavailable(f"model {self.model_name} is restarting after a failure; retry shortly",
-                                        retry_after_s=self._config.restart_backoff_s)
-            if state is ServiceState.LOAD_FAILED:
-                if trio.current_time() < self._retry_load_at:
-                    raise self._load_failed_error()
-                self._load_wanted.set()
-            if state is ServiceState.UNLOADED:
+        while (state := self.state) is not ServiceState.READY:
+            if state in (ServiceState.STOPPING, ServiceState.UNHEALTHY) or (
+                    state is ServiceState.LOAD_FAILED and trio.current_time() < self._retry_load_at):
+                raise self.unavailable()
+            if state in (ServiceState.LOAD_FAILED, ServiceState.UNLOADED):
                 self._load_wanted.set()
             await self._state_changed.wait()
 
@@ -287,7 +280,8 @@ class EngineService:
             return self._load_failed_error()
         if state is ServiceState.STOPPING:
             return EngineUnavailable("the server is shutting down", code="shutting_down")
-        return EngineUnavailable(f"model {self.model_name} is {state.value}; retry shortly",
+        what = "restarting after a failure" if state is ServiceState.UNHEALTHY else state.value
+        return EngineUnavailable(f"model {self.model_name} is {what}; retry shortly",
                                  retry_after_s=self._config.restart_backoff_s)
 
     @property
@@ -308,12 +302,8 @@ class EngineService:
     def _on_engine_failure(self, exc: BaseException) -> None:
         message = f"the engine failed: {type(exc).__name__}: {exc}"
         log.error("model %s: %s", self.model_name, message, exc_info=exc)
-        self._set_state(ServiceState.UNHEALTHY)
-        self.last_error = message
-        self._forget_engine()
-        self._inbox.clear()  # the new engine starts empty: queued submissions and aborts are void
-        self._unapplied = 0
-        self._fail_all("the engine failed while serving this request; it is restarting")
+        self._engine_lost(ServiceState.UNHEALTHY, message,
+                          "the engine failed while serving this request; it is restarting")
 
     def fail(self, exc: Exception) -> None:
         """Declare the running engine failed, from outside it (a watchdog: a tensor-parallel rank died or hangs).
@@ -343,12 +333,16 @@ class EngineService:
         message = f"the model could not be loaded: {type(exc).__name__}: {exc}"
         log.error("model %s: %s (attempt %d; the next in %.1f s)", self.model_name, message, self._load_failures,
                   wait, exc_info=exc)
+        self._engine_lost(ServiceState.LOAD_FAILED, message, "the model could not be loaded")
+
+    def _engine_lost(self, state: ServiceState, message: str, request_error: str) -> None:
+        """The engine failed or never loaded: so do its live requests, and its queued work is void."""
+        self._set_state(state)
         self.last_error = message
         self._forget_engine()
-        self._set_state(ServiceState.LOAD_FAILED)
-        self._inbox.clear()
+        self._inbox.clear()  # the next engine starts empty: queued submissions and aborts are void
         self._unapplied = 0
-        self._fail_all("the model could not be loaded")
+        self._fail_all(request_error)
 
     def _forget_engine(self) -> None:
         # A dead or unloaded engine's numbers must not live on in /metrics, /stats or /health.
