@@ -1,8 +1,5 @@
-"""The HTTP routes of Anthropic's Messages API, for coding agents.
-
-Thin: validate the body, translate it (translate.py), generate through chat completions' own path
-(openai/submit.py), render the output events that come back. Errors on /v1/messages take Anthropic's shape.
-"""
+"""The HTTP routes of Anthropic's Messages API, for coding agents: validate, translate (translate.py), generate
+through chat completions' path (openai/submit.py), render the output events. Errors take Anthropic's shape."""
 
 from __future__ import annotations
 

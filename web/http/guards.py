@@ -66,10 +66,8 @@ def is_loopback_host(host: str) -> bool:
     host = host.lower().rstrip(".")
     if host == "localhost" or host.endswith(".localhost"):
         return True
-    try:
-        return ipaddress.ip_address(host.strip("[]")).is_loopback
-    except ValueError:
-        return False
+    address = _ip_literal(host)
+    return address is not None and address.is_loopback
 
 
 def _ip_literal(host: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address | None:

@@ -168,13 +168,9 @@ class KeyRing:
 
     def statistics(self) -> dict[str, dict[str, int]]:
         """Per key name: admitted, rate_limited, concurrency_limited, in_flight (for /metrics)."""
-        out = {}
-        for key in self.keys:
-            s = self._state.get(key.name)
-            out[key.name] = {"admitted": s.admitted if s else 0, "rate_limited": s.rate_limited if s else 0,
-                             "concurrency_limited": s.concurrency_limited if s else 0,
-                             "in_flight": s.in_flight if s else 0}
-        return out
+        counts = ("admitted", "rate_limited", "concurrency_limited", "in_flight")
+        return {key.name: {c: getattr(self._state[key.name], c) if key.name in self._state else 0 for c in counts}
+                for key in self.keys}
 
 
 def offered_key(headers: object, subprotocol_key: bytes | None = None) -> str | bytes | None:

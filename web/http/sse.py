@@ -58,14 +58,12 @@ async def event_stream(handle: GenerationHandle, translator: StreamTranslator, *
     try:
         yield translator.opening() or translator.keepalive
         while True:
-            received = False
-            with trio.move_on_after(keepalive_s):
+            with trio.move_on_after(keepalive_s) as waited:
                 try:
                     outputs = await handle.receive_batch()
                 except trio.EndOfChannel:
                     break
-                received = True
-            if not received:
+            if waited.cancelled_caught:
                 yield translator.keepalive
                 continue
             data = translator.outputs(outputs)

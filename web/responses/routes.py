@@ -1,8 +1,5 @@
-"""The HTTP route of OpenAI's Responses API (stateless), for coding agents.
-
-Thin: validate the body, translate it (translate.py), generate through chat completions' own path
-(openai/submit.py), render the output events that come back.
-"""
+"""The HTTP route of OpenAI's Responses API (stateless), for coding agents: validate, translate (translate.py),
+generate through chat completions' path (openai/submit.py), render the output events."""
 
 from __future__ import annotations
 

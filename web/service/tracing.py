@@ -66,10 +66,6 @@ def enabled() -> bool:
     return _tracer is not None
 
 
-def _now() -> int:
-    return time.time_ns()
-
-
 class RequestTrace:
     """The timeline of one request, turned into its spans when the request is done (`end`)."""
 
@@ -92,15 +88,15 @@ class RequestTrace:
         self._ended = False
 
     def on_submitted(self, request_ids: tuple[str, ...]) -> None:
-        self.submitted = _now()
+        self.submitted = time.time_ns()
         self._span.set_attribute("trillm.request_ids", list(request_ids))
 
     def on_prefill(self) -> None:
         if self.prefill_start is None:
-            self.prefill_start = _now()
+            self.prefill_start = time.time_ns()
 
     def on_output(self, output: RequestOutput) -> None:
-        now = _now()
+        now = time.time_ns()
         if output.new_token_ids:
             self.first_token = self.first_token or now
             self.last_token = now
@@ -111,7 +107,7 @@ class RequestTrace:
 
     def on_read(self) -> None:
         if self.first_read is None:
-            self.first_read = _now()
+            self.first_read = time.time_ns()
 
     def fail(self, exc: BaseException) -> None:
         from opentelemetry.trace import Status, StatusCode
@@ -126,7 +122,7 @@ class RequestTrace:
         self._ended = True
         from opentelemetry.trace import set_span_in_context
 
-        end = _now()
+        end = time.time_ns()
         ctx = set_span_in_context(self._span)
         queue_end = self.prefill_start or self.first_token
         phases = (("queue", self.submitted, queue_end), ("prefill", self.prefill_start, self.first_token),
