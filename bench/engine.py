@@ -235,7 +235,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--speculative", default=None, choices=("ngram",),
                     help="instead: the engine with this speculative decoding against without, on code editing, chat "
                          "and c=16 chat (bench/engine_spec.py)")
-    ap.add_argument("--num-speculative-tokens", type=int, default=4, help="--speculative: tokens proposed per step")
+    ap.add_argument("--num-speculative-tokens", type=int, default=8, help="--speculative: tokens proposed per step")
     ap.add_argument("--spec-code-tokens", type=int, default=320, help="--speculative: the code edit's max_tokens")
     args = ap.parse_args(argv)
 

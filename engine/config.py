@@ -40,7 +40,7 @@ class EngineConfig:
     # Speculative decoding in the continuous batch (engine/spec_decode.py): up to num_speculative_tokens proposed
     # tokens per decode row, verified in the step's forward; only while at most speculative_max_batch rows decode.
     speculative: str = "off"
-    num_speculative_tokens: int = 4
+    num_speculative_tokens: int = 8
     speculative_max_batch: int = 4
     # Hybrid models' prefix caching (engine/state_checkpoints.py): a recurrent-state checkpoint every this many
     # blocks (0: their sequences never hit the prefix cache), and how many are kept (None: 4 per sequence slot,

@@ -123,22 +123,14 @@ class ModelRunner:
         return inputs, lengths
 
     def verify_logits(self, inputs: ForwardInputs, lengths: list[int]) -> mx.array:
-        """Logits [sum(lengths), V] of every real position, row by row: the forward's own at each row's last, the
-        model's tail on the kept hidden states at the others."""
+        """Logits [sum(lengths), V] of every real position, row by row: the model's tail once over the kept hidden
+        states (the forward's own last-position logits are never evaluated, so the head's weights are read once)."""
         inputs.keep_hidden = True
-        last = self.forward(inputs)
-        B, L = inputs.tokens.shape
-        inner = [i * L + j for i, n in enumerate(lengths) for j in range(n - 1)]
-        if not inner:
-            return last
+        self.forward(inputs)
         assert inputs.hidden is not None
-        hidden = inputs.hidden.reshape(B * L, inputs.hidden.shape[-1])[mx.array(inner)]
-        extra = self.position_logits(hidden[None])[0]
-        order: list[int] = []
-        for i, n in enumerate(lengths):
-            order += range(len(order) - i, len(order) - i + n - 1)
-            order.append(len(inner) + i)
-        return mx.concatenate([extra, last.astype(extra.dtype)], axis=0)[mx.array(order)]
+        B, L = inputs.tokens.shape
+        real = mx.array([i * L + j for i, n in enumerate(lengths) for j in range(n)])
+        return self.position_logits(inputs.hidden.reshape(B * L, inputs.hidden.shape[-1])[real][None])[0]
 
     def forward(self, inputs: ForwardInputs) -> mx.array:
         """Logits [B, V] at each row's last real position (and, if asked, `inputs.hidden`)."""

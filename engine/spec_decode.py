@@ -16,8 +16,8 @@ and frees the blocks past them, before the scheduler publishes full blocks, so t
 committed tokens. Rejected positions' K/V stay behind in the row's last block, past its computed tokens, and
 are overwritten by the next step.
 
-Adaptive k: a row drafts at most `k` tokens, its accepted count + 1 after a partial acceptance, one more after a
-full one; two verifications in a row with nothing accepted pause it for a number of decode steps that doubles
+Adaptive k: a row drafts at most `k` tokens: after a partial acceptance its accepted count + 1 (but at least half
+the bound), after a full one the bound; two verifications in a row with nothing accepted pause it for a number of decode steps that doubles
 up to 64 (while paused, decode steps pipeline as without speculation). Nothing speculates when more than
 `max_batch` rows decode: the batch then already fills the compute that speculation would use.
 Not speculated: rows with a grammar (a proposal would need the grammar's mask at each position), and hybrid
@@ -139,10 +139,12 @@ class Speculator:
             self._adapt(st, len(draft), accepted)
 
     def _adapt(self, st: SpecState, proposed: int, accepted: int) -> None:
+        # A forward of a few positions costs about as much as one of many (the weights are read once either way;
+        # measured on CPU: 2 positions 1.5x one, 9 positions 1.9x), so k never drops below half its bound.
         if accepted == proposed:
-            st.k = min(self.num_tokens, st.k + 1)
+            st.k = self.num_tokens
         else:
-            st.k = max(1, accepted + 1)
+            st.k = max(accepted + 1, -(-self.num_tokens // 2))
         if accepted:
             st.misses = 0
             st.next_pause = FIRST_PAUSE
