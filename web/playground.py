@@ -35,6 +35,8 @@ def engine_stats_json(stats: EngineStatistics | None) -> dict[str, Any] | None:
         "prefix_cache_hits": stats.prefix_cache_hits, "prefix_cache_queries": stats.prefix_cache_queries,
         "prompt_tokens_per_s": stats.prompt_tokens_per_s, "generation_tokens_per_s": stats.generation_tokens_per_s,
         "num_preemptions": stats.num_preemptions, "num_steps": stats.num_steps,
+        "spec_acceptance_rate": stats.spec_acceptance_rate, "spec_tokens_per_verify": stats.spec_tokens_per_verify,
+        "spec_draft_tokens": stats.spec_draft_tokens, "spec_accepted_tokens": stats.spec_accepted_tokens,
     }
 
 

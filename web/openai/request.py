@@ -237,7 +237,7 @@ def sampling_params(body: ChatCompletionRequest | CompletionRequest, kind: Kind,
         stop=stop, stop_token_ids=stop_ids, ignore_eos=body.ignore_eos, logprobs=logprobs,
         top_logprobs=top_logprobs, skip_special_tokens=body.skip_special_tokens,
         include_stop_str_in_output=body.include_stop_str_in_output, cache_salt=body.cache_salt,
-        prompt_logprobs=prompt_logprobs,
+        prompt_logprobs=prompt_logprobs, speculative=body.speculative,
     )
     return [SamplingParams(seed=None if body.seed is None else choice_seed(body.seed, i), **common)
             for i in range(body.n)]

@@ -162,6 +162,8 @@ class _Sampling(StrictModel):
     guided_whitespace_pattern: Annotated[str, Field(max_length=256)] | None = None  # accepted, ignored
     # vLLM's extension: every prompt token's logprob, with this many top alternatives (range: request.py).
     prompt_logprobs: Annotated[int, Field(ge=0, le=MAX_ID)] | None = None
+    # trillm's extension: false keeps this request out of speculative decoding (when the server runs it).
+    speculative: bool = True
 
     # Known and refused: silently ignoring it would return something the client did not ask for.
     suffix: Any = None
