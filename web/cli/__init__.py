@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import logging
+import os
 import sys
 from typing import Protocol
 
@@ -31,6 +33,21 @@ SUBCOMMANDS: dict[str, str] = {
     "simulate": "trillm.bench.simulate",
     "bench": "trillm.bench.cli",
 }
+
+
+def add_front_arguments(p: argparse.ArgumentParser, *, pages: str) -> None:
+    """The flags a server and the router share: where they listen, the API key, page origins, the log level."""
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--api-key", default=os.environ.get("TRILLM_API_KEY"),
+                   help="require 'Authorization: Bearer KEY' on /v1/* (default: $TRILLM_API_KEY)")
+    p.add_argument("--allowed-origin", action="append", default=[], dest="allowed_origins", metavar="ORIGIN",
+                   help=f"a web page origin (scheme://host:port) allowed to open {pages}; repeatable")
+    p.add_argument("--log-level", default="info")
+
+
+def configure_logging(level: str) -> None:
+    logging.basicConfig(level=level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import argparse
-import logging
 import os
 import sys
 from functools import partial
+
+from trillm.web.cli import add_front_arguments, configure_logging
 
 HELP = "route requests over several trillm replicas (KV-aware: to the replica caching the longest prefix)"
 
@@ -14,10 +15,9 @@ HELP = "route requests over several trillm replicas (KV-aware: to the replica ca
 def configure(p: argparse.ArgumentParser) -> None:
     from trillm.web.router.policy import CostWeights
 
+    add_front_arguments(p, pages="its websocket (besides the router's own pages)")
     p.add_argument("--replica", action="append", required=True, metavar="URL",
                    help="a replica's base URL, e.g. http://127.0.0.1:8001 (repeat for each replica)")
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8000)
     p.add_argument("--policy", choices=("kv", "round-robin", "least-loaded"), default="kv",
                    help="kv: lowest prefill-blocks-not-cached x weight + load (default); or round-robin, "
                         "least-loaded")
@@ -30,16 +30,11 @@ def configure(p: argparse.ArgumentParser) -> None:
                    help="how the router computes prompt token ids: auto (locally where it can build the "
                         "replicas' tokenizer, else the replica's /tokenize), remote, or a model file/folder to "
                         "load the tokenizer from")
-    p.add_argument("--api-key", default=os.environ.get("TRILLM_API_KEY"),
-                   help="require 'Authorization: Bearer KEY' on /v1/* (default: $TRILLM_API_KEY)")
     p.add_argument("--replica-api-key", default=os.environ.get("TRILLM_REPLICA_API_KEY"),
                    help="the key the replicas require (default: $TRILLM_REPLICA_API_KEY; unset: forward the "
                         "client's Authorization header)")
-    p.add_argument("--allowed-origin", action="append", default=[], dest="allowed_origins", metavar="ORIGIN",
-                   help="a web page origin (besides the router's own) that may open its websocket; repeatable")
     p.add_argument("--health-interval", type=float, default=1.0, metavar="SECONDS")
     p.add_argument("--max-request-bytes", type=int, default=4 << 20)
-    p.add_argument("--log-level", default="info")
 
 
 def open_relay_warning(host: str, api_key: str | None, replica_api_key: str | None) -> str | None:
@@ -63,7 +58,7 @@ def run(args: argparse.Namespace) -> int:
     from trillm.web.router.config import RouterConfig
     from trillm.web.router.policy import CostWeights
 
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    configure_logging(args.log_level)
     if (warning := open_relay_warning(args.host, args.api_key, args.replica_api_key)) is not None:
         print(warning, file=sys.stderr)
     try:

@@ -17,7 +17,7 @@ from trillm.engine.errors import EngineError
 from trillm.engine.mock import add_mock_arguments
 from trillm.web.chat.reasoning import REASONING_PARSERS
 from trillm.web.chat.tool_parsers import TOOL_PARSERS
-from trillm.web.cli import DEFAULT_MODEL_NAME
+from trillm.web.cli import DEFAULT_MODEL_HELP, DEFAULT_MODEL_NAME, add_front_arguments, configure_logging
 from trillm.web.config import ServeError, ServerConfig
 from trillm.web.openai.request import Limits
 
@@ -39,15 +39,11 @@ _LIMIT_HELP = {
 def configure(p: argparse.ArgumentParser) -> None:
     from trillm.web.service.engine_service import ServiceConfig
 
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8000)
+    add_front_arguments(p, pages="the websockets")
     p.add_argument("--model", action="append", default=None,
-                   help="model path or GGUF file (default: the bundled SmolLM2-135M-Instruct); repeat to serve "
-                        "several models, each on its own engine thread")
+                   help=f"{DEFAULT_MODEL_HELP}; repeat to serve several models, each on its own engine thread")
     p.add_argument("--served-model-name", action="append", default=None,
                    help="the name clients use (one per --model; default: the model's own)")
-    p.add_argument("--api-key", default=os.environ.get("TRILLM_API_KEY"),
-                   help="require 'Authorization: Bearer KEY' on /v1/* (default: $TRILLM_API_KEY)")
     p.add_argument("--internal-api-key", default=os.environ.get("TRILLM_INTERNAL_API_KEY"),
                    help="a router's own key: the only one /internal/* (the KV-event feed) takes, and the API takes "
                         "it too; without it, an --api-key server hides block hashes from the feed "
@@ -63,8 +59,6 @@ def configure(p: argparse.ArgumentParser) -> None:
     limits.add_argument("--max-buffered-bytes", type=int, default=ServiceConfig().max_buffered_bytes,
                         help="unread output (text, token ids, logprobs) held for a slow client before its request "
                              "is aborted (default: %(default)s)")
-    p.add_argument("--allowed-origin", action="append", default=[], dest="allowed_origins",
-                   help="a web page origin (scheme://host:port) allowed to open the websockets; repeatable")
     p.add_argument("--tool-parser", default=None, choices=TOOL_PARSERS,
                    help="the tool-call format (default: detected from the chat template; 'generic' puts the tools "
                         "into the system prompt)")
@@ -98,7 +92,6 @@ def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("--lazy-load", action="store_true", help="load each model on its first request")
     p.add_argument("--unload-after-idle", type=float, default=None, metavar="SECONDS",
                    help="free a model after this long without requests (the next request reloads it)")
-    p.add_argument("--log-level", default="info")
     p.add_argument("--mock", action="store_true",
                    help="serve the mock engine (the real scheduler with a timing model, no weights); see its flags")
     p.add_argument("--speedup", type=float, default=1.0, help="--mock: run the timing model this many times faster")
@@ -120,7 +113,7 @@ def run(args: argparse.Namespace) -> int:
     from trillm.web.server import ModelSpec
     from trillm.web.service.engine_service import ServiceConfig
 
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    configure_logging(args.log_level)
     models: list[str | None] = args.model or [None]
     names: list[str | None] = args.served_model_name or [None] * len(models)
     if len(names) != len(models):
