@@ -10,7 +10,7 @@ except for blocks evicted in events it did see being lost, which the resync also
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 from trillm.engine.kv_events import KVEvent
@@ -90,16 +90,6 @@ class KVIndex:
 
     def __len__(self) -> int:
         return len(self._blocks)
-
-    def overlap(self, hashes: Sequence[str]) -> int:
-        """How many leading blocks of a prompt (its chained hashes) are cached: the prefix a hit would cover."""
-        blocks = self._blocks
-        n = 0
-        for h in hashes:
-            if h not in blocks:
-                break
-            n += 1
-        return n
 
     @property
     def blocks(self) -> frozenset[str]:

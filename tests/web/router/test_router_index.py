@@ -11,6 +11,7 @@ from trillm.engine.config import EngineConfig
 from trillm.engine.kv_events import KVCacheSpec, KVEvent, KVEventLog
 from trillm.engine.mock import LinearCostModel, MockModelSpec, make_mock_engine
 from trillm.engine.sampling_params import SamplingParams
+from trillm.web.router.core import Worker, WorkerKey
 from trillm.web.router.index import KVIndex
 
 SPEC = MockModelSpec(name="tiny", vocab_size=64, max_model_len=512)
@@ -25,14 +26,15 @@ def removed(i: int, h: str) -> KVEvent:
 
 
 def test_stored_and_removed_blocks() -> None:
-    index = KVIndex()
+    worker = Worker(WorkerKey("http://replica", "m"))  # what the router predicts from a worker's index
+    index = worker.index
     index.start(epoch=1)
     assert index.apply(1, [stored(7, "a"), stored(8, "b", "a"), stored(9, "c", "b")])
     assert index.blocks == {"a", "b", "c"}
     assert index.apply(1, [removed(10, "b"), stored(11, "d")])
     assert index.blocks == {"a", "c", "d"}
-    assert index.overlap(["a", "b", "c"]) == 1  # the walk stops at the first miss, as the replica's match does
-    assert index.overlap(["a"]) == 1 and index.overlap(["x", "a"]) == 0
+    assert worker.cached(["a", "b", "c"]) == 1  # the walk stops at the first miss, as the replica's match does
+    assert worker.cached(["a"]) == 1 and worker.cached(["x", "a"]) == 0
     assert index.apply(1, [removed(12, "never-seen")])  # cached before the stream began: not an error
     st_ = index.statistics()
     assert (st_.synced, st_.num_blocks, st_.last_event_id, st_.num_unknown_removals, st_.num_resyncs) == (
@@ -84,7 +86,8 @@ def test_index_mirrors_the_prefix_cache_and_predicts_its_hits(bs: int, blocks: i
     engine = make_mock_engine(config, spec=SPEC, perf=LinearCostModel())
     log = KVEventLog(engine.block_manager)
     spec = KVCacheSpec.of(engine.block_manager, engine.loaded.model_id)
-    index = KVIndex()
+    worker = Worker(WorkerKey("http://replica", "m"))  # nothing in flight: its index alone predicts
+    index = worker.index
     index.start(epoch=1)
     n = 0
     for prompt in batch:
@@ -95,7 +98,7 @@ def test_index_mirrors_the_prefix_cache_and_predicts_its_hits(bs: int, blocks: i
             while engine.has_unfinished_requests():
                 engine.step()
                 assert index.apply(1, log.take())
-            predicted = index.overlap(spec.matchable_hashes(prompt)) * bs
+            predicted = worker.cached(spec.matchable_hashes(prompt)) * bs
             (out,) = engine.generate([prompt], SamplingParams(max_tokens=2, ignore_eos=True))
             assert out.usage.cached_tokens == predicted
             assert index.apply(1, log.take())

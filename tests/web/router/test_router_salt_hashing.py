@@ -13,8 +13,7 @@ from trillm.engine.config import EngineConfig
 from trillm.engine.kv_events import KVCacheSpec, KVEvent, KVEventLog
 from trillm.engine.mock import LinearCostModel, MockModelSpec, make_mock_engine
 from trillm.engine.sampling_params import SamplingParams
-from trillm.web.router.core import Hello, Router, WorkerKey
-from trillm.web.router.index import KVIndex
+from trillm.web.router.core import Hello, Router, Worker, WorkerKey
 from trillm.web.router.policy import Policy
 
 SPEC = MockModelSpec(name="tiny", vocab_size=64, max_model_len=512)
@@ -32,11 +31,12 @@ def test_the_routers_prediction_for_a_salted_prompt_is_the_engines_hit(batch: li
     engine = make_mock_engine(config, spec=SPEC, perf=LinearCostModel())
     log = KVEventLog(engine.block_manager)
     spec = KVCacheSpec.of(engine.block_manager, engine.loaded.model_id)
-    index = KVIndex()
+    worker = Worker(WorkerKey("http://replica", "m"))  # nothing in flight: its index alone predicts
+    index = worker.index
     index.start(epoch=1)
     for prefix, tail, salt in batch:
         prompt = prefix + tail
-        predicted = index.overlap(spec.matchable_hashes(prompt, salt)) * config.block_size
+        predicted = worker.cached(spec.matchable_hashes(prompt, salt)) * config.block_size
         (out,) = engine.generate([prompt], SamplingParams(max_tokens=2, ignore_eos=True, cache_salt=salt))
         assert out.usage.cached_tokens == predicted, (prompt, salt)
         assert index.apply(1, log.take())
