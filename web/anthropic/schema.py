@@ -10,16 +10,15 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import Discriminator, Field, Tag
+from pydantic import Field, Tag
 
-from trillm.web.openai.schema import MAX_MESSAGES, MAX_NAME, StrictModel, Text
+from trillm.web.openai.schema import MAX_MESSAGES, MAX_NAME, Name, StrictModel, Text, type_tag
 
 MAX_BLOCKS = 4096
 MAX_TOOLS = 1024
 MAX_STOP_SEQUENCES = 1024  # the server's own cap (--max-stop-strings) applies later
 
 
-Name = Annotated[str, Field(min_length=1, max_length=MAX_NAME)]
 CacheControl = dict[str, Any] | None  # accepted on every block and tool, ignored: the prefix cache is automatic
 
 
@@ -44,15 +43,8 @@ class OtherBlock(StrictModel):
     type: Annotated[str, Field(max_length=64)]
 
 
-def _block_tag(value: Any) -> str:
-    kind = value.get("type") if isinstance(value, dict) else getattr(value, "type", None)
-    return kind if isinstance(kind, str) and kind in _BLOCK_TAGS else "other"  # a dict is unhashable
-
-
 ToolResultContent = Annotated[
-    Annotated[TextBlock, Tag("text")] | Annotated[OtherBlock, Tag("other")],
-    Discriminator(lambda v: "text" if _block_tag(v) == "text" else "other"),
-]
+    Annotated[TextBlock, Tag("text")] | Annotated[OtherBlock, Tag("other")], type_tag(frozenset({"text"}))]
 
 
 class ToolResultBlock(StrictModel):
@@ -74,13 +66,11 @@ class RedactedThinkingBlock(StrictModel):
     data: Text = ""
 
 
-_BLOCK_TAGS = frozenset({"text", "tool_use", "tool_result", "thinking", "redacted_thinking"})
-
 ContentBlock = Annotated[
     Annotated[TextBlock, Tag("text")] | Annotated[ToolUseBlock, Tag("tool_use")]
     | Annotated[ToolResultBlock, Tag("tool_result")] | Annotated[ThinkingBlock, Tag("thinking")]
     | Annotated[RedactedThinkingBlock, Tag("redacted_thinking")] | Annotated[OtherBlock, Tag("other")],
-    Discriminator(_block_tag),
+    type_tag(frozenset({"text", "tool_use", "tool_result", "thinking", "redacted_thinking"})),
 ]
 
 

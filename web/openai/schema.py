@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Discriminator, Field, field_validator
 
 
 MAX_ID = 2**31 - 1  # token ids and the like
@@ -24,12 +24,22 @@ MAX_NAME = 256
 
 Text = Annotated[str, Field(max_length=4 << 20)]
 TokenId = Annotated[int, Field(ge=0, le=MAX_ID)]
+Name = Annotated[str, Field(min_length=1, max_length=MAX_NAME)]
 
 
 class StrictModel(BaseModel):
     """A request body's model: strict types, unknown fields ignored, no inf or nan (the APIs' schemas share it)."""
 
     model_config = ConfigDict(strict=True, extra="ignore", frozen=True, allow_inf_nan=False)
+
+
+def type_tag(kinds: frozenset[str], default: str | None = None) -> Any:
+    """A union's discriminator by `type`: one of `kinds`, else "other" (a catch-all the translation refuses by
+    name, rather than pydantic's bare tag mismatch)."""
+    def tag(value: Any) -> str:
+        kind = value.get("type", default) if isinstance(value, dict) else getattr(value, "type", default)
+        return kind if isinstance(kind, str) and kind in kinds else "other"  # a dict is unhashable
+    return Discriminator(tag)
 
 
 class TextPart(StrictModel):
@@ -70,7 +80,7 @@ class ChatMessage(StrictModel):
 
 
 class FunctionDef(StrictModel):
-    name: Annotated[str, Field(min_length=1, max_length=MAX_NAME)]
+    name: Name
     description: Text | None = None
     parameters: dict[str, Any] | None = None
     strict: bool | None = None
@@ -117,7 +127,7 @@ class StructuredOutputs(StrictModel):
 
 
 class NamedFunction(StrictModel):
-    name: Annotated[str, Field(min_length=1, max_length=MAX_NAME)]
+    name: Name
 
 
 class NamedToolChoice(StrictModel):

@@ -9,15 +9,14 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import Discriminator, Field, Tag
+from pydantic import Field, Tag
 
-from trillm.web.openai.schema import MAX_MESSAGES, MAX_NAME, StrictModel, Text
+from trillm.web.openai.schema import MAX_MESSAGES, MAX_NAME, Name, StrictModel, Text, type_tag
 
 MAX_PARTS = 4096
 MAX_TOOLS = 1024
 
 
-Name = Annotated[str, Field(min_length=1, max_length=MAX_NAME)]
 Kind = Annotated[str, Field(max_length=64)]
 
 
@@ -37,17 +36,10 @@ class OtherPart(StrictModel):
     type: Kind
 
 
-def _tag(kinds: frozenset[str], default: str | None = None) -> Any:
-    def tag(value: Any) -> str:
-        kind = value.get("type", default) if isinstance(value, dict) else getattr(value, "type", default)
-        return kind if isinstance(kind, str) and kind in kinds else "other"  # a dict is unhashable
-    return Discriminator(tag)
-
-
 Part = Annotated[
     Annotated[TextPart, Tag("input_text")] | Annotated[TextPart, Tag("output_text")]
     | Annotated[RefusalPart, Tag("refusal")] | Annotated[OtherPart, Tag("other")],
-    _tag(frozenset({"input_text", "output_text", "refusal"})),
+    type_tag(frozenset({"input_text", "output_text", "refusal"})),
 ]
 
 
@@ -96,7 +88,7 @@ InputItem = Annotated[
     Annotated[MessageItem, Tag("message")] | Annotated[FunctionCallItem, Tag("function_call")]
     | Annotated[FunctionCallOutputItem, Tag("function_call_output")] | Annotated[ReasoningItem, Tag("reasoning")]
     | Annotated[OtherItem, Tag("other")],
-    _tag(frozenset({"message", "function_call", "function_call_output", "reasoning"}), default="message"),
+    type_tag(frozenset({"message", "function_call", "function_call_output", "reasoning"}), default="message"),
 ]
 
 
@@ -116,7 +108,7 @@ class OtherTool(StrictModel):
 
 Tool = Annotated[
     Annotated[FunctionTool, Tag("function")] | Annotated[OtherTool, Tag("other")],
-    _tag(frozenset({"function"})),
+    type_tag(frozenset({"function"})),
 ]
 
 
