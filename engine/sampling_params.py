@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import cast
 
 import numpy as np
 
@@ -85,7 +86,7 @@ class SamplingParams:
             bad("stop_token_ids must be token ids")
         if self.seed is not None and not -(2**63) < self.seed < 2**63:
             bad("seed must fit in 64 bits")
-        if not isinstance(self.speculative, bool):
+        if not isinstance(cast(object, self.speculative), bool):  # the engine's callers are not all typed
             bad(f"speculative must be true or false, got {self.speculative!r}")
         object.__setattr__(self, "_bias_ids", np.fromiter((t for t, _ in self.logit_bias), np.int32, len(self.logit_bias)))
         object.__setattr__(self, "_bias_values",

@@ -277,6 +277,9 @@ class TensorParallelRunner(ModelRunner):
     a step leaves the ranks at different points of the step, so it fails the group for good.
     """
 
+    # A verification runs the model's tail on rank 0 alone (ModelRunner.verify_logits); the workers would not.
+    supports_speculation = False
+
     def __init__(self, model: nn.Module, pool: KVPool, sampler: Sampler, channel: PlanChannel) -> None:
         super().__init__(model, pool, sampler)
         self.channel = channel
