@@ -24,6 +24,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "tp": ("trillm.bench.tp", "tensor parallelism: 1 vs N ranks on this host, collectives, N-machine estimate"),
     "router": ("trillm.bench.router", "KV-aware routing vs round-robin over mock replicas; the router's overhead"),
     "window": ("trillm.bench.window", "sliding-window decode at long context: the model's windows vs full attention"),
+    "quant-memory": ("trillm.bench.quant_memory", "resident memory after load, weights kept quantized vs float32"),
 }
 
 

@@ -17,7 +17,7 @@ SPECULATIVE_METHODS = ("off", "ngram")  # ngram: prompt lookup over the request'
 @dataclass(frozen=True, slots=True)
 class EngineConfig:
     model: str | None = None  # None: the default model (SmolLM2-135M-Instruct GGUF)
-    dtype: str | None = None  # None: float32 on CPU, the checkpoint's dtype on GPU
+    dtype: str | None = None  # None / "quantized": keep the file's quantization (float32 compute on CPU)
     block_size: int = 16
     num_kv_blocks: int | None = None  # None: sized from kv_cache_memory_gb
     kv_cache_memory_gb: float = 2.0
@@ -102,7 +102,9 @@ _FLAGS: dict[str, tuple[str, str]] = {
     "enable_prefix_caching": ("--no-prefix-caching", "disable the prefix cache"),
     "enable_chunked_prefill": ("--no-chunked-prefill", "prefill each prompt in one step"),
     "pipeline_decode": ("--no-pipeline-decode", "read each decode step back before queuing the next"),
-    "dtype": ("--dtype", "float32, float16 or bfloat16 (default: float32 on CPU, the checkpoint's on GPU)"),
+    "dtype": ("--dtype", "quantized (the default: a quantized file's weights stay quantized; computed in float32 "
+                         "on CPU, the checkpoint's dtype on GPU), or float32, float16 or bfloat16 (every weight "
+                         "dequantized to it)"),
     "seed": ("--engine-seed", "seed of unseeded sampling"),
     "kernels": ("--kernels", "auto: check each kernel against its reference at start, fall back per op; "
                              "strict: fail at start instead; ref: run the references only"),

@@ -2,7 +2,8 @@
 activation, through trillm.kernels.
 
 `install_fused_ops(model)` swaps the model's `nn.Linear`, `nn.Embedding`, `nn.RMSNorm` and `nn.RoPE` modules
-for subclasses (same parameters, same attributes) and rebinds `swiglu` in the model's own mlx-lm modules,
+for subclasses (same parameters, same attributes; quantized linear layers and embeddings, kept quantized,
+run `quant_linear`) and rebinds `swiglu` in the model's own mlx-lm modules,
 the way `install_paged_attention` rebinds attention. They run trillm's ops only inside
 `fused_ops(kernels)`, which ModelRunner.forward enters with the implementations the engine's start-up
 self-check chose (`trillm.kernels.selfcheck`; without a selection, the per-call dispatchers): anything else
@@ -51,43 +52,63 @@ PROJECTION_GROUPS: tuple[tuple[str, ...], ...] = (("q_proj", "k_proj", "v_proj")
 class ProjectionGroup:
     """Linear layers applied to one input, run as one matmul over their stacked weights.
 
-    Each member's weight is a row slice of `weight`. Inside `fused_ops()`, a member called with an input
-    the group has not seen runs `linear(x, weight)`; members called with the same input object (mlx-lm calls
-    q, k, v, or gate, up, on one x) slice that output. The output is dropped once every member took its
-    slice, so nothing outlives the graph being built. A member whose weight was replaced since (a weight
-    update) makes the group restack before its next matmul.
+    Each member's weight is a row slice of `weight` (for quantized members, their scales and biases too).
+    Inside `fused_ops()`, a member called with an input the group has not seen runs `linear(x, weight)`
+    (`quant_linear` for quantized members); members called with the same input object (mlx-lm calls q, k, v,
+    or gate, up, on one x) slice that output. The output is dropped once every member took its slice, so
+    nothing outlives the graph being built. A member whose weight was replaced since (a weight update)
+    makes the group restack before its next matmul.
     """
 
-    def __init__(self, members: Sequence[FusedLinear]) -> None:
+    def __init__(self, members: Sequence[FusedLinear | FusedQuantizedLinear]) -> None:
         self.members = list(members)
+        self.keys = ("weight", "scales", "biases") if isinstance(members[0], nn.QuantizedLinear) else ("weight",)
         self.bounds: list[tuple[int, int]] = []
         at = 0
         for m in self.members:
             n = m.weight.shape[0]
             self.bounds.append((at, at + n))
             at += n
-        self.weight = mx.concatenate([m.weight for m in self.members], axis=0)
-        self._views: list[mx.array] = []
-        self.set_weight(self.weight)
+        self.arrays: dict[str, mx.array] = {}
+        self._views: list[dict[str, mx.array]] = []
+        self._restack()
         self._x: mx.array | None = None
         self._y: mx.array | None = None
         self._pending: set[int] = set()
 
+    @property
+    def weight(self) -> mx.array:
+        return self.arrays["weight"]
+
+    def _restack(self) -> None:
+        self.set_arrays({k: mx.concatenate([m[k] for m in self.members], axis=0) for k in self.keys})
+
     def set_weight(self, weight: mx.array) -> None:
         """Use `weight` (the stacked rows) and make each member's weight a row slice of it."""
-        self.weight = weight
-        self._views = [weight[lo:hi] for lo, hi in self.bounds]
-        for m, view in zip(self.members, self._views):
-            m.weight = view
+        self.set_arrays({**self.arrays, "weight": weight})
+
+    def set_arrays(self, arrays: dict[str, mx.array]) -> None:
+        self.arrays = arrays
+        self._views = [{k: a[lo:hi] for k, a in arrays.items()} for lo, hi in self.bounds]
+        for m, views in zip(self.members, self._views):
+            for k, view in views.items():
+                setattr(m, k, view)
             m.group = self
 
-    def output(self, member: FusedLinear, x: mx.array, kernels: KernelSelection) -> mx.array:
+    def _matmul(self, x: mx.array, kernels: KernelSelection) -> mx.array:
+        if len(self.keys) == 1:
+            return kernels.linear(x, self.weight)
+        m = self.members[0]
+        a = self.arrays
+        return kernels.quant_linear(x, a["weight"], a["scales"], a["biases"], m.group_size, m.bits)
+
+    def output(self, member: FusedLinear | FusedQuantizedLinear, x: mx.array, kernels: KernelSelection) -> mx.array:
         i = next(i for i, m in enumerate(self.members) if m is member)
-        if any(m.weight is not v for m, v in zip(self.members, self._views)):
-            self.set_weight(mx.concatenate([m.weight for m in self.members], axis=0))
+        if any(m[k] is not views[k] for m, views in zip(self.members, self._views) for k in self.keys):
+            self._restack()
             self._x = None
         if self._x is not x or i not in self._pending:
-            self._x, self._y = x, kernels.linear(x, self.weight)
+            self._x, self._y = x, self._matmul(x, kernels)
             self._pending = set(range(len(self.members)))
         assert self._y is not None
         lo, hi = self.bounds[i]
@@ -115,6 +136,43 @@ class FusedEmbedding(nn.Embedding):
             return k.linear(x, self.weight)
         out: mx.array = super().as_linear(x)
         return out
+
+
+class FusedQuantizedLinear(nn.QuantizedLinear):
+    """A linear layer on weights kept quantized (MLX's affine layout), through `quant_linear`."""
+
+    group: ProjectionGroup | None = None  # set when this layer's matmul is shared with its siblings'
+
+    def __call__(self, x: mx.array) -> mx.array:
+        if (k := _ACTIVE.get()) is not None and self.mode == "affine" and "biases" in self:
+            if self.group is not None:
+                y = self.group.output(self, x, k)
+            else:
+                y = k.quant_linear(x, self["weight"], self["scales"], self["biases"], self.group_size, self.bits)
+            return y + self["bias"] if "bias" in self else y
+        out: mx.array = super().__call__(x)
+        return out
+
+
+class FusedQuantizedEmbedding(nn.QuantizedEmbedding):
+    """A quantized embedding: lookups dequantize their rows (as mlx-lm's), a tied LM head runs `quant_linear`."""
+
+    def as_linear(self, x: mx.array) -> mx.array:
+        if (k := _ACTIVE.get()) is not None and self.mode == "affine" and "biases" in self:
+            out: mx.array = k.quant_linear(x, self["weight"], self["scales"], self["biases"], self.group_size, self.bits)
+            return out
+        out = super().as_linear(x)
+        return out
+
+
+def quantization_formats(model: nn.Module) -> tuple[tuple[int, int, str], ...]:
+    """(bits, group_size, scales dtype) of every affine-quantized linear layer and embedding in `model`."""
+    formats = {
+        (int(m.bits), int(m.group_size), str(m["scales"].dtype).rsplit(".", 1)[-1])
+        for _, m in model.named_modules()
+        if isinstance(m, (nn.QuantizedLinear, nn.QuantizedEmbedding)) and m.mode == "affine" and "biases" in m
+    }
+    return tuple(sorted(formats))
 
 
 class FusedRMSNorm(nn.RMSNorm):
@@ -146,6 +204,10 @@ def _fused_swiglu(original: Callable[[mx.array, mx.array], mx.array]) -> Callabl
 def _replacement(child: object) -> nn.Module | None:
     if not isinstance(child, nn.Module):
         return None
+    if type(child) in (nn.QuantizedLinear, nn.QuantizedEmbedding):
+        # The same object, its class swapped for the subclass: no attribute to copy, nothing re-quantized.
+        child.__class__ = FusedQuantizedLinear if type(child) is nn.QuantizedLinear else FusedQuantizedEmbedding
+        return child
     if type(child) is nn.Linear:
         out_dims, in_dims = child.weight.shape
         lin = FusedLinear(in_dims, out_dims, bias="bias" in child)
@@ -168,9 +230,17 @@ def _group_projections(model: nn.Module, counts: dict[str, int]) -> None:
     for _, module in model.named_modules():
         for names in PROJECTION_GROUPS:
             members = [module.get(name) for name in names]
-            if not all(type(m) is FusedLinear for m in members):
+            lins: list[FusedLinear | FusedQuantizedLinear]
+            if all(type(m) is FusedLinear for m in members):
+                lins = [m for m in members if isinstance(m, FusedLinear)]
+            elif all(type(m) is FusedQuantizedLinear for m in members):
+                lins = [m for m in members if isinstance(m, FusedQuantizedLinear)]
+                first = lins[0]
+                if any(m.mode != "affine" or "biases" not in m or (m.group_size, m.bits) != (first.group_size, first.bits)
+                       or m["scales"].dtype != first["scales"].dtype for m in lins):  # fmt: skip
+                    continue
+            else:
                 continue
-            lins = [m for m in members if isinstance(m, FusedLinear)]
             if any(m.group is not None for m in lins):
                 continue  # already grouped (install_fused_ops is idempotent)
             w0 = lins[0].weight

@@ -305,9 +305,10 @@ def checkpoint_dtype(weights: dict[str, mx.array]) -> mx.Dtype:
 
 
 def prepare_weights(
-    model: nn.Module, weights: dict[str, mx.array], *, keep_quantized: bool, dtype: mx.Dtype
+    model: nn.Module, weights: dict[str, mx.array], *, keep_quantized: bool, dtype: mx.Dtype, keep_scales: bool = False
 ) -> dict[str, mx.array]:
-    """Dequantize (to `dtype`) or quantize the model's layers to match, and cast floats to `dtype`."""
+    """Dequantize (to `dtype`) or quantize the model's layers to match, and cast floats to `dtype` (but the
+    scales and biases of layers kept quantized, with keep_scales)."""
     modules = dict(model.named_modules())
     prefixes = [k[: -len(".scales")] for k in weights if k.endswith(".scales")]
     if keep_quantized:
@@ -327,8 +328,12 @@ def prepare_weights(
             # Dequantize in float32 (exact for every GGUF type mapped to a triple), then round once to dtype.
             f32 = mx.float32
             weights[f"{p}.weight"] = mx.dequantize(w, scales.astype(f32), biases.astype(f32), group_size, bits)
+    # An embedding's lookup dequantizes in its scales' dtype: those are cast, so activations stay in dtype.
+    kept = {f"{p}.{part}" for p in prefixes if not isinstance(modules.get(p), nn.Embedding)
+            for part in ("scales", "biases")} if keep_quantized and keep_scales else set()  # fmt: skip
     return {
-        k: v.astype(dtype) if mx.issubdtype(v.dtype, mx.floating) else v for k, v in weights.items()
+        k: v.astype(dtype) if mx.issubdtype(v.dtype, mx.floating) and k not in kept else v
+        for k, v in weights.items()
     }
 
 
@@ -352,15 +357,18 @@ def load_gguf(
     keep_quantized: bool = False,
     dtype: mx.Dtype | None = mx.float32,
     on_progress: Callable[[str, float], None] | None = None,
+    keep_scales: bool = False,
 ) -> GGUFModel:
     """Build the mlx-lm model of a GGUF file's architecture (see gguf_arch). Weights are dequantized to
-    `dtype` unless keep_quantized; dtype None takes the checkpoint's own float dtype."""
+    `dtype` unless keep_quantized; dtype None takes the checkpoint's own float dtype. keep_scales: layers
+    kept quantized keep their scales' and biases' stored dtype (float16 for Q4_0/Q4_1/Q8_0)."""
     report = on_progress or (lambda stage, fraction: None)
     path = str(path)
     report("reading", 0.05)
     weights, meta = read_gguf(path)
     try:
-        return _build(path, weights, meta, keep_quantized=keep_quantized, dtype=dtype, report=report)
+        return _build(path, weights, meta, keep_quantized=keep_quantized, dtype=dtype, report=report,
+                      keep_scales=keep_scales)
     except CorruptModelFile:
         raise
     except Exception as exc:  # any failure to interpret the file's contents means the file is bad
@@ -375,6 +383,7 @@ def _build(
     keep_quantized: bool,
     dtype: mx.Dtype | None,
     report: Callable[[str, float], None],
+    keep_scales: bool = False,
 ) -> GGUFModel:
     config = gguf_model_config(meta, weights, path)
     arch = str(meta["general.architecture"])
@@ -391,7 +400,7 @@ def _build(
     if hasattr(model, "sanitize"):  # as mlx-lm's own load does: drops a tied head, marks Gemma 3 as tied
         weights = model.sanitize(weights)
     dtype = dtype or checkpoint_dtype(weights)
-    weights = prepare_weights(model, weights, keep_quantized=keep_quantized, dtype=dtype)
+    weights = prepare_weights(model, weights, keep_quantized=keep_quantized, dtype=dtype, keep_scales=keep_scales)
     model.eval()
     try:
         model.load_weights(list(weights.items()), strict=True)

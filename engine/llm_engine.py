@@ -87,6 +87,7 @@ def make_kv_pool(lm: LoadedModel, config: EngineConfig, num_blocks: int, max_mod
     from trillm.kernels.mla_attention import OP as MLA_ATTENTION
     from trillm.kernels.paged_attention import OP as PAGED_ATTENTION
     from trillm.kernels.selfcheck import KernelCheckError, KernelSelection, select_kernels
+    from trillm.engine.fused_ops import quantization_formats
 
     layout = layout or kv_layout(lm.model, lm.name)
     sinks = any(isinstance(getattr(m, "sinks", None), mx.array) for _, m in lm.model.named_modules())
@@ -115,7 +116,8 @@ def make_kv_pool(lm: LoadedModel, config: EngineConfig, num_blocks: int, max_mod
                                  max_batch=config.max_num_seqs, chunk=config.max_num_batched_tokens,
                                  max_context=max_model_len, hidden_size=int(getattr(args, "hidden_size", 0) or 0),
                                  intermediate_size=int(getattr(args, "intermediate_size", 0) or 0),
-                                 vocab_size=int(getattr(args, "vocab_size", 0) or 0))  # fmt: skip
+                                 vocab_size=int(getattr(args, "vocab_size", 0) or 0),
+                                 quantization=quantization_formats(lm.model))  # fmt: skip
             try:
                 if primary is None:
                     selections[key] = primary = select_kernels(shapes, config.kernels)

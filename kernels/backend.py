@@ -283,6 +283,13 @@ class KernelOp:
     # The phase of a call ("decode" / "prefill", as the timing cases' labels begin): set, the self-check
     # decides kernel vs reference per phase, and the selection routes each call by it.
     phase_of: Callable[..., str] | None = None
+    # What runs where the kernel is not chosen, and what its timing is measured against (None: the
+    # reference). Quantized matmuls fall back to MLX's own rather than dequantizing every weight per call.
+    fallback: Callable[..., Any] | None = None
+
+    @property
+    def runs_instead(self) -> Callable[..., Any]:
+        return self.fallback if self.fallback is not None else self.reference
 
     def kernel_for(self, backend: str | None, shapes: ModelShapes) -> Kernel | None:
         """The implementation to run on `backend` for `shapes`, or None for the reference."""

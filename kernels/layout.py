@@ -92,6 +92,9 @@ class ModelShapes:
     attention_chunk: int | None = None
     kv_lora_rank: int = 0  # MLA (DeepSeek V2/V3): the latent's width; 0: no MLA layers
     qk_rope_head_dim: int = 0  # MLA: the RoPE part's width (k_pe)
+    # The formats of the linear weights kept quantized (MLX's affine layout): (bits, group_size, dtype of
+    # the scales and biases, e.g. "float16") each; (): none (every weight is a float matrix).
+    quantization: tuple[tuple[int, int, str], ...] = ()
 
     @property
     def windows(self) -> tuple[int | None, ...]:

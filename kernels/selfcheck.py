@@ -61,6 +61,7 @@ from trillm.kernels.kv_gather import KvGatherFn, kv_gather, kv_gather_ref
 from trillm.kernels.layout import ModelShapes
 from trillm.kernels import linear as linear_op
 from trillm.kernels import mla_attention as mla_op
+from trillm.kernels import quant_linear as quant_linear_op
 from trillm.kernels.mla_attention import MlaAttentionFn
 from trillm.kernels import rms_norm as rms_norm_op
 from trillm.kernels import rope as rope_op
@@ -77,7 +78,7 @@ FAILURE_TTL_S = 3600.0  # how long a failure that raised stays cached (a mismatc
 ISOLATE_ENV = "TRILLM_KERNEL_ISOLATE"  # "1": uncached checks run in a child first; "0": never; unset: on GPU
 CHILD_TIMEOUT_S = 300.0  # one child's limit (a first Metal/CUDA compile of every variant takes seconds, not minutes)
 ENGINE_OPS: tuple[KernelOp, ...] = (PAGED_ATTENTION, KV_GATHER, rms_norm_op.OP, rope_op.OP, silu_mul_op.OP, linear_op.OP,
-                                    mla_op.OP)  # fmt: skip
+                                    mla_op.OP, quant_linear_op.OP)  # fmt: skip
 REFERENCE = "reference"
 MLX_VERSION = str(getattr(mx, "__version__", "unknown"))  # (mlx's stubs omit __version__)
 _PACKAGE_DIR = Path(__file__).resolve().parent
@@ -145,6 +146,8 @@ class KernelSelection:
     silu_mul: Callable[[mx.array, mx.array], mx.array] = silu_mul_op.silu_mul
     linear: Callable[[mx.array, mx.array], mx.array] = linear_op.linear
     mla_attention: MlaAttentionFn = mla_op.mla_attention  # MLA models' attention (trillm.kernels.mla_attention)
+    # Linear layers on weights kept quantized (trillm.kernels.quant_linear)
+    quant_linear: Callable[..., mx.array] = quant_linear_op.quant_linear
 
 
 def unchecked() -> KernelSelection:
@@ -210,6 +213,7 @@ def select_kernels(
         silu_mul=chosen.get(silu_mul_op.OP.name, silu_mul_op.silu_mul_ref),
         linear=chosen.get(linear_op.OP.name, linear_op.linear_ref),
         mla_attention=chosen.get(mla_op.OP.name, mla_op.mla_attention_ref),
+        quant_linear=chosen.get(quant_linear_op.OP.name, quant_linear_op.quant_linear),
     )  # fmt: skip
 
 
@@ -241,7 +245,7 @@ def _prepare_op(
     op: KernelOp, shapes: ModelShapes, backend: str | None, mode: str
 ) -> tuple[OpReport, Callable[..., Any]] | _Pending:
     """The decision that needs no check (no kernel, forced references, a cached fallback), or what to check."""
-    ref = op.reference
+    ref = op.runs_instead
     if not op.applies(shapes):
         return OpReport(op.name, REFERENCE, backend, "not used by this model"), ref
     if backend is None:
@@ -267,7 +271,7 @@ def _finish_op(
     p: _Pending, shapes: ModelShapes, mode: str, iters: int, child: tuple[str | None, bool] | None
 ) -> tuple[OpReport, Callable[..., Any]]:
     """Check (unless the child already failed it), time and decide one op. `child`: the child's outcome."""
-    op, kernel, backend, key, cached, ref = p.op, p.kernel, p.backend, p.key, p.cached, p.op.reference
+    op, kernel, backend, key, cached, ref = p.op, p.kernel, p.backend, p.key, p.cached, p.op.runs_instead
     failure, deterministic = child if child is not None and child[0] is not None else _check(op, kernel, shapes)
     if failure is None and cached is not None and cached.implementation == backend:
         return replace(cached, cached=True), _routed(op, kernel.fn, cached)  # checked now; timed by an earlier start
@@ -311,11 +315,11 @@ def _decide(op: KernelOp, backend: str, phases: dict[str, tuple[float, float]]) 
 def _routed(op: KernelOp, kernel_fn: Callable[..., Any], report: OpReport) -> Callable[..., Any]:
     """What the selection runs for `report`: the kernel, the reference, or each call's phase's choice."""
     if report.implementation == REFERENCE:
-        return op.reference
+        return op.runs_instead
     if not report.phases or op.phase_of is None:
         return kernel_fn
     choice = dict(report.phases)
-    phase_of, ref = op.phase_of, op.reference
+    phase_of, ref = op.phase_of, op.runs_instead
 
     def by_phase(*args: Any, **kwargs: Any) -> Any:
         fn = kernel_fn if choice.get(phase_of(*args, **kwargs)) == report.implementation else ref
@@ -413,7 +417,8 @@ def _shapes_json(shapes: ModelShapes) -> dict[str, Any]:
 
 def _shapes_from_json(fields: dict[str, Any]) -> ModelShapes:
     return ModelShapes(**{**fields, "dtype": getattr(mx, fields["dtype"]),
-                          "layer_windows": tuple(fields["layer_windows"])})  # fmt: skip
+                          "layer_windows": tuple(fields["layer_windows"]),
+                          "quantization": tuple(tuple(f) for f in fields.get("quantization", ()))})  # fmt: skip
 
 
 def check_in_child(
@@ -554,7 +559,7 @@ def time_kernel(
     for case in op.timing_cases(shapes):
         totals = sums.setdefault(case.label.split()[0] if op.phase_of is not None else "all", [0.0, 0.0])
         mx.eval([a for a in case.args if isinstance(a, mx.array)])
-        fns = (kernel.fn, op.reference)
+        fns = (kernel.fn, op.runs_instead)
         samples: list[list[float]] = [[], []]
         for i in range(iters + 1):
             for which, fn in enumerate(fns):

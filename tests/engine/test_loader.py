@@ -54,8 +54,9 @@ def test_default_model_facts(default_model: LoadedModel) -> None:
     assert m.eos_token_ids == frozenset({2})
     assert m.dtype == mx.float32
     params = tree_flatten(m.model.parameters())
-    assert all(v.dtype == mx.float32 for _, v in params)  # dequantized: no quantized layers on CPU
-    assert not any(k.endswith(".scales") for k, _ in params)
+    # Q4_1 kept quantized with the file's float16 scales (the embedding's cast to float32 for its lookups)
+    assert any(k.endswith(".scales") and v.dtype == mx.float16 for k, v in params)
+    assert {v.dtype for k, v in params if not k.endswith((".scales", ".biases"))} == {mx.float32, mx.uint32}
     assert 134_000_000 < m.num_parameters < 135_000_000
     assert m.model.args.rope_traditional and m.model.args.tie_word_embeddings
     assert m.model_id.startswith("gguf:") and len(m.model_id) > 20
@@ -117,7 +118,7 @@ def test_explicit_dtype_and_progress(tiny_model_path: Path, tiny_model: LoadedMo
         load_model(str(tiny_model_path), dtype="int3")
 
 
-def test_quantized_folder_is_dequantized_to_fp32_on_cpu(tiny_model_path: Path, tmp_path: Path) -> None:
+def test_quantized_folder_stays_quantized_on_cpu_unless_a_dtype_is_asked(tiny_model_path: Path, tmp_path: Path) -> None:
     import mlx_lm
     from mlx_lm.utils import load_model as mlx_load_model, quantize_model, save_model
 
@@ -127,12 +128,15 @@ def test_quantized_folder_is_dequantized_to_fp32_on_cpu(tiny_model_path: Path, t
     save_model(folder, model)
     (folder / "config.json").write_text(json.dumps(config))
 
-    loaded = load_model(str(folder))
+    ref_model, _ = mlx_lm.load(str(folder))  # runs the quantized matmuls
+    kept = load_model(str(folder))  # the default: MLX's 4-bit layout kept, computed in float32
+    assert kept.dtype == mx.float32 and any(isinstance(m, nn.QuantizedLinear) for _, m in kept.model.named_modules())
+    loaded = load_model(str(folder), dtype="float32")
     assert not any(isinstance(m, nn.QuantizedLinear) for _, m in loaded.model.named_modules())
     assert {v.dtype for _, v in tree_flatten(loaded.model.parameters())} == {mx.float32}
-    ref_model, _ = mlx_lm.load(str(folder))  # runs the quantized matmuls
     ids = loaded.tokenizer.apply_chat_template(PROMPT)
-    assert mx.allclose(_logits(loaded, ids), _logits(ref_model, ids), atol=2e-3, rtol=1e-3)
+    for model in (loaded, kept):
+        assert mx.allclose(_logits(model, ids), _logits(ref_model, ids), atol=2e-3, rtol=1e-3)
 
 
 # --- GGUF, general path (tiny model converted like llama.cpp does) ----------------------------------------
@@ -247,7 +251,9 @@ def test_truncation_and_corruption_never_crash(tiny_gguf: Path, tmp_path: Path) 
 def test_dtype_policy(monkeypatch: pytest.MonkeyPatch) -> None:
     from trillm.engine import loader
 
-    assert loader.resolve_dtype(None) == (mx.float32, False)  # CPU: dequantize, fp32
+    assert loader.resolve_dtype(None) == (mx.float32, True)  # CPU: quantization kept, fp32 around it
+    assert loader.resolve_dtype("quantized") == (mx.float32, True)
+    assert loader.resolve_dtype("float32") == (mx.float32, False)  # dequantized
     assert loader.resolve_dtype("float16") == (mx.float16, False)
     monkeypatch.setattr(loader.mx, "default_device", lambda: mx.gpu)
     assert loader.resolve_dtype(None) == (None, True)  # GPU: the checkpoint's dtype and quantization

@@ -1,0 +1,342 @@
+// y = x @ dequantize(w).T on weights kept quantized, as an MLX CPU primitive: MLX's affine layout
+// (mx.quantize: `bits`-bit unsigned q packed little-endian into uint32 words along K, one scale and one bias
+// per group of `group_size` along K, w = scale * q + bias), which GGUF's Q4_0, Q4_1, Q8_0 and Q4_K blocks
+// are repacked into exactly (engine/gguf.py) and MLX's own 4- and 8-bit folders are stored in.
+//
+// Few rows (decode, M <= max_rows): the weight rows are cut into bands taken dynamically by the cores; each
+// 16-element slice of a weight row is unpacked in registers (nibbles or bytes -> int32 -> float, one FMA with
+// its group's scale and bias) and multiplied into tiles of MT x rows by NT weight rows, fp32 accumulation.
+// Nothing is written back but y: the weights are streamed from memory once per call at 4.5-9 bits per
+// element instead of fp32's 32.
+//
+// Many rows (prefill): compute, not memory, bounds the matmul, and BLAS's packed sgemm is far ahead of
+// any unpack-in-registers tile. Blocks of weight rows are dequantized to an fp32 scratch (~4 MB, split
+// across the cores) and handed to cblas_sgemm, the BLAS MLX itself links (the same symbol resolves to the
+// library MLX uses: OpenBLAS or MKL when trillm loaded one first).
+#include <algorithm>
+#include <atomic>
+#include <cstring>
+#include <stdexcept>
+#include <vector>
+
+#include "mlx/allocator.h"
+#include "mlx/backend/cpu/encoder.h"
+#include "ops.h"
+#include "simd.h"
+#include "thread_pool.h"
+
+extern "C" void cblas_sgemm(int order, int trans_a, int trans_b, int m, int n, int k, float alpha, const float* a,
+                            int lda, const float* b, int ldb, float beta, float* c, int ldc);
+
+namespace trillm_cpu {
+
+namespace {
+
+constexpr int kRowMajor = 101, kNoTrans = 111, kTrans = 112;  // CBLAS enum values
+
+
+inline float to_f32(float v) {
+  return v;
+}
+inline float to_f32(mx::float16_t v) {
+#if defined(__FLT16_MAX__)
+  _Float16 h;  // one vcvtph2ps with F16C (MLX's float16_t converts in software on x86)
+  std::memcpy(&h, &v, sizeof h);
+  return static_cast<float>(h);
+#else
+  return static_cast<float>(v);
+#endif
+}
+inline float to_f32(mx::bfloat16_t v) {
+  uint16_t bits;
+  std::memcpy(&bits, &v, sizeof bits);
+  const uint32_t wide = static_cast<uint32_t>(bits) << 16;
+  float f;
+  std::memcpy(&f, &wide, sizeof f);
+  return f;
+}
+
+// 16 consecutive q values starting at byte p (4-bit: 8 bytes, element 2i in the low nibble of byte i).
+template <int BITS>
+inline vf unpack(const uint8_t* p) {
+  if constexpr (BITS == 4) {
+    // Lanes 0-7 from the first word, 8-15 from the second, each shifted by 4 * (lane % 8): a broadcast,
+    // one variable shift and a mask.
+    uint32_t u[2];
+    std::memcpy(u, p, sizeof u);
+    const vi words = {static_cast<int32_t>(u[0]), static_cast<int32_t>(u[0]), static_cast<int32_t>(u[0]),
+                      static_cast<int32_t>(u[0]), static_cast<int32_t>(u[0]), static_cast<int32_t>(u[0]),
+                      static_cast<int32_t>(u[0]), static_cast<int32_t>(u[0]), static_cast<int32_t>(u[1]),
+                      static_cast<int32_t>(u[1]), static_cast<int32_t>(u[1]), static_cast<int32_t>(u[1]),
+                      static_cast<int32_t>(u[1]), static_cast<int32_t>(u[1]), static_cast<int32_t>(u[1]),
+                      static_cast<int32_t>(u[1])};
+    const vi shifts = {0, 4, 8, 12, 16, 20, 24, 28, 0, 4, 8, 12, 16, 20, 24, 28};
+    const vi q = (words >> shifts) & 0xF;  // (arithmetic shift: the mask drops the sign bits)
+    return __builtin_convertvector(q, vf);
+  } else {
+    // Four words, each broadcast to four lanes and shifted by 8 * (lane % 4).
+    int32_t u[4];
+    std::memcpy(u, p, sizeof u);
+    const vi words = {u[0], u[0], u[0], u[0], u[1], u[1], u[1], u[1], u[2], u[2], u[2], u[2], u[3], u[3], u[3], u[3]};
+    const vi shifts = {0, 8, 16, 24, 0, 8, 16, 24, 0, 8, 16, 24, 0, 8, 16, 24};
+    return __builtin_convertvector((words >> shifts) & 0xFF, vf);
+  }
+}
+
+template <typename S>
+struct QArgs {
+  const float* x;  // [M, K]
+  const uint8_t* w;  // [N, K * BITS / 8]
+  const S* scales;  // [N, K / G]
+  const S* biases;
+  float* y;  // [M, N]
+  int M, N, K, G, bits;
+};
+
+// y[MT, NT] (row stride ldy) = x[MT, K] . dequantize(w rows n .. n + NT).
+template <int BITS, int MT, int NT, typename S>
+inline void qtile(const QArgs<S>& a, int m, int n) {
+  const size_t wrow = static_cast<size_t>(a.K) * BITS / 8, grow = a.K / a.G;
+  const float* x = a.x + static_cast<size_t>(m) * a.K;
+  vf acc[MT * NT];
+  for (int i = 0; i < MT * NT; ++i) acc[i] = vf{};
+  for (int g = 0; g < a.K / a.G; ++g) {
+    vf s[NT], b[NT];
+    for (int j = 0; j < NT; ++j) {
+      s[j] = vsplat(to_f32(a.scales[(n + j) * grow + g]));
+      b[j] = vsplat(to_f32(a.biases[(n + j) * grow + g]));
+    }
+    for (int k = g * a.G; k < (g + 1) * a.G; k += W) {
+      vf wv[NT];
+      for (int j = 0; j < NT; ++j) wv[j] = unpack<BITS>(a.w + (n + j) * wrow + k * BITS / 8) * s[j] + b[j];
+      for (int i = 0; i < MT; ++i) {
+        const vf xv = vload(x + static_cast<size_t>(i) * a.K + k);
+        for (int j = 0; j < NT; ++j) acc[i * NT + j] += xv * wv[j];
+      }
+    }
+  }
+  float* y = a.y + static_cast<size_t>(m) * a.N + n;
+  for (int i = 0; i < MT; ++i) {
+    for (int j = 0; j < NT; ++j) y[static_cast<size_t>(i) * a.N + j] = vsum(acc[i * NT + j]);
+  }
+}
+
+// Tile sizes by vector registers: 32 (AVX-512) hold 4 x 4 accumulators with their 4 weight vectors; 16
+// (AVX2, where one 16-float vector is two registers; NEON: four) hold 2 x 2.
+#if defined(__AVX512F__)
+constexpr int kMT = 4, kNT = 4;
+#else
+constexpr int kMT = 2, kNT = 2;
+#endif
+
+template <int BITS, int MT, typename S>
+inline void rows_of_band(const QArgs<S>& a, int m, int n0, int n1) {
+  int n = n0;
+  for (; n + kNT <= n1; n += kNT) qtile<BITS, MT, kNT>(a, m, n);
+  for (; n < n1; ++n) qtile<BITS, MT, 1>(a, m, n);
+}
+
+template <int BITS, typename S>
+void band(const QArgs<S>& a, int n0, int n1) {
+  int m = 0;
+  for (; m + kMT <= a.M; m += kMT) rows_of_band<BITS, kMT>(a, m, n0, n1);
+  if constexpr (kMT > 2) {
+    for (; m + 2 <= a.M; m += 2) rows_of_band<BITS, 2>(a, m, n0, n1);
+  }
+  for (; m < a.M; ++m) rows_of_band<BITS, 1>(a, m, n0, n1);
+}
+
+// Weight rows [n0, n1) dequantized into out[(n - n0) * K + k].
+template <int BITS, typename S>
+void dequantize_rows(const QArgs<S>& a, int n0, int n1, float* out) {
+  const size_t wrow = static_cast<size_t>(a.K) * BITS / 8, grow = a.K / a.G;
+  for (int n = n0; n < n1; ++n) {
+    float* o = out + static_cast<size_t>(n - n0) * a.K;
+    for (int g = 0; g < a.K / a.G; ++g) {
+      const vf s = vsplat(to_f32(a.scales[n * grow + g])), b = vsplat(to_f32(a.biases[n * grow + g]));
+      for (int k = g * a.G; k < (g + 1) * a.G; k += W) vstore(o + k, unpack<BITS>(a.w + n * wrow + k * BITS / 8) * s + b);
+    }
+  }
+}
+
+// y[MT, NT] (+)= x[MT, k0:k1] . d[NT, 0:k1-k0] (fp32 rows of ldd), accumulated into y unless `first`.
+template <int MT, int NT>
+inline void ftile(const float* x, int ldx, const float* d, int ldd, float* y, int ldy, int len, bool first) {
+  vf acc[MT * NT];
+  for (int i = 0; i < MT * NT; ++i) acc[i] = vf{};
+  for (int k = 0; k < len; k += W) {
+    vf wv[NT];
+    for (int j = 0; j < NT; ++j) wv[j] = vload(d + j * ldd + k);
+    for (int i = 0; i < MT; ++i) {
+      const vf xv = vload(x + static_cast<size_t>(i) * ldx + k);
+      for (int j = 0; j < NT; ++j) acc[i * NT + j] += xv * wv[j];
+    }
+  }
+  for (int i = 0; i < MT; ++i) {
+    for (int j = 0; j < NT; ++j) {
+      float& out = y[static_cast<size_t>(i) * ldy + j];
+      out = first ? vsum(acc[i * NT + j]) : out + vsum(acc[i * NT + j]);
+    }
+  }
+}
+
+// Weight rows [n0, n1) dequantized columns [k0, k1) into out[(n - n0) * (k1 - k0) + k - k0].
+template <int BITS, typename S>
+void dequantize_block(const QArgs<S>& a, int n0, int n1, int k0, int k1, float* out) {
+  const size_t wrow = static_cast<size_t>(a.K) * BITS / 8, grow = a.K / a.G;
+  const int len = k1 - k0;
+  for (int n = n0; n < n1; ++n) {
+    float* o = out + static_cast<size_t>(n - n0) * len - k0;
+    for (int g = k0 / a.G; g < k1 / a.G; ++g) {
+      const vf s = vsplat(to_f32(a.scales[n * grow + g])), b = vsplat(to_f32(a.biases[n * grow + g]));
+      for (int k = g * a.G; k < (g + 1) * a.G; k += W) vstore(o + k, unpack<BITS>(a.w + n * wrow + k * BITS / 8) * s + b);
+    }
+  }
+}
+
+// More rows than one register tile holds: each band of 16 weight rows is dequantized once, a chunk of K
+// at a time (16 x 1024 floats: 64 KB, in L2), and every row of x is multiplied against it in fp32 tiles.
+template <int BITS, typename S>
+void mid_band(const QArgs<S>& a, int n0, int n1, float* scratch) {
+  const int kc = std::max(a.G, 1024 / a.G * a.G);
+  for (int k0 = 0; k0 < a.K; k0 += kc) {
+    const int k1 = std::min(a.K, k0 + kc), len = k1 - k0;
+    dequantize_block<BITS>(a, n0, n1, k0, k1, scratch);
+    const bool first = k0 == 0;
+    int m = 0;
+    for (; m + kMT <= a.M; m += kMT) {
+      int n = n0;
+      for (; n + kNT <= n1; n += kNT) {
+        ftile<kMT, kNT>(a.x + static_cast<size_t>(m) * a.K + k0, a.K, scratch + (n - n0) * len, len,
+                        a.y + static_cast<size_t>(m) * a.N + n, a.N, len, first);
+      }
+      for (; n < n1; ++n) {
+        ftile<kMT, 1>(a.x + static_cast<size_t>(m) * a.K + k0, a.K, scratch + (n - n0) * len, len,
+                      a.y + static_cast<size_t>(m) * a.N + n, a.N, len, first);
+      }
+    }
+    for (; m < a.M; ++m) {
+      for (int n = n0; n < n1; ++n) {
+        ftile<1, 1>(a.x + static_cast<size_t>(m) * a.K + k0, a.K, scratch + (n - n0) * len, len,
+                    a.y + static_cast<size_t>(m) * a.N + n, a.N, len, first);
+      }
+    }
+  }
+}
+
+template <int BITS, typename S>
+void decode_impl(const QArgs<S>& a) {
+  auto& pool = ThreadPool::get();
+  // Bands of 16 weight rows or more (divisible by the tiles), ~8 per thread so the dynamic split stays
+  // even when another process holds a core.
+  if (a.M <= kMT) {
+    const int rows = std::max(16, (a.N / (8 * pool.size())) / 16 * 16);
+    const int bands = (a.N + rows - 1) / rows;
+    pool.parallel_for(bands, [&](int i) {
+      const int n0 = i * rows;
+      band<BITS>(a, n0, std::min(a.N, n0 + rows));
+    });
+    return;
+  }
+  const int bands = (a.N + 15) / 16;
+  const int kc = std::max(a.G, 1024 / a.G * a.G);
+  std::vector<float> scratch(static_cast<size_t>(pool.size()) * 16 * kc);
+  std::vector<std::atomic<int>> owner(pool.size());  // one scratch slot per participating thread
+  for (auto& o : owner) o = 0;
+  static std::atomic<uint64_t> calls{0};
+  const uint64_t call = ++calls;
+  pool.parallel_for(bands, [&](int i) {
+    thread_local int slot = -1;
+    thread_local uint64_t slot_call = 0;
+    if (slot_call != call) {  // this thread's first item of this call: claim a slot
+      slot_call = call;
+      slot = 0;
+      while (owner[slot].exchange(1)) ++slot;
+    }
+    const int n0 = i * 16;
+    mid_band<BITS>(a, n0, std::min(a.N, n0 + 16), scratch.data() + static_cast<size_t>(slot) * 16 * kc);
+  });
+}
+
+template <int BITS, typename S>
+void prefill_impl(const QArgs<S>& a) {
+  auto& pool = ThreadPool::get();
+  const int block = std::min(a.N, std::max(64, (1 << 20) / a.K / 16 * 16));  // ~4 MB of fp32 rows
+  std::vector<float> scratch(static_cast<size_t>(block) * a.K);
+  for (int n0 = 0; n0 < a.N; n0 += block) {
+    const int nb = std::min(block, a.N - n0);
+    const int pieces = (nb + 15) / 16;
+    pool.parallel_for(pieces, [&](int i) {
+      const int r0 = n0 + i * 16;
+      dequantize_rows<BITS>(a, r0, std::min(n0 + nb, r0 + 16), scratch.data() + static_cast<size_t>(i) * 16 * a.K);
+    });
+    cblas_sgemm(kRowMajor, kNoTrans, kTrans, a.M, nb, a.K, 1.0f, a.x, a.K, scratch.data(), a.K, 0.0f, a.y + n0, a.N);
+  }
+}
+
+template <typename S>
+void run(const QArgs<S>& a, int max_rows) {
+  const bool decode = a.M <= max_rows;
+  if (a.bits == 4) {
+    decode ? decode_impl<4>(a) : prefill_impl<4>(a);
+  } else {
+    decode ? decode_impl<8>(a) : prefill_impl<8>(a);
+  }
+}
+
+}  // namespace
+
+mx::array quant_linear(const mx::array& x, const mx::array& w, const mx::array& scales, const mx::array& biases,
+                       int group_size, int bits, int max_rows, mx::StreamOrDevice s) {
+  if (x.dtype() != mx::float32) throw std::invalid_argument("[trillm quant_linear] x must be float32");
+  if (bits != 4 && bits != 8) throw std::invalid_argument("[trillm quant_linear] bits must be 4 or 8");
+  if (w.dtype() != mx::uint32 || w.ndim() != 2 || scales.ndim() != 2 || biases.shape() != scales.shape()) {
+    throw std::invalid_argument("[trillm quant_linear] w uint32 [N, K * bits / 32], scales and biases [N, K / group]");
+  }
+  if (scales.dtype() != biases.dtype() ||
+      (scales.dtype() != mx::float32 && scales.dtype() != mx::float16 && scales.dtype() != mx::bfloat16)) {
+    throw std::invalid_argument("[trillm quant_linear] scales and biases: one float dtype (32, 16 or bf16)");
+  }
+  const int K = x.ndim() ? x.shape(-1) : 0;
+  if (x.ndim() < 1 || group_size % W || group_size <= 0 || K % group_size || w.shape(1) * 32 != K * bits ||
+      scales.shape(0) != w.shape(0) || scales.shape(1) * group_size != K) {
+    throw std::invalid_argument("[trillm quant_linear] shapes do not match (K a multiple of group_size, a multiple of 16)");
+  }
+  auto stream = mx::to_stream(s);
+  auto shape = x.shape();
+  shape.back() = w.shape(0);
+  return mx::array(shape, mx::float32, std::make_shared<QuantLinear>(stream, group_size, bits, max_rows),
+                   {mx::contiguous(x, false, stream), mx::contiguous(w, false, stream),
+                    mx::contiguous(scales, false, stream), mx::contiguous(biases, false, stream)});
+}
+
+void QuantLinear::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) {
+  const auto &x = inputs[0], &w = inputs[1], &scales = inputs[2], &biases = inputs[3];
+  auto& out = outputs[0];
+  out.set_data(mx::allocator::malloc(out.nbytes()));
+  auto& enc = mx::cpu::get_command_encoder(stream());
+  for (const auto& in : inputs) enc.set_input_array(in);
+  enc.set_output_array(out);
+  const int N = w.shape(0), K = x.shape(-1), M = static_cast<int>(x.size() / K);
+  const int G = group_size_, bits = bits_, max_rows = max_rows_;
+  if (M == 0 || N == 0) return;
+  auto launch = [&](auto tag) {
+    using S = decltype(tag);
+    QArgs<S> a{x.data<float>(), w.data<uint8_t>(), scales.data<S>(), biases.data<S>(), out.data<float>(),
+               M, N, K, G, bits};
+    enc.dispatch([a, max_rows] { run(a, max_rows); });
+  };
+  if (scales.dtype() == mx::float32) {
+    launch(float{});
+  } else if (scales.dtype() == mx::float16) {
+    launch(mx::float16_t{});
+  } else {
+    launch(mx::bfloat16_t{});
+  }
+}
+
+void QuantLinear::eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) {
+  throw std::runtime_error("[trillm quant_linear] the CPU primitive has no GPU implementation");
+}
+
+}  // namespace trillm_cpu

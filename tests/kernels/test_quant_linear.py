@@ -1,0 +1,65 @@
+"""The CPU quantized linear primitive against dequantize-then-matmul, and the self-check's decision for it."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from trillm.kernels import cpu_ext
+from trillm.kernels import quant_linear as ql
+from trillm.kernels.backend import random_array
+from trillm.kernels.layout import ModelShapes
+from trillm.kernels.selfcheck import check_kernel, select_kernels
+
+pytestmark = pytest.mark.skipif(cpu_ext.load() is None, reason="trillm's CPU extension is unavailable")
+
+
+@pytest.mark.parametrize(("bits", "group", "scales"), [(4, 32, "float16"), (8, 32, "float16"), (4, 64, "bfloat16"),
+                                                       (8, 128, "float32"), (4, 128, "float32")])
+@pytest.mark.parametrize("rows", [1, 3, 4, 7, 32, 33, 80])
+def test_primitive_equals_dequantize_then_matmul(bits: int, group: int, scales: str, rows: int) -> None:
+    n, k = 53, 384  # n: no multiple of any tile; k: 3 groups of 128, a chunk boundary past 256
+    w, s, b = ql.random_quantized(n, k, group, bits, scales, seed=bits + group)
+    x = random_array((rows, 1, k), mx.float32, rows)
+    got, want = ql.quant_linear_cpu(x, w, s, b, group, bits), ql.quant_linear_ref(x, w, s, b, group, bits)
+    assert got.shape == want.shape == (rows, 1, n) and got.dtype == mx.float32
+    np.testing.assert_allclose(np.array(got), np.array(want), atol=1e-4, rtol=1e-4)
+
+
+def test_long_rows_cross_the_kernels_k_chunks() -> None:
+    """K past the 1024-element chunk the multi-row path dequantizes at a time, and not a multiple of it."""
+    w, s, b = ql.random_quantized(40, 2560, 64, 4, "float16", seed=3)
+    for rows in (1, 9, 40):
+        x = random_array((rows, 2560), mx.float32, rows)
+        np.testing.assert_allclose(np.array(ql.quant_linear_cpu(x, w, s, b, 64, 4)),
+                                   np.array(ql.quant_linear_ref(x, w, s, b, 64, 4)), atol=1e-4, rtol=1e-4)
+
+
+def test_dispatcher_sends_other_formats_to_mlx() -> None:
+    w, s, b = mx.quantize(random_array((32, 128), mx.float32, 1), group_size=32, bits=6)
+    x = random_array((2, 128), mx.float32, 2)
+    assert not ql.cpu_supports(x, w, s, b, 32, 6)
+    assert mx.allclose(ql.quant_linear(x, w, s, b, 32, 6), ql.quant_linear_ref(x, w, s, b, 32, 6), atol=1e-4).item()
+
+
+def test_bad_arguments_raise() -> None:
+    w, s, b = ql.random_quantized(16, 64, 32, 4, "float16", seed=1)
+    with pytest.raises(ValueError):
+        ql.quant_linear_cpu(mx.zeros((1, 64), dtype=mx.float16), w, s, b, 32, 4)
+    with pytest.raises(ValueError):
+        ql.quant_linear_cpu(mx.zeros((1, 96)), w, s, b, 32, 4)
+    with pytest.raises(ValueError):
+        ql.quant_linear_cpu(mx.zeros((1, 64)), w, s, b, 32, 8)
+
+
+def test_self_check_passes_and_applies_only_to_quantized_models(tmp_path: object,
+                                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("TRILLM_KERNEL_CACHE", str(tmp_path))
+    shapes = ModelShapes(4, 2, 32, 16, mx.float32, max_batch=4, chunk=40, hidden_size=128, intermediate_size=256,
+                         vocab_size=300, quantization=((4, 32, "float16"), (8, 64, "float32")))
+    assert check_kernel(ql.OP, ql.KERNELS["cpu"], shapes) is None
+    report = select_kernels(shapes, ops=[ql.OP], timing_iters=1).report
+    assert report.ops[0].reason != "not used by this model" and not report.ops[0].failed
+    plain = select_kernels(ModelShapes(4, 2, 32, 16, mx.float32), ops=[ql.OP]).report
+    assert plain.ops[0].reason == "not used by this model"
