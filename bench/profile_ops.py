@@ -37,7 +37,9 @@ from trillm.engine.sequence import Sequence  # noqa: E402
 from trillm.kernels.backend import kernel_backend  # noqa: E402
 from trillm.kernels.kv_write import kv_write  # noqa: E402
 from trillm.kernels import cpu_ext  # noqa: E402
+from trillm.kernels.layout import ModelShapes  # noqa: E402
 from trillm.kernels.paged_attention import paged_attention  # noqa: E402
+from trillm.kernels.selfcheck import KernelReport, KernelSelection, select_kernels  # noqa: E402
 from trillm.kernels.silu_mul import silu_mul  # noqa: E402
 
 BLOCK_SIZE = 16
@@ -80,12 +82,12 @@ def host_ms(fn: Callable[[], Any], iters: int) -> float:
 class Setup:
     """The model, a pool big enough for the case, and `batch` sequences with `context - L` tokens cached."""
 
-    def __init__(self, loaded: LoadedModel, case: Case) -> None:
+    def __init__(self, loaded: LoadedModel, case: Case, kernels: KernelSelection | None = None) -> None:
         self.loaded = loaded
         self.case = case
         blocks_per_row = -(-case.context // BLOCK_SIZE)
         layout = KVLayout.uniform(loaded.num_layers, loaded.num_kv_heads, loaded.head_dim)
-        self.pool = KVPool(layout, 1 + case.batch * blocks_per_row, BLOCK_SIZE, loaded.dtype)
+        self.pool = KVPool(layout, 1 + case.batch * blocks_per_row, BLOCK_SIZE, loaded.dtype, kernels=kernels)
         for arr in self.pool.arrays():  # random K/V: timing only, but no denormals or NaN paths
             arr[...] = mx.random.normal(arr.shape).astype(arr.dtype) * 0.5
         mx.eval(*self.pool.arrays())
@@ -218,12 +220,12 @@ def isolated_parts(setup: Setup, iters: int) -> dict[str, float]:
         "norms": norms, "activations (SiLU-gate)": activations, "RoPE": rope, "residual adds": residuals,
         "layout copies": layout_copies, "embedding": embedding, "sampling": sampling,
     }  # fmt: skip
-    with fused_ops():  # the model's norms and RoPE run what the engine's forward runs
+    with fused_ops(setup.pool.kernels):  # the model's linears, norms and RoPE run what the engine's forward runs
         return {kind: time_ms(fns[kind], iters) for kind in KINDS}
 
 
-def profile_case(loaded: LoadedModel, case: Case, iters: int) -> dict[str, Any]:
-    setup = Setup(loaded, case)
+def profile_case(loaded: LoadedModel, case: Case, iters: int, kernels: KernelSelection | None = None) -> dict[str, Any]:
+    setup = Setup(loaded, case, kernels)
     for _ in range(3):
         setup.step()
     step_ms = host_ms(setup.step, iters)
@@ -281,8 +283,29 @@ def _references(on: bool) -> Iterator[None]:
                 os.environ["TRILLM_KERNELS"] = old
 
 
+def self_check(loaded: LoadedModel) -> KernelSelection:
+    """The engine's start-up self-check on this model's shapes: per op, the kernel or the reference, and why."""
+    args = getattr(loaded.model, "args", None)
+    shapes = ModelShapes(loaded.num_attention_heads, loaded.num_kv_heads, loaded.head_dim, BLOCK_SIZE, loaded.dtype,
+                         max_batch=64, chunk=512, hidden_size=int(getattr(args, "hidden_size", 0) or 0),
+                         intermediate_size=int(getattr(args, "intermediate_size", 0) or 0),
+                         vocab_size=int(getattr(args, "vocab_size", 0) or 0))  # fmt: skip
+    return select_kernels(shapes)
+
+
+def self_check_lines(report: KernelReport) -> list[str]:
+    out = []
+    for r in report.ops:
+        if r.reason == "not used by this model":
+            continue
+        timing = f"; kernel {r.kernel_ms} ms vs reference {r.reference_ms} ms" if r.kernel_ms is not None else ""
+        phases = f" ({', '.join(f'{i} for {p}' for p, i in r.phases)})" if r.phases else ""
+        out.append(f"{r.op}: {r.implementation}{phases}, {r.reason}{timing}" + (" (cached)" if r.cached else ""))
+    return out
+
+
 def _kernels() -> str:
-    if kernel_backend() is not None:
+    if kernel_backend() is not None and kernel_backend() != "cpu":
         return kernel_backend() or ""
     if cpu_ext.enabled() and cpu_ext.load() is not None:
         return f"trillm CPU primitives ({cpu_ext.load().SIMD}, {cpu_ext.load().num_threads()} threads)"  # type: ignore[union-attr]
@@ -319,6 +342,10 @@ def main(argv: list[str] | None = None) -> int:
                     help="also profile each case on the pure-mx references (TRILLM_KERNELS=ref), alternating")
     args = ap.parse_args(argv)
     loaded = load_model(args.model)
+    selection = self_check(loaded)
+    print(f"kernel self-check ({_kernels()}):", flush=True)
+    for line in self_check_lines(selection.report):
+        print("  " + line, flush=True)
     modes = ["kernels", "references"] if args.references else ["kernels"]
     results: dict[str, list[dict[str, Any]]] = {m: [] for m in modes}
     headers: dict[str, str] = {}
@@ -328,7 +355,7 @@ def main(argv: list[str] | None = None) -> int:
                 headers[mode] = (f"Model {loaded.name} ({loaded.num_parameters / 1e6:.1f}M params, {loaded.dtype}), "
                                  f"BLAS {BLAS.name}, kernels: {_kernels()}; best-of-{args.iters} ms per step "
                                  "(share of the measured step)")
-                r = profile_case(loaded, case, args.iters)
+                r = profile_case(loaded, case, args.iters, selection if mode == "kernels" else None)
             r["mode"] = mode
             results[mode].append(r)
             print(f"{case.name} [{mode}]: step {r['step_ms']:.2f} ms, parts {r['parts_sum_ms']:.2f} ms, "
@@ -336,9 +363,12 @@ def main(argv: list[str] | None = None) -> int:
     if any(not rs or any(r["step_ms"] <= 0 for r in rs) for rs in results.values()):
         raise SystemExit("profile-ops measured nothing")
     table = "\n\n".join(markdown(results[m], f"**{m}** — {headers[m]}") for m in modes)
+    table += "\n\nKernel self-check (kernels mode runs what it chose):\n" + "\n".join(
+        f"- {line}" for line in self_check_lines(selection.report))
     print("\n" + table)
     out_dir = new_results_dir(args.results, "profile-ops-" + time.strftime("%Y%m%d-%H%M%S"))
-    (out_dir / "profile_ops.json").write_text(json.dumps(results, indent=2))
+    payload: dict[str, Any] = {**results, "cpu_isa": cpu_ext.isa(), "self_check": selection.report.as_dict()}
+    (out_dir / "profile_ops.json").write_text(json.dumps(payload, indent=2))
     write_meta(out_dir, "trillm bench profile-ops", list(argv or []), vars(args) | {"results": str(args.results)})
     if args.markdown:
         args.markdown.write_text(table + "\n")

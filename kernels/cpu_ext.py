@@ -6,6 +6,12 @@ nanobind, once per (mlx version, nanobind version, Python, CPU, source hash), in
 (`cpu_ext.main(["build"])`); otherwise the first use builds it. When it cannot be built or
 loaded, `load()` returns None, trillm runs the pure-mx references, and one warning says why.
 `TRILLM_CPU_EXT=0` turns the extension off.
+
+It is built for one instruction set (`isa()`): the CPU's best of avx512 / avx2 / generic on x86-64 and neon on
+ARM, read from its flags, compiled with -march=native; `TRILLM_CPU_ISA=avx2` (or generic, or any the CPU
+has) builds and loads that one instead, compiled for the ISA's baseline (-march=x86-64-v3 for avx2), so an
+AVX-512 machine can run and measure what an AVX2-only one would. The kernels' vector width and register
+tiles follow the ISA (kernels/cpu/simd.h).
 """
 
 from __future__ import annotations
@@ -35,6 +41,12 @@ SOURCE_DIR = Path(__file__).resolve().parent / "cpu"
 MODULE_NAME = "_trillm_cpu"
 DISABLE_ENV = "TRILLM_CPU_EXT"  # "0" / "off": never build or load it
 CACHE_ENV = "TRILLM_CPU_EXT_CACHE"
+ISA_ENV = "TRILLM_CPU_ISA"  # avx512 / avx2 / neon / generic; unset or "native": the CPU's best
+# x86-64 ISAs from the widest down: a CPU runs its own and every one after it.
+X86_ISAS = ("avx512", "avx2", "generic")
+# Compile flags of an ISA forced below the CPU's own (its own builds with -march=native).
+ISA_FLAGS = {"avx512": "-march=x86-64-v4", "avx2": "-march=x86-64-v3", "generic": "-march=x86-64",
+             "neon": "-march=armv8-a"}  # fmt: skip
 _SOURCE_SUFFIXES = (".cpp", ".h", ".txt")
 _OFF = ("0", "off", "false", "no")
 
@@ -74,15 +86,41 @@ def _cpu_flags() -> str:
     return platform.processor()
 
 
+def native_isa() -> str:
+    """The widest instruction set this CPU runs the kernels with."""
+    if platform.machine().lower() in ("arm64", "aarch64"):
+        return "neon"
+    flags = set(_cpu_flags().split())
+    if {"avx512f", "avx512bw", "avx512dq", "avx512vl"} <= flags:
+        return "avx512"
+    if {"avx2", "fma"} <= flags:
+        return "avx2"
+    return "generic"
+
+
+def requested_isa() -> str:
+    """The ISA to build and load: TRILLM_CPU_ISA if set (and this CPU runs it), else the native one."""
+    native = native_isa()
+    want = os.environ.get(ISA_ENV, "").strip().lower()
+    if want in ("", "native", native):
+        return native
+    runs = X86_ISAS[X86_ISAS.index(native):] if native in X86_ISAS else (native, "generic")
+    if want not in ISA_FLAGS:
+        raise BuildError(f"{ISA_ENV}={want!r}: not one of {', '.join(ISA_FLAGS)}")
+    if want not in runs:
+        raise BuildError(f"{ISA_ENV}={want}: this CPU runs {', '.join(runs)} only")
+    return want
+
+
 def source_files(source_dir: Path = SOURCE_DIR) -> list[Path]:
     return sorted(p for p in source_dir.iterdir() if p.suffix in _SOURCE_SUFFIXES)
 
 
-def cache_key(source_dir: Path = SOURCE_DIR) -> str:
-    """Changes whenever the build would: mlx, nanobind, Python, CPU (-march=native) or any source file."""
+def cache_key(source_dir: Path = SOURCE_DIR, isa: str | None = None) -> str:
+    """Changes whenever the build would: mlx, nanobind, Python, CPU (-march=native), ISA or any source file."""
     h = hashlib.sha256()
     for part in (_version("mlx"), _version("nanobind"), sys.implementation.cache_tag or "", platform.machine(),
-                 _cpu_flags(), str(Path(mx.__file__).resolve().parent)):
+                 _cpu_flags(), str(Path(mx.__file__).resolve().parent), isa or requested_isa()):
         h.update(part.encode() + b"\0")
     for path in source_files(source_dir):
         h.update(path.name.encode() + b"\0" + path.read_bytes() + b"\0")
@@ -94,10 +132,13 @@ def _built_module(folder: Path) -> Path | None:
     return found[0] if found else None
 
 
-def build(source_dir: Path = SOURCE_DIR, cache_dir: Path | None = None, *, force: bool = False) -> Path:
-    """Compile the extension into its cache folder (unless it is there already); returns the module's path."""
+def build(source_dir: Path = SOURCE_DIR, cache_dir: Path | None = None, *, force: bool = False,
+          isa: str | None = None) -> Path:
+    """Compile the extension for `isa` (default: requested_isa()) into its cache folder (unless it is there
+    already); returns the module's path."""
+    isa = isa or requested_isa()
     root = cache_dir or cache_root()
-    target = root / cache_key(source_dir)
+    target = root / cache_key(source_dir, isa)
     root.mkdir(parents=True, exist_ok=True)
     with open(root / f"{target.name}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # another process may be building the same key right now
@@ -112,7 +153,9 @@ def build(source_dir: Path = SOURCE_DIR, cache_dir: Path | None = None, *, force
             out = Path(tmp) / "out"
             configure = ["cmake", "-S", str(source_dir), "-B", str(Path(tmp) / "build"),
                          f"-DPython_EXECUTABLE={sys.executable}", "-DCMAKE_BUILD_TYPE=Release",
-                         f"-DCMAKE_LIBRARY_OUTPUT_DIRECTORY={out}"]  # fmt: skip
+                         f"-DCMAKE_LIBRARY_OUTPUT_DIRECTORY={out}",
+                         f"-DTRILLM_CPU_NATIVE={'ON' if isa == native_isa() else 'OFF'}",
+                         f"-DTRILLM_CPU_ARCH_FLAGS={ISA_FLAGS[isa]}"]  # fmt: skip
             compile_ = ["cmake", "--build", str(Path(tmp) / "build"), f"-j{os.cpu_count() or 1}"]
             for cmd in (configure, compile_):
                 proc = subprocess.run(cmd, capture_output=True, text=True)
@@ -157,6 +200,13 @@ def _load() -> tuple[ModuleType | None, ExtStatus]:
     return module, ExtStatus(True, f"loaded from {path}", path)
 
 
+def isa() -> str:
+    """The instruction set the loaded kernels were built for (avx512, avx2, neon, generic), or "ref" when the
+    extension is off or unavailable (the pure-mx references run). Every performance figure prints it."""
+    module = load() if enabled() else None
+    return str(module.SIMD) if module is not None else "ref"
+
+
 def enabled() -> bool:
     """Whether ops should run the extension now: the default device is the CPU, nothing turned it off, and it
     loads (built on first use)."""
@@ -199,6 +249,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"trillm CPU kernels: not built ({exc}); trillm will run the references", file=sys.stderr)
         return 1
     module = _import(path)
-    print(f"trillm CPU kernels: {path} ({module.SIMD}, {module.num_threads()} threads)")
+    print(f"trillm CPU kernels: {path} ({module.SIMD}: {module.LANES} floats per vector; "
+          f"{module.num_threads()} threads)")
     return 0
 

@@ -55,6 +55,7 @@ from typing import Any
 
 import mlx.core as mx
 
+from trillm.kernels import cpu_ext
 from trillm.kernels.backend import Case, Kernel, KernelOp, forced_reference, kernel_backend
 from trillm.kernels.kv_gather import OP as KV_GATHER
 from trillm.kernels.kv_gather import KvGatherFn, kv_gather, kv_gather_ref
@@ -589,7 +590,16 @@ def cache_key(op: KernelOp, kernel: Kernel, backend: str, shapes: ModelShapes) -
     fields = {f: str(getattr(shapes, f)) for f in shapes.__dataclass_fields__}
     parts = dict(mlx=MLX_VERSION, device=device_description(), backend=backend, op=op.name, shapes=fields,
                  sources=sources_digest(kernel))  # fmt: skip
+    if backend == "cpu":  # the extension's C++ sources and the ISA it is built for (TRILLM_CPU_ISA)
+        parts["cpu_ext"] = _cpu_ext_key()
     return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:32]
+
+
+def _cpu_ext_key() -> str:
+    try:
+        return cpu_ext.cache_key()
+    except cpu_ext.BuildError as exc:  # an ISA this CPU cannot run: the check reports it unavailable
+        return f"unavailable: {exc}"
 
 
 def _read_cache(key: str) -> OpReport | None:
@@ -641,7 +651,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="run every check in this process (default: uncached checks on a GPU in a child first)")
     args = parser.parse_args(argv)
     backend = kernel_backend()
-    print(f"mlx {MLX_VERSION}, device {device_description()}, kernel back-end {backend}", flush=True)
+    isa = f" ({cpu_ext.isa()})" if backend == "cpu" else ""
+    print(f"mlx {MLX_VERSION}, device {device_description()}, kernel back-end {backend}{isa}", flush=True)
     if backend is None or not any(backend in op.kernels for op in ENGINE_OPS):
         print(f"no kernels to check on back-end {backend}", file=sys.stderr)
         return 2

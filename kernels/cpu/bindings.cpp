@@ -5,6 +5,7 @@
 #include <nanobind/stl/variant.h>
 
 #include "ops.h"
+#include "simd.h"
 #include "thread_pool.h"
 
 namespace nb = nanobind;
@@ -50,13 +51,7 @@ NB_MODULE(_trillm_cpu, m) {
           return nb::make_tuple(parts, size);
         }, "batch"_a, "num_q_heads"_a, "num_queries"_a, "head_dim"_a, "max_tokens"_a,
         "The paged attention primitive's context split: (partitions, tokens per partition).");
-#if defined(__AVX512F__)
-  m.attr("SIMD") = "avx512";
-#elif defined(__AVX2__)
-  m.attr("SIMD") = "avx2";
-#elif defined(__ARM_NEON)
-  m.attr("SIMD") = "neon";
-#else
-  m.attr("SIMD") = "generic";
-#endif
+  m.attr("SIMD") = TRILLM_SIMD;  // the ISA it was built for (simd.h)
+  m.attr("LANES") = trillm_cpu::W;
+  m.attr("VECTOR_REGISTERS") = trillm_cpu::NREG;
 }

@@ -21,8 +21,10 @@
 #include <utility>
 #include <vector>
 
+#ifndef TRILLM_KERNEL_BODIES_ONLY  // tests/kernels/cpu_bodies.cpp compiles the kernel bodies alone, without mlx
 #include "mlx/allocator.h"
 #include "mlx/backend/cpu/encoder.h"
+#endif
 #include "ops.h"
 #include "simd.h"
 #include "thread_pool.h"
@@ -48,6 +50,20 @@ inline void tile(const float* x, size_t ldx, const float* w, size_t ldw, float* 
       for (; k < K; k += W) a0 += vload(x + k) * vload(wj + k);
       acc[j] = a0 + a1;
     }
+  } else if constexpr (NREG < 32) {
+    // 16 registers (AVX2): one weight row at a time against all MT x rows (MT accumulators, x from L1),
+    // so the weights stay one sequential stream as with one row; NT weight rows interleaved measured 2-4x
+    // under the bandwidth here (4.3-8.6 GB/s at 2-8 rows against 18.9 at one).
+    for (int j = 0; j < NT; ++j) {
+      const float* wj = w + j * ldw;
+      vf a[MT];
+      for (int i = 0; i < MT; ++i) a[i] = vf{};
+      for (int k = 0; k < K; k += W) {
+        const vf wv = vload(wj + k);
+        for (int i = 0; i < MT; ++i) a[i] += vload(x + i * ldx + k) * wv;
+      }
+      for (int i = 0; i < MT; ++i) acc[i * NT + j] = a[i];
+    }
   } else {
     for (int k = 0; k < K; k += W) {
       vf wv[NT];
@@ -58,10 +74,10 @@ inline void tile(const float* x, size_t ldx, const float* w, size_t ldw, float* 
       }
     }
   }
-  if constexpr (MT * NT == W) {
-    const vf sums = vsum16(acc);
-    for (int i = 0; i < MT; ++i) {
-      for (int j = 0; j < NT; ++j) y[i * ldy + j] = sums[i * NT + j];
+  if constexpr (MT * NT % W == 0) {
+    for (int g = 0; g < MT * NT; g += W) {
+      const vf sums = vsum_lanes(acc + g);
+      for (int e = g; e < g + W; ++e) y[(e / NT) * ldy + e % NT] = sums[e - g];
     }
   } else {
     for (int i = 0; i < MT; ++i) {
@@ -69,6 +85,15 @@ inline void tile(const float* x, size_t ldx, const float* w, size_t ldw, float* 
     }
   }
 }
+
+// Register tiles per ISA (simd.h): MT x NT accumulators + NT weight vectors + one x vector must fit the
+// vector registers, or the compiler spills accumulators to the stack inside the K loop (measured on AVX2
+// with AVX-512's tiles: 4x slower than OpenBLAS). 32 registers (AVX-512, NEON): 8x3, 4x4, 2x8, 1x16; 16
+// (AVX2): 8x1, 4x2, 2x4, 1x8, each weight row streamed alone (see tile). The broadcast tiles past 8 rows: NT weight rows x 2 vectors of rows (plus 2 x
+// vectors and the broadcast), or NT x 1 for a last block of up to W rows.
+constexpr bool WIDE = NREG >= 32;
+constexpr int NT8 = WIDE ? 3 : 1, NT4 = WIDE ? 4 : 2, NT2 = WIDE ? 8 : 4, NT1 = WIDE ? 16 : 8;
+constexpr int BNT2 = WIDE ? 12 : 6, BNT1 = WIDE ? 16 : 12;
 
 struct Args {
   const float* x;
@@ -89,14 +114,14 @@ inline void rows_block(const Args& a, int m0, int n0, int n1) {
   for (; n < n1; ++n) tile<MT, 1>(x, a.ldx, a.w + n * a.ldw, a.ldw, y + n, a.N, a.K);
 }
 
-// Weight rows [n0, n1) (one band, L2-sized) for every x row: blocks of 8 x rows (24 accumulators,
-// 11 loads per 24 FMAs), then 4, 2 and 1 for the remainder.
+// Weight rows [n0, n1) (one band, L2-sized) for every x row: blocks of 8 x rows (AVX-512: 24 accumulators,
+// 11 loads per 24 FMAs; AVX2: 8 accumulators, one weight row at a time), then 4, 2 and 1 for the remainder.
 void band(const Args& a, int n0, int n1) {
   int m = 0;
-  for (; m + 8 <= a.M; m += 8) rows_block<8, 3>(a, m, n0, n1);
-  for (; m + 4 <= a.M; m += 4) rows_block<4, 4>(a, m, n0, n1);
-  for (; m + 2 <= a.M; m += 2) rows_block<2, 8>(a, m, n0, n1);
-  for (; m < a.M; ++m) rows_block<1, 16>(a, m, n0, n1);
+  for (; m + 8 <= a.M; m += 8) rows_block<8, NT8>(a, m, n0, n1);
+  for (; m + 4 <= a.M; m += 4) rows_block<4, NT4>(a, m, n0, n1);
+  for (; m + 2 <= a.M; m += 2) rows_block<2, NT2>(a, m, n0, n1);
+  for (; m < a.M; ++m) rows_block<1, NT1>(a, m, n0, n1);
 }
 
 // y[0:M, 0:NT] (row stride ldy) for weight rows w[0:NT] against xt[K][MV * 16] (rows past M are zeros).
@@ -145,9 +170,9 @@ void transpose_rows(const Args& a, int m0, int mv, float* xt) {
 void linear_impl(const Args& a) {
   auto& pool = ThreadPool::get();
   if (a.M > 8) {
-    // Blocks of 32 rows (16 for a last block of <= 16): per weight band, every block reuses the band
-    // from L2. Accumulators: 12 weight rows x 2 vectors, or 16 x 1 (24 x 1 measured 0.5-0.8x BLAS at
-    // K = 1536: 24 weight rows read at once is more streams than the prefetchers follow).
+    // Blocks of 2W rows (W for a last block of <= W): per weight band, every block reuses the band from
+    // L2. Accumulators (AVX-512): 12 weight rows x 2 vectors, or 16 x 1 (24 x 1 measured 0.5-0.8x BLAS at
+    // K = 1536: 24 weight rows read at once is more streams than the prefetchers follow); AVX2 6 x 2, 12 x 1.
     std::vector<float> xt;
     std::vector<std::pair<int, int>> blocks;  // (m0, vectors)
     for (int m0 = 0; m0 < a.M; m0 += 2 * W) blocks.emplace_back(m0, a.M - m0 > W ? 2 : 1);
@@ -163,15 +188,15 @@ void linear_impl(const Args& a) {
       for (size_t i = 0; i < blocks.size(); ++i) {
         const float* xb = xt.data() + i * static_cast<size_t>(a.K) * 2 * W;
         if (blocks[i].second == 2) {
-          bband<12, 2>(a, xb, blocks[i].first, n0, n1);
+          bband<BNT2, 2>(a, xb, blocks[i].first, n0, n1);
         } else {
-          bband<16, 1>(a, xb, blocks[i].first, n0, n1);
+          bband<BNT1, 1>(a, xb, blocks[i].first, n0, n1);
         }
       }
     });
     return;
   }
-  // Bands of whole 48-row tiles (divisible by the 3-, 8- and 16-row tiles), at least ~8 per thread so the
+  // Bands of whole 48-row tiles (divisible by every tile's NT: 3, 4, 6, 8, 12, 16), at least ~8 per thread so the
   // dynamic split stays even when another process holds a core, and at most ~96 KB of weights each.
   const int max_rows = std::max(48, (96 * 1024 / (a.K * 4)) / 48 * 48);
   int rows = std::max(48, (a.N / (8 * pool.size())) / 48 * 48);
@@ -183,12 +208,16 @@ void linear_impl(const Args& a) {
   });
 }
 
+#ifndef TRILLM_KERNEL_BODIES_ONLY
 bool row_strided(const mx::array& w) {
   return w.ndim() == 2 && (w.strides()[1] == 1 || w.shape(1) == 1) && w.strides()[0] >= w.shape(1);
 }
 
+#endif
+
 }  // namespace
 
+#ifndef TRILLM_KERNEL_BODIES_ONLY
 mx::array linear(const mx::array& x, const mx::array& weight, mx::StreamOrDevice s) {
   if (x.dtype() != mx::float32 || weight.dtype() != mx::float32) {
     throw std::invalid_argument("[trillm linear] float32 only");
@@ -235,5 +264,7 @@ void Linear::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::arra
 void Linear::eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) {
   throw std::runtime_error("[trillm linear] the CPU primitive has no GPU implementation");
 }
+
+#endif  // TRILLM_KERNEL_BODIES_ONLY
 
 }  // namespace trillm_cpu

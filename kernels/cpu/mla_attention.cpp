@@ -47,7 +47,7 @@ inline const float* as_floats(const T* src, float* scratch, int n) {
   }
 }
 
-const vi MLA_IOTA = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+const vi MLA_IOTA = viota();
 
 // One tile of up to 16 tokens against some rows of one query: their state and the tile's latent / k_pe rows.
 struct MlaTile {
@@ -101,7 +101,7 @@ inline void mla_rows(const MlaTile& t, int r0) {
   float alpha[NB];
   for (int b = 0; b < NB; ++b) {
     const int r = r0 + b;
-    vf s = vsum16(dots[b]);
+    vf s = vsum_lanes(dots[b]);
     s = valid ? s : vsplat(NEG_INF);
     const float mo = t.m[r];
     const float mn = std::max(mo, vmaxf(s));

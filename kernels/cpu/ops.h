@@ -6,13 +6,17 @@
 #include <string>
 #include <utility>
 
+// TRILLM_KERNEL_BODIES_ONLY: the plain declarations only, for tests/kernels/cpu_bodies.cpp (the kernel bodies without mlx).
+#ifndef TRILLM_KERNEL_BODIES_ONLY
 #include "mlx/ops.h"
 #include "mlx/primitives.h"
 
 namespace mx = mlx::core;
+#endif
 
 namespace trillm_cpu {
 
+#ifndef TRILLM_KERNEL_BODIES_ONLY
 // Paged attention over the KV pool (layout: trillm.kernels.layout), decode (L == 1) and prefill chunks
 // (L > 1) with the cached prefix, reading K/V through the block tables. Shapes as paged_attention_ref:
 // q [B, Hq, L, D]; k_pool, v_pool [num_blocks, bs, Hkv, D]; block_tables int32 [B, max_blocks];
@@ -54,12 +58,16 @@ mx::array mla_attention(const mx::array& q_latent, const mx::array& q_pe, const 
                         const mx::array& pe_pool, const mx::array& block_tables, const mx::array& context_lens,
                         float scale, mx::StreamOrDevice s = {});
 
+#endif  // TRILLM_KERNEL_BODIES_ONLY
+
 // How one MLA call splits its work: HPI heads x QT queries per item, the context in num_parts partitions of
 // part_size tokens (a reduction merges them when num_parts > 1).
 struct MlaPlan {
   int hpi, qt, num_qtiles, num_parts, part_size;
 };
 MlaPlan mla_plan(int batch, int num_heads, int num_queries, int max_tokens, int threads);
+
+#ifndef TRILLM_KERNEL_BODIES_ONLY
 
 class MlaAttention : public mx::Primitive {
  public:
@@ -179,6 +187,8 @@ class SiluMul : public mx::Primitive {
   }
 };
 
+#endif  // TRILLM_KERNEL_BODIES_ONLY
+
 // Work split shared with the GPU kernels (trillm.kernels._attention_kernels): HPG query heads of one KV
 // head x QT queries per work item, context partitions of PARTITION_SIZE tokens merged by a reduction.
 constexpr int PARTITION_SIZE = 512;
@@ -196,7 +206,9 @@ struct HugePageResult {
   size_t collapsed = 0;  // bytes collapsed into huge pages now
   std::string error;  // why less than the whole buffer was covered ("" when all went well)
 };
+#ifndef TRILLM_KERNEL_BODIES_ONLY
 HugePageResult advise_hugepages(const mx::array& a);
+#endif
 
 // Run fn(begin, end) over [0, n) in chunks of at least `grain`, across the pool's threads.
 void parallel_chunks(size_t n, size_t grain, const std::function<void(size_t, size_t)>& fn);

@@ -21,8 +21,10 @@
 #include <type_traits>
 #include <vector>
 
+#ifndef TRILLM_KERNEL_BODIES_ONLY  // tests/kernels/cpu_bodies.cpp compiles the kernel bodies alone, without mlx
 #include "mlx/allocator.h"
 #include "mlx/backend/cpu/encoder.h"
+#endif
 #include "ops.h"
 #include "simd.h"
 #include "thread_pool.h"
@@ -57,7 +59,7 @@ inline const float* token_row(const T* pool, size_t off, float* scratch, int n) 
   }
 }
 
-const vi IOTA = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+const vi IOTA = viota();
 
 // One tile of up to 16 tokens against some rows of an item: the rows' state and the tile's K/V rows.
 struct RowTile {
@@ -127,7 +129,7 @@ inline void rows_tile(const RowTile& t, int r0) {
   alignas(64) float p[NB][W];
   vf accv[NB][DC];
   for (int b = 0; b < NB; ++b) {
-    const float alpha = softmax_tile(t, r0 + b, vsum16(dots[b]), p[b]);
+    const float alpha = softmax_tile(t, r0 + b, vsum_lanes(dots[b]), p[b]);
     for (int c = 0; c < DC; ++c) accv[b][c] = vload(t.acc + (r0 + b) * D + c * W) * alpha;
   }
   for (int j = 0; j < t.n; ++j) {
@@ -157,7 +159,7 @@ inline void row_tile_any(const RowTile& t, int r, int D) {
     dots[j] = s;
   }
   alignas(64) float p[W];
-  const float alpha = softmax_tile(t, r, vsum16(dots), p);
+  const float alpha = softmax_tile(t, r, vsum_lanes(dots), p);
   float* ac = t.acc + r * D;
   for (int c = 0; c < DC; ++c) {
     vf av = vload(ac + c * W) * alpha;
@@ -334,9 +336,9 @@ void run_attention(const AttnArgs& a, const T* q, const T* k, const T* v, T* out
   auto& pool = ThreadPool::get();
   pool.parallel_for(items, [&](int item) {
     if (a.D == 64) {
-      attn_item<T, 4>(a, q, k, v, item, out, op, mp, lp);
+      attn_item<T, 64 / W>(a, q, k, v, item, out, op, mp, lp);
     } else if (a.D == 128) {
-      attn_item<T, 8>(a, q, k, v, item, out, op, mp, lp);
+      attn_item<T, 128 / W>(a, q, k, v, item, out, op, mp, lp);
     } else {
       attn_item<T, 0>(a, q, k, v, item, out, op, mp, lp);
     }
@@ -383,6 +385,7 @@ int decode_heads_per_item(int batch, int num_q_heads, int num_kv_heads, int head
   return heads_per_group(rep, head_dim);
 }
 
+#ifndef TRILLM_KERNEL_BODIES_ONLY
 mx::array paged_attention(const mx::array& q, const mx::array& k_pool, const mx::array& v_pool,
                           const mx::array& block_tables, const mx::array& context_lens, float scale, int window,
                           const std::optional<mx::array>& sinks, float softcap, int chunk, mx::StreamOrDevice s) {
@@ -482,5 +485,7 @@ bool PagedAttention::is_equivalent(const mx::Primitive& other) const {
   return scale_ == o.scale_ && window_ == o.window_ && has_sinks_ == o.has_sinks_ && softcap_ == o.softcap_ &&
          chunk_ == o.chunk_;
 }
+
+#endif  // TRILLM_KERNEL_BODIES_ONLY
 
 }  // namespace trillm_cpu

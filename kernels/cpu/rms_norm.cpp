@@ -3,8 +3,10 @@
 #include <cmath>
 #include <stdexcept>
 
+#ifndef TRILLM_KERNEL_BODIES_ONLY  // tests/kernels/cpu_bodies.cpp compiles the kernel bodies alone, without mlx
 #include "mlx/allocator.h"
 #include "mlx/backend/cpu/encoder.h"
+#endif
 #include "ops.h"
 #include "simd.h"
 #include "thread_pool.h"
@@ -63,6 +65,7 @@ void rms_rows(const T* x, const T* w, T* out, size_t rows, int D, float eps) {
 
 }  // namespace
 
+#ifndef TRILLM_KERNEL_BODIES_ONLY
 mx::array rms_norm(const mx::array& x, const mx::array& weight, float eps, mx::StreamOrDevice s) {
   if (x.ndim() < 1 || weight.ndim() != 1 || weight.shape(0) != x.shape(-1)) {
     throw std::invalid_argument("[trillm rms_norm] weight must be 1-D with x's last dimension");
@@ -104,5 +107,7 @@ void RMSNorm::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::arr
 void RMSNorm::eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) {
   throw std::runtime_error("[trillm rms_norm] the CPU primitive has no GPU implementation");
 }
+
+#endif  // TRILLM_KERNEL_BODIES_ONLY
 
 }  // namespace trillm_cpu

@@ -6,8 +6,10 @@
 #include <stdexcept>
 #include <vector>
 
+#ifndef TRILLM_KERNEL_BODIES_ONLY  // tests/kernels/cpu_bodies.cpp compiles the kernel bodies alone, without mlx
 #include "mlx/allocator.h"
 #include "mlx/backend/cpu/encoder.h"
+#endif
 #include "ops.h"
 #include "thread_pool.h"
 
@@ -59,6 +61,7 @@ void rope_impl(const RopeArgs& a, const T* x, const int32_t* offsets, T* out) {
 
 }  // namespace
 
+#ifndef TRILLM_KERNEL_BODIES_ONLY
 mx::array rope(const mx::array& x, int dims, bool traditional, float base, float scale, const mx::array& offset,
                mx::StreamOrDevice s) {
   if (x.ndim() != 3 && x.ndim() != 4) throw std::invalid_argument("[trillm rope] x must be 3-D or 4-D");
@@ -115,5 +118,7 @@ void RoPE::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>
 void RoPE::eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) {
   throw std::runtime_error("[trillm rope] the CPU primitive has no GPU implementation");
 }
+
+#endif  // TRILLM_KERNEL_BODIES_ONLY
 
 }  // namespace trillm_cpu

@@ -3,8 +3,10 @@
 #include <cmath>
 #include <stdexcept>
 
+#ifndef TRILLM_KERNEL_BODIES_ONLY  // tests/kernels/cpu_bodies.cpp compiles the kernel bodies alone, without mlx
 #include "mlx/allocator.h"
 #include "mlx/backend/cpu/encoder.h"
+#endif
 #include "ops.h"
 #include "simd.h"
 
@@ -31,6 +33,7 @@ void silu_mul_impl(const T* g, const T* u, T* out, size_t n) {
 
 }  // namespace
 
+#ifndef TRILLM_KERNEL_BODIES_ONLY
 mx::array silu_mul(const mx::array& gate, const mx::array& up, mx::StreamOrDevice s) {
   if (gate.shape() != up.shape() || gate.dtype() != up.dtype()) {
     throw std::invalid_argument("[trillm silu_mul] gate and up must share shape and dtype");
@@ -70,5 +73,7 @@ void SiluMul::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::arr
 void SiluMul::eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) {
   throw std::runtime_error("[trillm silu_mul] the CPU primitive has no GPU implementation");
 }
+
+#endif  // TRILLM_KERNEL_BODIES_ONLY
 
 }  // namespace trillm_cpu

@@ -1,15 +1,38 @@
-// Portable 16-lane float vectors (GCC/Clang vector extensions) and the helpers the CPU kernels share.
+// Float vectors one hardware register wide (GCC/Clang vector extensions) and the helpers the CPU kernels share.
 //
-// One source for every CPU: with -march=native the compiler lowers a 16-float vector to one AVX-512
-// register, to two AVX2 registers or to four NEON registers; no intrinsics, so it builds anywhere.
+// One source for every CPU, built once per instruction set (kernels/cpu_ext.py picks it from the CPU's
+// flags, or TRILLM_CPU_ISA): W, the lanes per vector, is the register's width, 16 floats on AVX-512, 8 on
+// AVX2, 4 on NEON and SSE2, so no vector is split over several registers behind the kernels' backs; NREG,
+// the vector registers the ISA has, sizes each kernel's register tiles (32 on AVX-512 and NEON, 16 on
+// AVX2). No intrinsics, so it builds anywhere.
 #pragma once
 
+#include <array>
+#include <cstddef>
 #include <cstdint>
 #include <cstring>
+#include <utility>
 
 namespace trillm_cpu {
 
-constexpr int W = 16;  // lanes per vector
+#if defined(__AVX512F__)
+constexpr int W = 16;
+constexpr int NREG = 32;
+#define TRILLM_SIMD "avx512"
+#elif defined(__AVX2__) && defined(__FMA__)
+constexpr int W = 8;
+constexpr int NREG = 16;
+#define TRILLM_SIMD "avx2"
+#elif defined(__ARM_NEON) || defined(__aarch64__)
+constexpr int W = 4;
+constexpr int NREG = 32;
+#define TRILLM_SIMD "neon"
+#else
+constexpr int W = 4;  // SSE2 (every x86-64) or the compiler's scalar lowering elsewhere
+constexpr int NREG = 16;
+#define TRILLM_SIMD "generic"
+#endif
+
 typedef float vf __attribute__((vector_size(W * sizeof(float))));
 typedef int32_t vi __attribute__((vector_size(W * sizeof(int32_t))));
 
@@ -28,18 +51,72 @@ inline void vstore(float* p, vf v) {
 
 // Spelled lane by lane: `vf{} + x` compiles to a scalar add of +0.0 and a register broadcast, two FP uops
 // in front of every FMA that uses it; this is one broadcast load (or an FMA's {1to16} operand).
+template <size_t... I>
+inline vf vsplat_(float x, std::index_sequence<I...>) {
+  return vf{((void)I, x)...};
+}
 inline vf vsplat(float x) {
-  return vf{x, x, x, x, x, x, x, x, x, x, x, x, x, x, x, x};
+  return vsplat_(x, std::make_index_sequence<W>{});
 }
 
+template <size_t... I>
+inline vi viota_(std::index_sequence<I...>) {
+  return vi{static_cast<int32_t>(I)...};
+}
+// 0, 1, ..., W - 1.
+inline vi viota() {
+  return viota_(std::make_index_sequence<W>{});
+}
+
+namespace simd_detail {
+template <typename V, size_t... I>
+inline auto low_half(V v, std::index_sequence<I...>) {
+  return __builtin_shufflevector(v, v, I...);
+}
+template <typename V, size_t... I>
+inline auto high_half(V v, std::index_sequence<I...>) {
+  return __builtin_shufflevector(v, v, (I + sizeof...(I))...);
+}
+// Horizontal sum of N lanes by pairwise halving: the compiler turns it into shuffles + adds.
+template <size_t N, typename V>
+inline float hsum(V v) {
+  if constexpr (N == 1) {
+    return v[0];
+  } else if constexpr (N == 4) {
+    return (v[0] + v[2]) + (v[1] + v[3]);
+  } else {
+    return hsum<N / 2>(low_half(v, std::make_index_sequence<N / 2>{}) +
+                       high_half(v, std::make_index_sequence<N / 2>{}));
+  }
+}
+// One level of the transpose-add tree: of the 2W lanes of (a, b), blocks of 2C; the first C lanes of every
+// block (first), or the last C (second).
+template <int C, bool SECOND>
+constexpr std::array<int, W> tree_lanes() {
+  std::array<int, W> out{};
+  int o = 0;
+  for (int s = 0; s < 2 * W; s += 2 * C) {
+    for (int i = 0; i < C; ++i) out[o++] = s + i + (SECOND ? C : 0);
+  }
+  return out;
+}
+template <int C, size_t... I>
+inline vf tree_add(vf a, vf b, std::index_sequence<I...>) {
+  constexpr auto first = tree_lanes<C, false>();
+  constexpr auto second = tree_lanes<C, true>();
+  return __builtin_shufflevector(a, b, first[I]...) + __builtin_shufflevector(a, b, second[I]...);
+}
+// One level of the tree per C = W/2, W/4, ..., 1: n vectors become n / 2.
+template <int C>
+inline void tree_levels(vf* cur, int n) {
+  for (int i = 0; i < n / 2; ++i) cur[i] = tree_add<C>(cur[2 * i], cur[2 * i + 1], std::make_index_sequence<W>{});
+  if constexpr (C > 1) tree_levels<C / 2>(cur, n / 2);
+}
+}  // namespace simd_detail
+
+
 inline float vsum(vf v) {
-  // Pairwise halving: the compiler turns it into shuffles + adds.
-  typedef float v8 __attribute__((vector_size(8 * sizeof(float))));
-  typedef float v4 __attribute__((vector_size(4 * sizeof(float))));
-  v8 a = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) +
-         __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
-  v4 b = __builtin_shufflevector(a, a, 0, 1, 2, 3) + __builtin_shufflevector(a, a, 4, 5, 6, 7);
-  return (b[0] + b[2]) + (b[1] + b[3]);
+  return simd_detail::hsum<W>(v);
 }
 
 inline float vmaxf(vf v) {
@@ -52,7 +129,7 @@ inline vf vmax(vf a, vf b) {
   return a > b ? a : b;
 }
 
-// exp(x) for 16 lanes: Cephes' expf (range reduction by ln 2, degree-6 polynomial), ~1 ulp on the range
+// exp(x) for W lanes: Cephes' expf (range reduction by ln 2, degree-6 polynomial), ~1 ulp on the range
 // softmax uses; inputs below -87.3 (masked logits) clamp to ~1e-38 and callers zero them explicitly.
 inline vf vexp(vf x) {
   x = x < vsplat(-87.3f) ? vsplat(-87.3f) : x;
@@ -74,7 +151,7 @@ inline vf vexp(vf x) {
   return p;
 }
 
-// cap * tanh(s / cap) for 16 lanes (logit soft-capping), as the GPU kernels' SOFTCAP: 1 - 2 / (exp(2y) + 1)
+// cap * tanh(s / cap) for W lanes (logit soft-capping), as the GPU kernels' SOFTCAP: 1 - 2 / (exp(2y) + 1)
 // on y clamped to [-9, 9], where float32 tanh is already +-1.
 inline vf vsoftcap(vf s, float cap, float inv_cap) {
   vf y = s * inv_cap;
@@ -83,30 +160,13 @@ inline vf vsoftcap(vf s, float cap, float inv_cap) {
   return cap * (1.0f - 2.0f / (vexp(y + y) + 1.0f));
 }
 
-// 16 vectors -> one vector of their 16 horizontal sums (lane j = sum of in[j]), by a transpose-add tree:
-// 15 shuffle pairs for 16 dot products instead of 16 full horizontal reductions.
-inline vf vsum16(const vf* in) {
-  vf l1[8];
-  for (int i = 0; i < 8; ++i) {
-    vf a = in[2 * i], b = in[2 * i + 1];
-    l1[i] = __builtin_shufflevector(a, b, 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
-            __builtin_shufflevector(a, b, 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
-  }
-  vf l2[4];
-  for (int i = 0; i < 4; ++i) {
-    vf a = l1[2 * i], b = l1[2 * i + 1];
-    l2[i] = __builtin_shufflevector(a, b, 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27) +
-            __builtin_shufflevector(a, b, 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31);
-  }
-  vf l3[2];
-  for (int i = 0; i < 2; ++i) {
-    vf a = l2[2 * i], b = l2[2 * i + 1];
-    l3[i] = __builtin_shufflevector(a, b, 0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29) +
-            __builtin_shufflevector(a, b, 2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30, 31);
-  }
-  vf a = l3[0], b = l3[1];
-  return __builtin_shufflevector(a, b, 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30) +
-         __builtin_shufflevector(a, b, 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
+// W vectors -> one vector of their W horizontal sums (lane j = sum of in[j]), by a transpose-add tree:
+// W - 1 shuffle pairs for W dot products instead of W full horizontal reductions.
+inline vf vsum_lanes(const vf* in) {
+  vf cur[W];
+  for (int i = 0; i < W; ++i) cur[i] = in[i];
+  simd_detail::tree_levels<W / 2>(cur, W);
+  return cur[0];
 }
 
 }  // namespace trillm_cpu
