@@ -23,6 +23,8 @@ from trillm.engine.config import EngineConfig  # noqa: E402
 from trillm.engine.llm_engine import LLMEngine  # noqa: E402
 from trillm.engine.loader import LoadedModel, load_model  # noqa: E402
 from trillm.engine.sampling_params import SamplingParams  # noqa: E402
+from trillm.kernels import cpu_ext  # noqa: E402
+from trillm.kernels.selfcheck import summary  # noqa: E402
 
 QUESTIONS = [
     "What is the capital of France?", "Write a haiku about the sea.", "Explain photosynthesis briefly.",
@@ -249,7 +251,9 @@ def main(argv: list[str] | None = None) -> int:
         return constrained_main(args, model, engine)
     batches = [int(b) for b in args.batches.split(",")]
     print(f"model {model.name}: {model.num_parameters / 1e6:.1f}M params, {model.num_bytes / 1e6:.0f} MB "
-          f"{model.dtype}; BLAS {BLAS.name} ({BLAS.path})")
+          f"{model.dtype}; BLAS {BLAS.name} ({BLAS.path}); CPU kernels {cpu_ext.isa()}")
+    if engine.kernel_report is not None:
+        print(f"kernel self-check: {summary(engine.kernel_report)}")
     warm = make_prompts(model, 2)
     run_trillm(engine, warm, 8)
     run_mlx_lm(model, warm, 8)
@@ -274,7 +278,8 @@ def main(argv: list[str] | None = None) -> int:
         peer_single = max(peer_single, mlx_lm_decode_tok_s(model, one))
     print(f"memory bandwidth {bw:.1f} GB/s -> single-stream decode bound {bound:.1f} tok/s "
           f"({model.num_bytes / 1e6:.0f} MB of weights per token)")
-    print(f"single-stream decode: trillm {single:.1f} tok/s ({100 * single / bound:.0f}% of the bound), "
+    print(f"single-stream decode: trillm {single:.1f} tok/s ({100 * single / bound:.0f}% of the bound, "
+          f"{single * model.num_bytes / 1e9:.1f} GB/s of weights), "
           f"mlx-lm stream_generate {peer_single:.1f} tok/s, ratio {single / peer_single:.2f}x", flush=True)
     prefill = peer_prefill = 0.0
     for trial in range(args.trials):
@@ -293,7 +298,9 @@ def main(argv: list[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     path = out / f"engine-{time.strftime('%Y%m%d-%H%M%S')}.json"
     path.write_text(json.dumps({
-        "model": model.name, "dtype": str(model.dtype), "blas": BLAS.name, "max_tokens": args.max_tokens,
+        "model": model.name, "dtype": str(model.dtype), "blas": BLAS.name, "cpu_isa": cpu_ext.isa(),
+        "kernels": engine.kernel_report.as_dict() if engine.kernel_report is not None else None,
+        "max_tokens": args.max_tokens,
         "rows": [asdict(r) | {"ratio": r.ratio} for r in rows], "bandwidth_gbs": bw,
         "decode_bound_tok_s": bound, "single_stream_decode_tok_s": single,
         "mlx_lm_single_stream_decode_tok_s": peer_single, "prefill_tokens": args.prefill_tokens,
