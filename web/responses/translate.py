@@ -321,19 +321,16 @@ class ResponseTranslator:
 
     def _finish(self, finish: OutputEnd) -> list[dict[str, Any]]:
         if finish.reason in ("length", "timeout"):  # a timeout (its deadline passed) cuts short as a budget does
-            out = self._close("incomplete")
             self.status = "incomplete"
             self.incomplete_reason = "max_output_tokens" if finish.reason == "length" else "timeout"
-            return out + [self._event("response.incomplete", response=self.response())]
-        if finish.reason == "grammar":  # the constrained output could not go on: not a valid answer
-            out = self._close("incomplete")
+        elif finish.reason == "grammar":  # the constrained output could not go on: not a valid answer
             self.status = "failed"
             self.error = {"code": "server_error",
                           "message": f"the output could not continue under its format: {finish.error or 'unknown'}"}
-            return out + [self._event("response.failed", response=self.response())]
-        out = self._close("completed")
-        self.status = "completed"
-        return out + [self._event("response.completed", response=self.response())]
+        else:
+            self.status = "completed"
+        out = self._close("completed" if self.status == "completed" else "incomplete")
+        return out + [self._event(f"response.{self.status}", response=self.response())]
 
     def fail(self, code: str, message: str) -> list[dict[str, Any]]:
         out = [self._event("error", code=code, message=message, param=None)]

@@ -10,7 +10,7 @@ from collections import Counter, deque
 from typing import Any
 
 from trillm.web.router.core import RouterStatistics
-from trillm.web.service.metrics import Histogram
+from trillm.web.service.metrics import Histogram, escape_label
 
 DECISION_BUCKETS = (1e-4, 2.5e-4, 5e-4, 1e-3, 2e-3, 5e-3, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0)
 
@@ -68,10 +68,10 @@ class RouterMetrics:
 
         family("trillm_router_responses_total", "counter", "Forwarded responses by replica and status class.")
         for (replica, status), n in sorted(self.responses.items()):
-            lines.append(f'trillm_router_responses_total{{replica="{_esc(replica)}",status="{status}"}} {n}')
+            lines.append(f'trillm_router_responses_total{{replica="{escape_label(replica)}",status="{status}"}} {n}')
         family("trillm_router_retries_total", "counter", "Requests moved to another replica, by reason.")
         for reason, n in sorted(self.retries.items()):
-            lines.append(f'trillm_router_retries_total{{reason="{_esc(reason)}"}} {n}')
+            lines.append(f'trillm_router_retries_total{{reason="{escape_label(reason)}"}} {n}')
         family("trillm_router_unroutable_total", "counter", "Requests refused because no replica could take them.")
         lines.append(f"trillm_router_unroutable_total {self.unroutable}")
         family("trillm_router_decision_seconds", "histogram", "Request read to upstream request sent.")
@@ -85,7 +85,8 @@ class RouterMetrics:
         lines.append(f"trillm_router_predicted_cached_blocks_total {stats.predicted_cached_blocks}")
         family("trillm_router_replica_healthy", "gauge", "1 while the replica is in the pool.")
         for r in stats.replicas:
-            lines.append(f'trillm_router_replica_healthy{{replica="{_esc(r.url)}"}} {int(r.health.state.value == "healthy")}')
+            lines.append(f'trillm_router_replica_healthy{{replica="{escape_label(r.url)}"}} '
+                         f'{int(r.health.state.value == "healthy")}')
         gauges = (("trillm_router_kv_index_blocks", "Blocks the router's index holds for the worker."),
                   ("trillm_router_inflight_requests", "Requests this router has in flight on the worker."),
                   ("trillm_router_worker_requests", "Running + waiting requests (reported or routed)."),
@@ -95,7 +96,7 @@ class RouterMetrics:
             family(name, "counter" if name.endswith("_total") else "gauge", help_text)
             for r in stats.replicas:
                 for w in r.workers:
-                    labels = f'replica="{_esc(r.url)}",model="{_esc(w.key.model)}"'
+                    labels = f'replica="{escape_label(r.url)}",model="{escape_label(w.key.model)}"'
                     value = {"trillm_router_kv_index_blocks": w.index.num_blocks,
                              "trillm_router_inflight_requests": w.num_inflight,
                              "trillm_router_worker_requests": w.load.requests,
@@ -103,10 +104,6 @@ class RouterMetrics:
                              "trillm_router_index_resyncs_total": w.index.num_resyncs}[name]
                     lines.append(f"{name}{{{labels}}} {value}")
         return "\n".join(lines) + "\n"
-
-
-def _esc(value: str) -> str:
-    return value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
 
 
 def statistics_json(stats: RouterStatistics) -> dict[str, Any]:

@@ -147,12 +147,12 @@ class ModelMetrics:
         self.cached_tokens += output.usage.cached_tokens
 
 
-def _escape(value: str) -> str:
+def escape_label(value: str) -> str:
     return value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
 
 
 def _vllm_labels(model: str) -> str:
-    return f'model_name="{_escape(model)}",engine="0"'  # one engine per served model
+    return f'model_name="{escape_label(model)}",engine="0"'  # one engine per served model
 
 
 def render_metrics(
@@ -168,7 +168,8 @@ def render_metrics(
     family("trillm_requests_total", "counter", "Finished requests by outcome.")
     for model, (m, _, _) in models.items():
         for outcome in OUTCOMES:
-            lines.append(f'trillm_requests_total{{model="{_escape(model)}",outcome="{outcome}"}} {m.outcomes[outcome]}')
+            lines.append(f'trillm_requests_total{{model="{escape_label(model)}",outcome="{outcome}"}} '
+                         f'{m.outcomes[outcome]}')
     for name, attr, help_text in (
         ("trillm_time_to_first_token_seconds", "ttft", "Time from submission to the first token."),
         ("trillm_inter_token_latency_seconds", "inter_token", "Time between tokens of one request."),
@@ -176,7 +177,7 @@ def render_metrics(
     ):
         family(name, "histogram", help_text)
         for model, (m, _, _) in models.items():
-            lines.extend(getattr(m, attr).own.render(name, f'model="{_escape(model)}"'))
+            lines.extend(getattr(m, attr).own.render(name, f'model="{escape_label(model)}"'))
     for name, attr, help_text in (
         ("trillm_prompt_tokens_total", "prompt_tokens", "Prompt tokens of finished requests."),
         ("trillm_generation_tokens_total", "generation_tokens", "Generated tokens of finished requests."),
@@ -184,7 +185,7 @@ def render_metrics(
     ):
         family(name, "counter", help_text)
         for model, (m, _, _) in models.items():
-            lines.append(f'{name}{{model="{_escape(model)}"}} {getattr(m, attr)}')
+            lines.append(f'{name}{{model="{escape_label(model)}"}} {getattr(m, attr)}')
     gauges: tuple[tuple[str, str, str], ...] = (
         ("trillm_num_requests_running", "num_running", "Requests being decoded or prefilled."),
         ("trillm_num_requests_waiting", "num_waiting", "Requests in the engine's waiting queue."),
@@ -207,10 +208,10 @@ def render_metrics(
         family(name, "gauge", help_text)
         for model, (_, stats, _) in models.items():
             if stats is not None:
-                lines.append(f'{name}{{model="{_escape(model)}"}} {float(getattr(stats, attr))}')
+                lines.append(f'{name}{{model="{escape_label(model)}"}} {float(getattr(stats, attr))}')
     family("trillm_model_healthy", "gauge", "1 when the model's engine is loaded and healthy.")
     for model, (_, _, healthy) in models.items():
-        lines.append(f'trillm_model_healthy{{model="{_escape(model)}"}} {int(healthy)}')
+        lines.append(f'trillm_model_healthy{{model="{escape_label(model)}"}} {int(healthy)}')
     lines.extend(_render_vllm(models))
     return "\n".join(lines) + "\n"
 
@@ -287,11 +288,12 @@ def render_key_metrics(keys: Mapping[str, Mapping[str, int]]) -> str:
              "# TYPE trillm_api_key_requests_total counter"]
     for name, s in keys.items():
         for outcome in ("admitted", "rate_limited", "concurrency_limited"):
-            lines.append(f'trillm_api_key_requests_total{{key_name="{_escape(name)}",outcome="{outcome}"}} {s[outcome]}')
+            lines.append(f'trillm_api_key_requests_total{{key_name="{escape_label(name)}",outcome="{outcome}"}} '
+                         f'{s[outcome]}')
     lines += ["# HELP trillm_api_key_requests_in_flight Requests of each API key name being served now.",
               "# TYPE trillm_api_key_requests_in_flight gauge"]
     for name, s in keys.items():
-        lines.append(f'trillm_api_key_requests_in_flight{{key_name="{_escape(name)}"}} {s["in_flight"]}')
+        lines.append(f'trillm_api_key_requests_in_flight{{key_name="{escape_label(name)}"}} {s["in_flight"]}')
     return "\n".join(lines) + "\n"
 
 
@@ -301,6 +303,6 @@ def render_kernel_metrics(models: Mapping[str, Mapping[str, str]]) -> str:
              "# TYPE trillm_kernel_implementation gauge"]  # fmt: skip
     for model, ops in models.items():
         for op, impl in ops.items():
-            lines.append(f'trillm_kernel_implementation{{model="{_escape(model)}",op="{_escape(op)}",'
-                         f'implementation="{_escape(impl)}"}} 1')  # fmt: skip
+            lines.append(f'trillm_kernel_implementation{{model="{escape_label(model)}",op="{escape_label(op)}",'
+                         f'implementation="{escape_label(impl)}"}} 1')  # fmt: skip
     return "\n".join(lines) + "\n"
