@@ -267,7 +267,7 @@ def test_readme_lists_every_limit_flag_with_its_default() -> None:
     help_text = parser.format_help()
     section = help_text.split("limits on one request", 1)[1].split("\n\n", 1)[0]
     flags = sorted(set(re.findall(r"^  (--[a-z-]+)", section, re.M))) + [
-        "--drain-timeout", "--keep-alive-timeout", "--max-waiting"]
+        "--drain-timeout", "--keep-alive-timeout", "--max-waiting", "--memory-limit"]
     assert len(flags) > 12
     readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
     rows = {ln.split("|")[1]: ln for ln in readme.splitlines() if ln.startswith("| `--")}
