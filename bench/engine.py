@@ -239,7 +239,12 @@ def main(argv: list[str] | None = None) -> int:
                          "and c=16 chat (bench/engine_spec.py)")
     ap.add_argument("--num-speculative-tokens", type=int, default=8, help="--speculative: tokens proposed per step")
     ap.add_argument("--spec-code-tokens", type=int, default=320, help="--speculative: the code edit's max_tokens")
+    from trillm.bench.engine_hybrid import add_arguments, hybrid_main
+
+    add_arguments(ap)
     args = ap.parse_args(argv)
+    if args.hybrid:
+        return hybrid_main(args)
 
     model = load_model(args.model)
     if args.speculative is not None:
