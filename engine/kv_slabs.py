@@ -18,13 +18,12 @@ block count (`--kv-cache-memory-gb`, the model's context) and within the process
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from trillm.engine.errors import Overloaded
 from trillm.engine.memory import MemoryBudget
 
 if TYPE_CHECKING:
-    from trillm.engine.block_manager import BlockManager
     from trillm.engine.config import EngineConfig
     from trillm.engine.kv_cache import KVPool
     from trillm.engine.sequence import Sequence as Sequence_
@@ -33,6 +32,16 @@ GROWTH = 1.5  # a growth takes the pool to at least this many times its blocks (
 
 # (new number of blocks, None: grown in place of ids | the old ids of the blocks kept, in their new order)
 ResizeHook = Callable[[int, "Sequence[int] | None"], None]
+
+
+class BlockCounts(Protocol):
+    """What the memory checks read of the block manager (a protocol: the block manager imports this module)."""
+
+    @property
+    def blocks(self) -> Sequence[object]: ...
+    @property
+    def num_used_blocks(self) -> int: ...
+    def blocks_needed(self, num_tokens: int) -> int: ...
 
 
 class PoolCapacity:
@@ -147,7 +156,7 @@ def pool_capacity_for(config: EngineConfig, num_blocks: int, bytes_per_block: in
                         idle_keep_blocks=keep)
 
 
-def check_memory(cap: PoolCapacity, block_manager: BlockManager, waiting: Sequence[Sequence_], seq: Sequence_) -> None:
+def check_memory(cap: PoolCapacity, block_manager: BlockCounts, waiting: Sequence[Sequence_], seq: Sequence_) -> None:
     """Refuse a request (Overloaded: 503 with Retry-After) when memory, not the configured pool size, bounds
     the pool and the prompts already waiting plus this one need more blocks than the pool can ever hold
     within the budget: queued, it would wait on memory that never comes."""
@@ -162,7 +171,7 @@ def check_memory(cap: PoolCapacity, block_manager: BlockManager, waiting: Sequen
                          f"--memory-limit {limit / 1e9:.2f} GB leaves room for {possible}; retry later")
 
 
-def memory_statistics(budget: MemoryBudget, block_manager: BlockManager, bytes_per_block: int) -> dict[str, int]:
+def memory_statistics(budget: MemoryBudget, block_manager: BlockCounts, bytes_per_block: int) -> dict[str, int]:
     """The memory fields of EngineStatistics."""
     snap = budget.snapshot()
     return {"memory_rss_bytes": snap.rss_bytes, "memory_peak_bytes": snap.peak_rss_bytes,
