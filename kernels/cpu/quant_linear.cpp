@@ -4,7 +4,7 @@
 // are repacked into exactly (engine/gguf.py) and MLX's own 4- and 8-bit folders are stored in.
 //
 // Few rows (decode, M <= max_rows): the weight rows are cut into bands taken dynamically by the cores; each
-// 16-element slice of a weight row is unpacked in registers (nibbles or bytes -> int32 -> float, one FMA with
+// W-element slice of a weight row is unpacked in registers (nibbles or bytes -> int32 -> float, one FMA with
 // its group's scale and bias) and multiplied into tiles of MT x rows by NT weight rows, fp32 accumulation.
 // Nothing is written back but y: the weights are streamed from memory once per call at 4.5-9 bits per
 // element instead of fp32's 32.
@@ -17,6 +17,7 @@
 #include <atomic>
 #include <cstring>
 #include <stdexcept>
+#include <utility>
 #include <vector>
 
 #include "mlx/allocator.h"
@@ -56,31 +57,21 @@ inline float to_f32(mx::bfloat16_t v) {
   return f;
 }
 
-// 16 consecutive q values starting at byte p (4-bit: 8 bytes, element 2i in the low nibble of byte i).
+// W consecutive q values starting at byte p (4-bit: W / 2 bytes, element 2i in the low nibble of byte i):
+// each lane takes its word broadcast and shifts it by BITS * (lane % values per word), then one mask.
+template <int BITS, size_t... L>
+inline vf unpack_(const uint8_t* p, std::index_sequence<L...>) {
+  constexpr int per = 32 / BITS;
+  int32_t u[(W * BITS + 31) / 32] = {};
+  std::memcpy(u, p, W * BITS / 8);  // (W = 4 at 4 bits: two bytes, half a word)
+  const vi words = {u[L / per]...};
+  const vi shifts = {static_cast<int32_t>(BITS * (L % per))...};
+  return __builtin_convertvector((words >> shifts) & ((1 << BITS) - 1), vf);  // the mask drops sign bits
+}
+
 template <int BITS>
 inline vf unpack(const uint8_t* p) {
-  if constexpr (BITS == 4) {
-    // Lanes 0-7 from the first word, 8-15 from the second, each shifted by 4 * (lane % 8): a broadcast,
-    // one variable shift and a mask.
-    uint32_t u[2];
-    std::memcpy(u, p, sizeof u);
-    const vi words = {static_cast<int32_t>(u[0]), static_cast<int32_t>(u[0]), static_cast<int32_t>(u[0]),
-                      static_cast<int32_t>(u[0]), static_cast<int32_t>(u[0]), static_cast<int32_t>(u[0]),
-                      static_cast<int32_t>(u[0]), static_cast<int32_t>(u[0]), static_cast<int32_t>(u[1]),
-                      static_cast<int32_t>(u[1]), static_cast<int32_t>(u[1]), static_cast<int32_t>(u[1]),
-                      static_cast<int32_t>(u[1]), static_cast<int32_t>(u[1]), static_cast<int32_t>(u[1]),
-                      static_cast<int32_t>(u[1])};
-    const vi shifts = {0, 4, 8, 12, 16, 20, 24, 28, 0, 4, 8, 12, 16, 20, 24, 28};
-    const vi q = (words >> shifts) & 0xF;  // (arithmetic shift: the mask drops the sign bits)
-    return __builtin_convertvector(q, vf);
-  } else {
-    // Four words, each broadcast to four lanes and shifted by 8 * (lane % 4).
-    int32_t u[4];
-    std::memcpy(u, p, sizeof u);
-    const vi words = {u[0], u[0], u[0], u[0], u[1], u[1], u[1], u[1], u[2], u[2], u[2], u[2], u[3], u[3], u[3], u[3]};
-    const vi shifts = {0, 8, 16, 24, 0, 8, 16, 24, 0, 8, 16, 24, 0, 8, 16, 24};
-    return __builtin_convertvector((words >> shifts) & 0xFF, vf);
-  }
+  return unpack_<BITS>(p, std::make_index_sequence<W>{});
 }
 
 template <typename S>
