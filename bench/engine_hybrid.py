@@ -32,6 +32,7 @@ from trillm.engine.config import EngineConfig  # noqa: E402
 from trillm.engine.llm_engine import LLMEngine  # noqa: E402
 from trillm.engine.loader import LoadedModel  # noqa: E402
 from trillm.engine.sampling_params import SamplingParams  # noqa: E402
+from trillm.engine.outputs import RequestOutput  # noqa: E402
 
 
 @dataclass(frozen=True)
@@ -118,7 +119,7 @@ def second_turn(engine: LLMEngine, first: list[int], new: list[int], reply: int,
     second = first + list(out.new_token_ids) + new
     engine.add_request(f"turn2-{tag}", second, SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True))
     t0 = time.perf_counter()
-    outs = []
+    outs: list[RequestOutput] = []
     while not any(o.new_token_ids for o in outs):
         outs = engine.step()
     ttft = time.perf_counter() - t0
