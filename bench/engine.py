@@ -161,6 +161,42 @@ LONG_SCHEMA = {"type": "object", "properties": {"items": {"type": "array", "minI
                "required": ["items"]}
 
 
+def batch_rows(engine: LLMEngine, model: LoadedModel, batches: list[int], trials: int, max_tokens: int) -> list[Row]:
+    """Batch decode throughput against mlx-lm's BatchGenerator, best of `trials`, printed as it goes."""
+    rows = []
+    for b in batches:
+        prompts = make_prompts(model, b)
+        t = m = 0.0
+        for _ in range(trials):  # alternate, so machine noise hits both alike
+            t = max(t, run_trillm(engine, prompts, max_tokens))
+            m = max(m, run_mlx_lm(model, prompts, max_tokens))
+        rows.append(Row(b, t, m))
+        print(f"batch {b:>3}: trillm {t:7.1f} tok/s   mlx-lm BatchGenerator {m:7.1f} tok/s   ratio {t / m:.2f}x",
+              flush=True)
+    return rows
+
+
+def single_stream_pair(engine: LLMEngine, model: LoadedModel, trials: int) -> tuple[float, float]:
+    """Single-stream decode tok/s of trillm and of mlx-lm, best of `trials`, alternating."""
+    one = make_prompts(model, 1)[0]
+    single = peer = 0.0
+    for _ in range(trials):
+        single = max(single, single_stream_decode_tok_s(engine, one))
+        peer = max(peer, mlx_lm_decode_tok_s(model, one))
+    return single, peer
+
+
+def prefill_pair(engine: LLMEngine, model: LoadedModel, tokens: int, trials: int) -> tuple[float, float]:
+    """Prefill tok/s of trillm and of mlx-lm on fresh prompts of `tokens` (no prefix hit), best of `trials`."""
+    prefill = peer = 0.0
+    for trial in range(trials):
+        prefill = max(prefill, trillm_prefill_tok_s(engine, long_prompt(model, tokens, 2 * trial)))
+        peer = max(peer, mlx_lm_prefill_tok_s(model, long_prompt(model, tokens, 2 * trial + 1)))
+    print(f"prefill of {tokens} tokens: trillm {prefill:.0f} tok/s, mlx-lm {peer:.0f} tok/s, "
+          f"ratio {prefill / peer:.2f}x", flush=True)
+    return prefill, peer
+
+
 @dataclass(frozen=True, slots=True)
 class ConstrainedRow:
     constrained: int
@@ -263,36 +299,16 @@ def main(argv: list[str] | None = None) -> int:
     run_trillm(engine, warm, 8)
     run_mlx_lm(model, warm, 8)
 
-    rows = []
-    for b in batches:
-        prompts = make_prompts(model, b)
-        t = m = 0.0
-        for _ in range(args.trials):  # alternate, so machine noise hits both alike
-            t = max(t, run_trillm(engine, prompts, args.max_tokens))
-            m = max(m, run_mlx_lm(model, prompts, args.max_tokens))
-        rows.append(Row(b, t, m))
-        print(f"batch {b:>3}: trillm {t:7.1f} tok/s   mlx-lm BatchGenerator {m:7.1f} tok/s   ratio {t / m:.2f}x",
-              flush=True)
-
+    rows = batch_rows(engine, model, batches, args.trials, args.max_tokens)
     bw = memory_bandwidth_gbs()
     bound = bw * 1e9 / model.num_bytes
-    one = make_prompts(model, 1)[0]
-    single = peer_single = 0.0
-    for _ in range(args.trials):
-        single = max(single, single_stream_decode_tok_s(engine, one))
-        peer_single = max(peer_single, mlx_lm_decode_tok_s(model, one))
+    single, peer_single = single_stream_pair(engine, model, args.trials)
     print(f"memory bandwidth {bw:.1f} GB/s -> single-stream decode bound {bound:.1f} tok/s "
           f"({model.num_bytes / 1e6:.0f} MB of weights per token)")
     print(f"single-stream decode: trillm {single:.1f} tok/s ({100 * single / bound:.0f}% of the bound, "
           f"{single * model.num_bytes / 1e9:.1f} GB/s of weights), "
           f"mlx-lm stream_generate {peer_single:.1f} tok/s, ratio {single / peer_single:.2f}x", flush=True)
-    prefill = peer_prefill = 0.0
-    for trial in range(args.trials):
-        prefill = max(prefill, trillm_prefill_tok_s(engine, long_prompt(model, args.prefill_tokens, 2 * trial)))
-        peer_prefill = max(peer_prefill, mlx_lm_prefill_tok_s(model, long_prompt(model, args.prefill_tokens,
-                                                                                  2 * trial + 1)))
-    print(f"prefill of {args.prefill_tokens} tokens: trillm {prefill:.0f} tok/s, mlx-lm {peer_prefill:.0f} tok/s, "
-          f"ratio {prefill / peer_prefill:.2f}x")
+    prefill, peer_prefill = prefill_pair(engine, model, args.prefill_tokens, args.trials)
     if min(single, peer_single, prefill, peer_prefill, *(r.trillm_tok_s for r in rows), *(r.mlx_lm_tok_s for r in rows)) <= 0:
         raise SystemExit("bench engine measured nothing")
     print("\n| batch | trillm tok/s | mlx-lm BatchGenerator tok/s | ratio |\n|---:|---:|---:|---:|")

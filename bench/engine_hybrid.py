@@ -25,8 +25,7 @@ import mlx.core as mx  # noqa: E402
 import mlx.nn as nn  # noqa: E402
 
 from trillm.bench.engine import (  # noqa: E402
-    long_prompt, make_prompts, mlx_lm_decode_tok_s, mlx_lm_prefill_tok_s, run_mlx_lm, run_trillm,
-    single_stream_decode_tok_s, trillm_prefill_tok_s,
+    batch_rows, long_prompt, make_prompts, prefill_pair, run_mlx_lm, run_trillm, single_stream_pair,
 )
 from trillm.engine.config import EngineConfig  # noqa: E402
 from trillm.engine.llm_engine import LLMEngine  # noqa: E402
@@ -150,29 +149,12 @@ def hybrid_main(args: argparse.Namespace) -> int:
     warm = make_prompts(lm, 2)
     run_trillm(engine, warm, 8)
     run_mlx_lm(lm, warm, 8)
-    batches: dict[int, tuple[float, float]] = {}
-    for b in [int(x) for x in args.batches.split(",")]:
-        prompts = make_prompts(lm, b)
-        t = m = 0.0
-        for _ in range(args.trials):  # alternate, so machine noise hits both alike
-            t = max(t, run_trillm(engine, prompts, args.max_tokens))
-            m = max(m, run_mlx_lm(lm, prompts, args.max_tokens))
-        batches[b] = (t, m)
-        print(f"batch {b:>3}: trillm {t:7.1f} tok/s   mlx-lm BatchGenerator {m:7.1f} tok/s   ratio {t / m:.2f}x",
-              flush=True)
-    one = make_prompts(lm, 1)[0]
-    single = peer_single = 0.0
-    for _ in range(args.trials):
-        single = max(single, single_stream_decode_tok_s(engine, one))
-        peer_single = max(peer_single, mlx_lm_decode_tok_s(lm, one))
+    rows = batch_rows(engine, lm, [int(x) for x in args.batches.split(",")], args.trials, args.max_tokens)
+    batches = {r.batch: (r.trillm_tok_s, r.mlx_lm_tok_s) for r in rows}
+    single, peer_single = single_stream_pair(engine, lm, args.trials)
     print(f"single-stream decode: trillm {single:.1f} tok/s, mlx-lm generate_step {peer_single:.1f} tok/s, ratio "
           f"{single / peer_single:.2f}x", flush=True)
-    prefill = peer_prefill = 0.0
-    for trial in range(args.trials):
-        prefill = max(prefill, trillm_prefill_tok_s(engine, long_prompt(lm, args.prefill_tokens, 2 * trial)))
-        peer_prefill = max(peer_prefill, mlx_lm_prefill_tok_s(lm, long_prompt(lm, args.prefill_tokens, 2 * trial + 1)))
-    print(f"prefill of {args.prefill_tokens} tokens: trillm {prefill:.0f} tok/s, mlx-lm {peer_prefill:.0f} tok/s, "
-          f"ratio {prefill / peer_prefill:.2f}x", flush=True)
+    prefill, peer_prefill = prefill_pair(engine, lm, args.prefill_tokens, args.trials)
     new = long_prompt(lm, 64, 50)[1:]  # the second turn's new message: 63 tokens
     best_c = best_u = (float("inf"), 0)
     for trial in range(args.trials):
