@@ -11,7 +11,9 @@ from trillm.engine.memory import parse_memory_size
 from trillm.kernels.selfcheck import MODES as KERNEL_MODES
 
 SCHEDULING_POLICIES = ("fcfs", "priority")
-SPECULATIVE_METHODS = ("off", "ngram")  # ngram: prompt lookup over the request's own tokens (engine/ngram.py)
+# ngram: prompt lookup over the request's own tokens (engine/ngram.py); draft:PATH: a small model of the same
+# tokenizer proposes (engine/spec_draft.py)
+SPECULATIVE_METHODS = ("off", "ngram", "draft")
 
 
 @dataclass(frozen=True, slots=True)
@@ -56,6 +58,17 @@ class EngineConfig:
     kv_idle_release_s: float = 30.0
     kv_idle_keep_mb: float = 64.0
 
+    @property
+    def speculative_method(self) -> str:
+        """off, ngram or draft (`speculative` without its draft model's path)."""
+        return self.speculative.partition(":")[0]
+
+    @property
+    def draft_model(self) -> str | None:
+        """--speculative draft:PATH's model (a folder, a .gguf file or a Hugging Face repo id); else None."""
+        method, _, path = self.speculative.partition(":")
+        return path if method == "draft" else None
+
     def __post_init__(self) -> None:
         if self.block_size <= 0 or self.block_size & (self.block_size - 1):
             raise InvalidRequest(f"block_size must be a positive power of two, got {self.block_size}")
@@ -76,8 +89,10 @@ class EngineConfig:
             raise InvalidRequest(f"priority_aging must be >= 0, got {self.priority_aging}")
         if self.state_checkpoint_interval < 0 or (self.max_state_checkpoints or 0) < 0:
             raise InvalidRequest("state_checkpoint_interval and max_state_checkpoints must be >= 0")
-        if self.speculative not in SPECULATIVE_METHODS:
-            raise InvalidRequest(f"speculative must be one of {', '.join(SPECULATIVE_METHODS)}, got {self.speculative!r}")
+        method, _, path = self.speculative.partition(":")
+        if method not in SPECULATIVE_METHODS or (method == "draft") != bool(path):
+            raise InvalidRequest(f"speculative must be off, ngram or draft:PATH (a draft model of the same tokenizer), "
+                                 f"got {self.speculative!r}")
         if not 1 <= self.num_speculative_tokens <= 16:
             raise InvalidRequest(f"num_speculative_tokens must be in [1, 16], got {self.num_speculative_tokens}")
         if self.speculative_max_batch < 1:
@@ -117,7 +132,9 @@ _FLAGS: dict[str, tuple[str, str]] = {
     "priority_aging": ("--priority-aging", "--scheduling-policy priority: rounds of admission one step of priority "
                                            "is worth, so lower classes wait a bounded time; 0: strict (can starve)"),
     "speculative": ("--speculative", "speculative decoding: ngram proposes each request's next tokens from its own "
-                                     "prompt and output, verified in the batch's forward; off: none"),
+                                     "prompt and output; draft:PATH runs a small model of the same tokenizer "
+                                     "(a folder, .gguf or repo id) to propose them; either is verified in the "
+                                     "batch's forward; off: none"),
     "num_speculative_tokens": ("--num-speculative-tokens", "--speculative: the most tokens proposed per row and step "
                                                            "(fewer while a row's proposals are rejected)"),
     "speculative_max_batch": ("--speculative-max-batch", "--speculative: speculate only while at most this many "
@@ -149,8 +166,7 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                          "kv_cache_memory_gb": float, "kv_idle_release_s": float, "kv_slab_mb": float,
                          "kv_idle_keep_mb": float,
                          "memory_limit": parse_memory_size}.get(name, int)
-            choices = {"kernels": KERNEL_MODES, "scheduling_policy": SCHEDULING_POLICIES,
-                       "speculative": SPECULATIVE_METHODS}.get(name)
+            choices = {"kernels": KERNEL_MODES, "scheduling_policy": SCHEDULING_POLICIES}.get(name)
             g.add_argument(flag, dest=name, type=kind, default=default, help=f"{help_text} (default: {default})",
                            choices=choices)
 

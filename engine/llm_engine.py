@@ -7,6 +7,7 @@ import logging
 import time
 from collections import deque
 from collections.abc import Callable, Iterable
+from collections.abc import Sequence as Sequence_
 from dataclasses import dataclass
 from functools import partial
 from typing import TYPE_CHECKING
@@ -30,10 +31,12 @@ from trillm.engine.sampler import SampleRow
 from trillm.engine.sampling_params import SamplingParams
 from trillm.engine.scheduler import Finish, SampledToken, ScheduledBatch, Scheduler
 from trillm.engine.sequence import Sequence, SequenceStatus
-from trillm.engine.spec_decode import SpecCounters, make_speculator, merge_deltas, token_rounds
+from trillm.engine.spec_decode import Proposer, SpecCounters, make_speculator, merge_deltas, token_rounds
 
 if TYPE_CHECKING:
     from trillm.engine.kv_cache import KVPool
+    from trillm.engine.kv_slabs import ResizeHook
+    from trillm.engine.spec_draft import DraftProposer
     from trillm.engine.model_probe import ProbeResult
     from trillm.engine.state_pool import StateSlots
     from trillm.kernels.selfcheck import KernelReport
@@ -45,6 +48,15 @@ PhaseHook = Callable[[str, float, "ScheduledBatch | None"], None]
 REQUEST_FAILED = "this request failed while its output was produced; other requests are unaffected"
 
 log = logging.getLogger("trillm.engine")
+
+
+def _both(first: ResizeHook | None, second: ResizeHook) -> ResizeHook:
+    def resize(num_blocks: int, kept: Sequence_[int] | None) -> None:
+        if first is not None:
+            first(num_blocks, kept)
+        second(num_blocks, kept)
+
+    return resize
 
 
 @dataclass(slots=True)
@@ -134,9 +146,10 @@ def make_kv_pool(lm: LoadedModel, config: EngineConfig, num_blocks: int, max_mod
 
 class LLMEngine:
     def __init__(self, config: EngineConfig | None = None, *, loaded: ModelFacts | None = None,
-                 runner_factory: RunnerFactory | None = None) -> None:
+                 runner_factory: RunnerFactory | None = None, draft: LoadedModel | None = None) -> None:
         """Load config.model (unless `loaded` is given), size the KV pool by the model's facts, build the runner.
 
+        draft: --speculative draft:PATH's model already loaded (else it is loaded from PATH).
         runner_factory(num_blocks) replaces the MLX ModelRunner (the mock's timing-model runner, a tensor-parallel
         group's); `loaded` then only needs the model's facts. Without one, `loaded` must be a LoadedModel: the
         pool's layout is asked of its model.
@@ -211,8 +224,14 @@ class LLMEngine:
         self.runner: Runner = runner_factory(num_blocks if self.pool_capacity is None else self.pool_capacity.capacity)
         self._idle_since: float | None = time.monotonic()  # when the engine last ran out of requests
         self._pipelined = config.pipeline_decode and self.runner.supports_launch_ahead
+        self.draft: LoadedModel | None = None  # --speculative draft:PATH's model
+        # A runner may bring its own proposer (the mock's stands in for any method with an acceptance rate).
+        proposer: Proposer | None = getattr(self.runner, "proposer", None)
+        if (config.speculative_method == "draft" and self.kv_layout is not None and self.state_slots is None
+                and getattr(self.runner, "supports_speculation", False)):
+            proposer = self._draft_proposer(lm, draft, num_blocks)
         self.speculator = make_speculator(config, self.block_manager, self.max_model_len, self.runner,
-                                          hybrid=self.state_slots is not None)
+                                          hybrid=self.state_slots is not None, proposer=proposer)
         self._inflight: Launch | None = None  # a decode step launched ahead, not read back yet
         self._requests: dict[str, _Request] = {}
         self.last_step: StepInfo | None = None
@@ -263,6 +282,27 @@ class LLMEngine:
         self.kernel_report = pool.kernels.report
         # Padded embeddings (more logits than tokens) must never yield an id the tokenizer cannot decode.
         return ModelRunner(lm.model, pool, Sampler(self.config.seed, vocab_size=self.tokenizer.vocab_size))
+
+    def _draft_proposer(self, lm: ModelFacts, draft: LoadedModel | None, num_blocks: int) -> DraftProposer:
+        """The draft model's proposer over a pool of the target's block ids (engine/spec_draft.py)."""
+        from trillm.engine.model_runner import ModelRunner
+        from trillm.engine.sampler import Sampler
+        from trillm.engine.spec_draft import DraftProposer, check_draft_vocabulary
+
+        assert isinstance(lm, LoadedModel) and self.config.draft_model is not None
+        if draft is None:
+            from trillm.engine.loader import load_model
+
+            draft = load_model(self.config.draft_model, dtype=self.config.dtype)
+        check_draft_vocabulary(lm, draft)
+        cap = self.pool_capacity
+        pool = make_kv_pool(draft, self.config, num_blocks if cap is None else cap.capacity, self.max_model_len)
+        if cap is not None:  # the draft's pool follows the target's: same ids, same renames
+            cap.on_resize = _both(cap.on_resize, partial(resize_pool, pool))
+        self.draft = draft
+        runner = ModelRunner(draft.model, pool, Sampler(self.config.seed, vocab_size=self.tokenizer.vocab_size))
+        log.info("--speculative: draft model %s (%d layers) proposes for %s", draft.name, draft.num_layers, lm.name)
+        return DraftProposer(runner, self.config.max_num_batched_tokens)
 
     # ---- requests ----------------------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, *, priority: int = 0,
@@ -339,7 +379,7 @@ class LLMEngine:
                 self.last_step = None
                 return []
             if self.speculator is not None:
-                self.speculator.plan(batch)  # proposals for decode rows, verified in this step's forward
+                self.speculator.plan(batch, self._sample_row)  # proposals for decode rows, verified in this step
             launch = self._launch(batch, partial(self._sample_row, masks=self._token_masks(batch)), check_abort)
         # schedule_ahead never takes a constrained row: its next mask needs the token this step samples; nor is
         # a step launched ahead that could speculate: its proposal needs that token too.

@@ -71,3 +71,9 @@ class SpecState:
     pause: int = 0  # decode steps left before it proposes again
     next_pause: int = FIRST_PAUSE
     misses: int = 0  # consecutive verifications that accepted nothing
+    # A draft model's KV of this sequence (engine/spec_draft.py), in the sequence's own blocks of the draft's pool:
+    # valid for its first `draft_computed` tokens; `draft_written` (0: none) marks how far the step's proposal
+    # wrote, until the verification says how much of it was accepted.
+    draft_computed: int = 0
+    draft_written: int = 0
+    draft_preemptions: int = 0  # the sequence's preemptions when draft_computed was set (a preemption voids it)

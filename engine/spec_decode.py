@@ -26,14 +26,18 @@ models (a recurrent state cannot be rolled back; the engine does not build a spe
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from dataclasses import dataclass
 from typing import Protocol
+
+import numpy as np
 
 from trillm.engine.block_manager import BlockManager
 from trillm.engine.config import EngineConfig
 from trillm.engine.ngram import FIRST_PAUSE, MAX_PAUSE, SpecState
 from trillm.engine.outputs import RequestOutput
+from trillm.engine.runner import RowsFn
 from trillm.engine.scheduler import SampledToken, ScheduledBatch
 from trillm.engine.sequence import Sequence, SequenceStatus
 
@@ -41,18 +45,23 @@ log = logging.getLogger("trillm.engine")
 
 
 class Proposer(Protocol):
-    """Proposes up to k next tokens of a running sequence (its prompt and output are `seq.token_ids`)."""
+    """Proposes up to ks[i] next tokens of each running sequence seqs[i] (its prompt and output are
+    `seq.token_ids`); rows(seq) is the sequence's sampling row for its next token. The slots of those k tokens
+    are already reserved (a draft model writes its own KV there)."""
 
-    def propose(self, seq: Sequence, k: int) -> list[int]: ...
+    def propose(self, seqs: list[Sequence], ks: list[int], rows: RowsFn) -> list[list[int]]: ...
 
 
 class NgramProposer:
     """Prompt lookup over the sequence's own tokens (engine/ngram.py)."""
 
-    def propose(self, seq: Sequence, k: int) -> list[int]:
-        assert seq.spec is not None
-        seq.spec.index.update(seq.token_ids)
-        return seq.spec.index.propose(seq.token_ids, k)
+    def propose(self, seqs: list[Sequence], ks: list[int], rows: RowsFn) -> list[list[int]]:
+        out = []
+        for seq, k in zip(seqs, ks):
+            assert seq.spec is not None
+            seq.spec.index.update(seq.token_ids)
+            out.append(seq.spec.index.propose(seq.token_ids, k))
+        return out
 
 
 @dataclass(slots=True)
@@ -64,7 +73,8 @@ class SpecCounters:
 
 class Speculator:
     def __init__(self, block_manager: BlockManager, max_model_len: int, num_tokens: int, *, max_batch: int = 4,
-                 max_batched_tokens: int | None = None, proposer: Proposer | None = None) -> None:
+                 max_batched_tokens: int | None = None, proposer: Proposer | None = None,
+                 seed: int = 0) -> None:
         assert num_tokens >= 1
         self.block_manager = block_manager
         self.max_model_len = max_model_len
@@ -72,12 +82,18 @@ class Speculator:
         self.max_batch = max_batch
         self.max_batched_tokens = max_batched_tokens
         self.proposer: Proposer = proposer or NgramProposer()
+        # Seeds for unseeded sampled requests, when the proposer samples with the target's noise (a draft model).
+        self.seeds = np.random.default_rng(seed) if getattr(self.proposer, "shares_noise", False) else None
         self.counters = SpecCounters()
 
     def track(self, seq: Sequence) -> None:
         """Let seq speculate, unless its request opted out or it is constrained by a grammar."""
         if seq.params.speculative and seq.grammar is None:
             seq.spec = SpecState(self.num_tokens)
+            if self.seeds is not None and not seq.params.greedy and seq.params.seed is None:
+                # A draft samples its proposal with the noise the target's sampler will use at that position
+                # (engine/spec_draft.py), which a seed fixes: an unseeded request gets one from the engine's stream.
+                seq.params = dataclasses.replace(seq.params, seed=int(self.seeds.integers(0, 2**62)))
 
     def _may_speculate(self, batch: ScheduledBatch) -> bool:
         return 0 < len(batch.decodes) <= self.max_batch
@@ -87,12 +103,14 @@ class Speculator:
         token this step samples)."""
         return self._may_speculate(batch) and any(s.spec is not None and s.spec.pause == 0 for s in batch.decodes)
 
-    def plan(self, batch: ScheduledBatch) -> None:
+    def plan(self, batch: ScheduledBatch, rows: RowsFn) -> None:
         """Propose for the step's decode rows and reserve slots for the proposals (after `Scheduler.schedule`)."""
         if not self._may_speculate(batch):
             return
         bm = self.block_manager
         budget = (self.max_batched_tokens - batch.num_tokens) if self.max_batched_tokens is not None else 1 << 30
+        seqs: list[Sequence] = []
+        ks: list[int] = []
         for seq in batch.decodes:
             st = seq.spec
             if st is None or st.pause or seq.grammar is not None:
@@ -100,17 +118,23 @@ class Speculator:
             # At most k + 1 tokens come out of the step: within max_tokens and the context.
             k = min(st.k, seq.params.max_tokens - seq.num_output_tokens - 1,
                     self.max_model_len - seq.num_tokens - 1, budget)
-            if k <= 0:
+            if k <= 0 or not bm.can_append(seq, k):
                 continue
-            draft = self.proposer.propose(seq, k)[:k]
+            bm.may_append(seq, k)  # before proposing: a draft model writes its KV in these slots
+            seqs.append(seq)
+            ks.append(k)
+            budget -= k
+        if not seqs:
+            return
+        for seq, k, draft in zip(seqs, ks, self.proposer.propose(seqs, ks, rows)):
+            draft = draft[:k]
+            if len(draft) < k:  # give back the slots of what was not proposed
+                bm.trim(seq, seq.num_computed_tokens + len(draft))
             if not draft:
-                st.pause = 1  # nothing to look up: let the next step pipeline
+                assert seq.spec is not None
+                seq.spec.pause = 1  # nothing to look up: let the next step pipeline
                 continue
-            if not bm.can_append(seq, len(draft)):
-                continue
-            bm.may_append(seq, len(draft))
             batch.drafts[seq.request_id] = draft
-            budget -= len(draft)
 
     def commit(self, batch: ScheduledBatch, sampled: list[SampledToken]) -> None:
         """After the runner's collect, before `Scheduler.postprocess`: advance each speculating row by what it
@@ -131,6 +155,8 @@ class Speculator:
                 continue  # finished or aborted meanwhile: its blocks are already free
             accepted = max(0, emitted.get(id(seq), 1) - 1)
             seq.num_computed_tokens += accepted
+            if st.draft_written:  # a draft model's KV holds the accepted proposals (the rejected ones are stale)
+                st.draft_computed, st.draft_written = min(st.draft_written, seq.num_computed_tokens), 0
             # Keep the slot of the token it samples next (the step's last kept token, still pending).
             self.block_manager.trim(seq, seq.num_computed_tokens + 1)
             c.num_draft_tokens += len(draft)
@@ -155,9 +181,10 @@ class Speculator:
 
 
 def make_speculator(config: EngineConfig, block_manager: BlockManager, max_model_len: int, runner: object,
-                    hybrid: bool) -> Speculator | None:
+                    hybrid: bool, proposer: Proposer | None = None) -> Speculator | None:
     """The engine's speculator for `config.speculative`, or None: off, a runner that cannot verify proposals (the
-    mock's, a tensor-parallel group's), or a hybrid model (its recurrent state cannot be rolled back)."""
+    mock's, a tensor-parallel group's), or a hybrid model (its recurrent state cannot be rolled back).
+    proposer: a draft model's (engine/spec_draft.py) for --speculative draft:PATH; else prompt lookup."""
     if config.speculative == "off":
         return None
     if not getattr(runner, "supports_speculation", False) or hybrid:
@@ -165,7 +192,8 @@ def make_speculator(config: EngineConfig, block_manager: BlockManager, max_model
         log.info("--speculative %s is off: %s", config.speculative, why)
         return None
     return Speculator(block_manager, max_model_len, config.num_speculative_tokens,
-                      max_batch=config.speculative_max_batch, max_batched_tokens=config.max_num_batched_tokens)
+                      max_batch=config.speculative_max_batch, max_batched_tokens=config.max_num_batched_tokens,
+                      proposer=proposer, seed=config.seed)
 
 
 def token_rounds(sampled: list[SampledToken]) -> list[list[SampledToken]]:

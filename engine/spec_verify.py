@@ -10,10 +10,13 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence as Seq
+from typing import TYPE_CHECKING
 
-from trillm.engine.sampler import SampleRow
 from trillm.engine.scheduler import SampledToken
 from trillm.engine.sequence import Sequence
+
+if TYPE_CHECKING:  # the mock runner keeps tokens with `accepted_tokens` without importing MLX
+    from trillm.engine.sampler import SampleRow
 
 
 def verify_tokens(seqs: list[Sequence], drafts: dict[str, list[int]]) -> tuple[list[list[int]], list[int]]:

@@ -305,8 +305,9 @@ def test_preemption_while_speculating_recomputes_identically(tiny_model: LoadedM
 # ---- control ------------------------------------------------------------------------------------------------
 def test_rows_back_off_when_proposals_fail_and_large_batches_do_not_speculate(tiny_model: LoadedModel) -> None:
     class Wrong:
-        def propose(self, seq: Sequence, k: int) -> list[int]:
-            return [(seq.token_ids[-1] + 1 + j) % 300 for j in range(k)]  # almost never the model's choice
+        def propose(self, seqs: list[Sequence], ks: list[int], rows: object) -> list[list[int]]:
+            # almost never the model's choice
+            return [[(seq.token_ids[-1] + 1 + j) % 300 for j in range(k)] for seq, k in zip(seqs, ks)]
 
     eng = spec_engine(tiny_model)
     assert eng.speculator is not None
@@ -330,6 +331,8 @@ def test_config_and_flags() -> None:
                                                  "--speculative-max-batch", "2"]))
     assert (cfg.speculative, cfg.num_speculative_tokens, cfg.speculative_max_batch) == ("ngram", 3, 2)
     assert engine_config_from_args(ap.parse_args([])).speculative == "off"
-    for bad in (dict(speculative="eagle"), dict(num_speculative_tokens=0), dict(speculative_max_batch=0)):
+    assert engine_config_from_args(ap.parse_args(["--speculative", "draft:/m/d"])).draft_model == "/m/d"
+    for bad in (dict(speculative="eagle"), dict(speculative="draft:"), dict(speculative="ngram:x"),
+                dict(num_speculative_tokens=0), dict(speculative_max_batch=0)):
         with pytest.raises(InvalidRequest):
             EngineConfig(**bad)  # type: ignore[arg-type]
