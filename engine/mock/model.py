@@ -112,11 +112,13 @@ def make_mock_engine(
     recording: Recording | None = None,
     sleep: Callable[[float], None] | None = None,
     tokenizer: TokenizerLike | None = None,
+    spec_acceptance: float = 0.7,
 ) -> LLMEngine:
     """An LLMEngine whose runner is a MockRunner (perf defaults to the spec's roofline model).
 
     sleep=None: each step's duration only travels with its results (an inline driver awaits it);
     sleep=time.sleep: collecting a step blocks until its duration has passed (real time on an engine thread).
+    spec_acceptance: with --speculative (any method), the chance that each proposed token is accepted.
     """
     from trillm.engine.llm_engine import LLMEngine
 
@@ -125,7 +127,7 @@ def make_mock_engine(
 
     def factory(num_blocks: int) -> MockRunner:
         return MockRunner(model, vocab_size=vocab, num_blocks=num_blocks, seed=seed, speedup=speedup,
-                          recording=recording, sleep=sleep)
+                          recording=recording, sleep=sleep, spec_acceptance=spec_acceptance)
 
     return LLMEngine(config or EngineConfig(), loaded=MockModelFacts.of(spec, tokenizer), runner_factory=factory)
 
@@ -140,6 +142,9 @@ def add_mock_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--tflops", type=float, default=4.0, help="roofline: compute")
     g.add_argument("--recording", default=None, help="JSONL of prompt/output token ids to replay")
     g.add_argument("--mock-seed", type=int, default=0, help="seed of the mock's tokens")
+    g.add_argument("--spec-acceptance", type=float, default=0.7,
+                   help="with --speculative (any method): the chance that each proposed token is accepted; a "
+                        "speculating row's verify costs its proposed tokens at the prefill's per-token rate")
 
 
 def perf_from_args(args: argparse.Namespace, spec: MockModelSpec) -> PerfModel:
@@ -160,6 +165,6 @@ def mock_engine_factory(args: argparse.Namespace, config: EngineConfig, *, speed
 
     def factory() -> LLMEngine:
         return make_mock_engine(config, spec=spec, perf=perf, seed=args.mock_seed, speedup=speedup,
-                                recording=recording)
+                                recording=recording, spec_acceptance=args.spec_acceptance)
 
     return factory

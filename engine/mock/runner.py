@@ -30,6 +30,7 @@ from trillm.engine.outputs import TokenLogprob
 from trillm.engine.prompt_logprobs import ScoredSpan, scored_span
 from trillm.engine.runner import Launch, RowsFn
 from trillm.engine.scheduler import SampledToken, ScheduledBatch
+from trillm.engine.spec_verify import accepted_tokens
 
 if TYPE_CHECKING:
     from trillm.engine.sequence import Sequence
@@ -77,8 +78,37 @@ class Recording:
         return cls(pairs)
 
 
+class MockProposer:
+    """Speculation's proposals in the mock (`--speculative` with the mock engine): each proposed token is the
+    token the mock samples at that position with probability `acceptance` (drawn from the request's stream and the
+    position, so a run is reproducible), else another; the verification keeps the run up to the first miss, so
+    a row accepts a geometric number of tokens, as Dynamo's mocker models it."""
+
+    def __init__(self, runner: MockRunner, acceptance: float) -> None:
+        if not 0.0 <= acceptance <= 1.0:
+            raise ValueError(f"the speculative acceptance rate must be in [0, 1], got {acceptance}")
+        self.runner = runner
+        self.acceptance = acceptance
+
+    def propose(self, seqs: list[Sequence], ks: list[int], rows: RowsFn) -> list[list[int]]:
+        span = self.runner.vocab_size - NUM_SPECIAL
+        out = []
+        for seq, k in zip(seqs, ks):
+            start = rows(seq).output_index
+            key = self.runner._stream(seq)[0] ^ 0x5BD1E995  # the acceptance draws: their own stream
+            draft = []
+            for pos in range(start, start + k):
+                token = self.runner._token(seq, pos)
+                if splitmix64(key + pos) / 2.0**64 >= self.acceptance:
+                    token = NUM_SPECIAL + (token - NUM_SPECIAL + 1) % span  # a miss
+                draft.append(token)
+            out.append(draft)
+        return out
+
+
 class MockRunner:
     supports_launch_ahead = False  # its steps take no time to launch: nothing to overlap
+    supports_speculation = True  # the timing model prices verify steps; `proposer` stands in for any method
 
     def __init__(
         self,
@@ -90,6 +120,7 @@ class MockRunner:
         speedup: float = 1.0,
         recording: Recording | None = None,
         sleep: Callable[[float], None] | None = None,
+        spec_acceptance: float = 0.7,
     ) -> None:
         if speedup <= 0:
             raise ValueError(f"speedup must be > 0, got {speedup}")
@@ -103,6 +134,7 @@ class MockRunner:
         self.total_step_s = 0.0
         self.num_steps = 0
         self._streams: OrderedDict[str, tuple[int, list[int] | None]] = OrderedDict()
+        self.proposer = MockProposer(self, spec_acceptance)  # what the engine's speculator proposes with
 
     def _stream(self, seq: Sequence) -> tuple[int, list[int] | None]:
         # Keyed by prompt (and seed), so a request's tokens do not depend on what it was batched with.
@@ -148,14 +180,18 @@ class MockRunner:
         duration = self.perf.step_seconds(StepShape.of(batch, self.num_blocks)) / self.speedup
         self.total_step_s += duration
         self.num_steps += 1
-        sampled = batch.sampled
+        sampled = []
         tokens = []
-        for s in sampled:
+        for s in batch.sampled:
             row = rows(s)
-            token = self._token(s, row.output_index)
-            if row.token_bitmask is not None:
-                token = self._allowed_token(s, row.output_index, token, row.token_bitmask)
-            tokens.append(token)
+            # A speculating row samples each of its 1 + k positions (engine/spec_verify.py); collect keeps the
+            # accepted ones.
+            for j in range(1 + len(batch.drafts.get(s.request_id, ()))):
+                token = self._token(s, row.output_index + j)
+                if row.token_bitmask is not None:
+                    token = self._allowed_token(s, row.output_index, token, row.token_bitmask)
+                tokens.append(token)
+                sampled.append(s)
         scored = [self._scores(c.seq, *span) for c in batch.prefills if (span := scored_span(c)) is not None]
         return Launch(batch, sampled, _Pending(tokens, t0 + duration), duration, prompt_logprobs=scored or None)
 
@@ -187,7 +223,7 @@ class MockRunner:
                 top = tuple((NUM_SPECIAL + (t - NUM_SPECIAL + j) % span, -1.0 - j) for j in range(s.params.top_logprobs))
                 lp = TokenLogprob(t, -1.0, top)
             out.append(SampledToken(s, t, lp))
-        return out
+        return accepted_tokens(out, launch.batch.drafts) if launch.batch.drafts else out
 
 
 @dataclass(frozen=True, slots=True)

@@ -12,6 +12,9 @@ step as decode cost + the sum of its chunks' costs:
   chunk tokens), falling back to the linear fit outside it.
 - `PolynomialModel`: NVIDIA Dynamo mocker's default constants, for comparison with Dynamo.
 
+A speculating decode row (engine/spec_decode.py) runs 1 + k positions in the decode forward: its k proposed
+tokens are priced like k more tokens of a prefill chunk, without a second base cost (`StepShape.verify_rows`).
+
 Pure Python + numpy: no MLX, no trio.
 """
 
@@ -37,6 +40,9 @@ class StepShape:
     decode_contexts: tuple[int, ...] = ()  # per decode row: tokens attended (computed + the new one)
     prefill_chunks: tuple[tuple[int, int], ...] = ()  # per chunk: (new tokens, tokens already computed)
     kv_usage: float = 0.0  # fraction of the pool the batch's sequences hold (Dynamo's decode input)
+    # Per speculating decode row: (proposed tokens k, its context): the decode forward then runs 1 + k positions
+    # for that row, which costs like a short prefill chunk's k more tokens (engine/spec_decode.py).
+    verify_rows: tuple[tuple[int, int], ...] = ()
 
     @classmethod
     def of(cls, batch: ScheduledBatch, num_blocks: int) -> StepShape:
@@ -46,6 +52,7 @@ class StepShape:
             tuple(s.num_computed_tokens for s in batch.decodes),  # committed: includes the new token
             tuple((c.num_tokens, c.start) for c in batch.prefills),
             blocks / max(1, num_blocks - 1),
+            tuple((len(d), s.num_computed_tokens) for s in batch.decodes if (d := batch.drafts.get(s.request_id))),
         )
 
 
@@ -75,8 +82,15 @@ class LinearCostModel:
         mean_ctx = start + (num_tokens + 1) / 2
         return self.prefill_base_s + self.prefill_per_token_s * num_tokens + self.prefill_per_attn_s * num_tokens * mean_ctx
 
+    def verify_seconds(self, verify_rows: Iterable[tuple[int, int]]) -> float:
+        """What speculating rows add to the decode forward: their proposed tokens at the prefill's per-token and
+        attention rates (the forward's base is the decode's)."""
+        return sum(self.prefill_per_token_s * k + self.prefill_per_attn_s * k * (ctx + (k + 1) / 2)
+                   for k, ctx in verify_rows)
+
     def step_seconds(self, shape: StepShape) -> float:
         t = self.decode_seconds(len(shape.decode_contexts), sum(shape.decode_contexts))
+        t += self.verify_seconds(shape.verify_rows)
         return t + sum(self.prefill_seconds(n, s) for n, s in shape.prefill_chunks)
 
     @classmethod
@@ -208,6 +222,7 @@ class InterpolatedModel:
 
     def step_seconds(self, shape: StepShape) -> float:
         t = self._decode(len(shape.decode_contexts), sum(shape.decode_contexts))
+        t += self.fallback.verify_seconds(shape.verify_rows)
         return t + sum(self._prefill(n, s) for n, s in shape.prefill_chunks)
 
 
@@ -221,7 +236,10 @@ class PolynomialModel:
         prefill_ms = 4.209989e-7 * n * n + 1.518344e-2 * n + 16.50142 if n else 0.0
         p = shape.kv_usage
         decode_ms = max(1.0, -25.74 * p * p + 54.01 * p + 5.74) if shape.decode_contexts else 0.0
-        return (prefill_ms + decode_ms) / 1000.0
+        # Speculating rows' proposed tokens: the prefill polynomial without its constant.
+        v = sum(k for k, _ in shape.verify_rows)
+        verify_ms = 4.209989e-7 * v * v + 1.518344e-2 * v
+        return (prefill_ms + decode_ms + verify_ms) / 1000.0
 
 
 # ---- profiles on disk ------------------------------------------------------------------------------------
