@@ -270,9 +270,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--constrained", type=int, default=None, metavar="K",
                     help="instead: a batch (--batch) with K rows under a JSON schema against K = 0, in one run")
     ap.add_argument("--batch", type=int, default=16, help="--constrained: the batch size")
-    ap.add_argument("--speculative", default=None, choices=("ngram",),
+    ap.add_argument("--speculative", default=None, metavar="ngram|draft:PATH|draft:layers=N",
                     help="instead: the engine with this speculative decoding against without, on code editing, chat "
-                         "and c=16 chat (bench/engine_spec.py)")
+                         "and c=16 chat (bench/engine_spec.py); draft:layers=N: the model's first N layers with its "
+                         "own embedding and head, built in memory, as a self-speculative draft")
     ap.add_argument("--num-speculative-tokens", type=int, default=8, help="--speculative: tokens proposed per step")
     ap.add_argument("--spec-code-tokens", type=int, default=320, help="--speculative: the code edit's max_tokens")
     from trillm.bench.engine_hybrid import add_arguments, hybrid_main

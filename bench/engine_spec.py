@@ -1,24 +1,32 @@
-"""`trillm bench engine --speculative ngram`: the engine with and without speculative decoding, side by side.
+"""`trillm bench engine --speculative ngram|draft:PATH|draft:layers=N`: the engine with and without speculative
+decoding, side by side.
 
 One model object, two engines (speculation off and on), alternating trials, three workloads: code editing (the
 prompt holds a file, the answer rewrites it: its output repeats its input), plain chat, and chat at c=16.
 Reports output tok/s of each, the ratio, acceptance rate and tokens per forward of the speculating rows, and
 whether the greedy outputs are identical token for token (a difference fails the run).
+
+`draft:layers=N` builds a draft in memory from the target itself: its first N decoder layers, then its own final
+norm and LM head (the same weights, shared): a self-speculative draft of the same tokenizer, for a model that
+has no smaller sibling at hand. Its proposals are the target's early-exit guesses.
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
+import dataclasses
 import json
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import trillm.kernels  # noqa: F401  (BLAS before mlx)
-from trillm.kernels import BLAS
+from trillm.kernels import BLAS, cpu_ext
 from trillm.engine.config import EngineConfig
 from trillm.engine.llm_engine import LLMEngine
 from trillm.engine.loader import LoadedModel
+from trillm.engine.paged_model import decoder_stack
 from trillm.engine.sampling_params import SamplingParams
 
 CODE_FILE = '''\
@@ -130,13 +138,37 @@ def compare(name: str, off: LLMEngine, on: LLMEngine, prompts: list[list[int]], 
     return row
 
 
+def truncated_draft(model: LoadedModel, num_layers: int) -> LoadedModel:
+    """The model's first `num_layers` decoder layers with its own embedding, final norm and head: the same
+    module objects (no weight is copied), in a shallow copy of the model whose stack holds fewer layers."""
+    stack = decoder_stack(model.model)
+    if stack is None or not 1 <= num_layers < model.num_layers:
+        raise SystemExit(f"draft:layers={num_layers}: needs a model with a decoder stack of more than that many layers")
+    inner = copy.copy(stack.stack)
+    inner.layers = stack.stack.layers[:num_layers]
+    outer = copy.copy(model.model)
+    if stack.parent is not model.model:
+        raise SystemExit("draft:layers=N: the decoder stack must hang directly off the model")
+    outer[stack.key] = inner
+    return dataclasses.replace(model, model=outer, num_layers=num_layers, name=f"{model.name}[:{num_layers} layers]",
+                               model_id=f"{model.model_id}:first-{num_layers}-layers")
+
+
 def spec_main(args: argparse.Namespace, model: LoadedModel) -> int:
     base = dict(max_num_seqs=64, max_num_batched_tokens=2048)
     off = LLMEngine(EngineConfig(**base), loaded=model)  # type: ignore[arg-type]
-    on = LLMEngine(EngineConfig(**base, speculative=args.speculative,  # type: ignore[arg-type]
-                                num_speculative_tokens=args.num_speculative_tokens), loaded=model)
-    print(f"model {model.name} {model.dtype}; BLAS {BLAS.name}; --speculative {args.speculative} "
-          f"--num-speculative-tokens {args.num_speculative_tokens}")
+    # Built after `off`: the draft shares the layers and head the engine's fused ops were installed in.
+    method, _, arg = args.speculative.partition(":")
+    draft = truncated_draft(model, int(arg.partition("=")[2])) if arg.startswith("layers=") else None
+    speculative = f"draft:{draft.name}" if draft is not None else args.speculative
+    on = LLMEngine(EngineConfig(**base, speculative=speculative,  # type: ignore[arg-type]
+                                num_speculative_tokens=args.num_speculative_tokens), loaded=model, draft=draft)
+    if on.draft is not None:
+        d = on.draft
+        print(f"draft {d.name}: {d.num_layers} of {model.num_layers} layers, {d.num_parameters / 1e6:.1f}M parameters "
+              f"of {model.num_parameters / 1e6:.1f}M")
+    print(f"model {model.name} {model.dtype}; BLAS {BLAS.name}; CPU kernels {cpu_ext.isa()}; --speculative "
+          f"{args.speculative} --num-speculative-tokens {args.num_speculative_tokens}")
     warm = [chat_prompt(model, CHAT[0])]
     timed_generate(off, warm, 8)
     timed_generate(on, warm, 8)
@@ -158,7 +190,8 @@ def spec_main(args: argparse.Namespace, model: LoadedModel) -> int:
     out.mkdir(parents=True, exist_ok=True)
     path = out / f"engine-spec-{time.strftime('%Y%m%d-%H%M%S')}.json"
     path.write_text(json.dumps({"model": model.name, "dtype": str(model.dtype), "blas": BLAS.name,
-                                "speculative": args.speculative, "num_speculative_tokens": args.num_speculative_tokens,
+                                "cpu_isa": cpu_ext.isa(), "speculative": args.speculative,
+                                "draft_layers": on.draft.num_layers if on.draft is not None else None, "num_speculative_tokens": args.num_speculative_tokens,
                                 "rows": [asdict(r) | {"ratio": r.ratio} for r in rows]}, indent=2))
     print(f"wrote {path}")
     if not all(r.identical for r in rows):
