@@ -25,7 +25,7 @@ resample the residual) accepts 1 - TV but draws other tokens than decoding witho
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 import mlx.core as mx
 
@@ -80,19 +80,42 @@ class DraftProposer:
                 st.draft_computed, st.draft_preemptions = 0, s.num_preemptions
         self._catch_up(seqs)
         base = [rows(s) for s in seqs]
+        # Without penalties a sampling row does not read the proposal so far, so each forward is fed the previous
+        # one's samples unread and the proposals are read back once; with them, each step is read back.
+        lazy = not any(r.params.needs_penalties for r in base)
         drafts: list[list[int]] = [[] for _ in seqs]
+        steps: list[tuple[list[int], mx.array]] = []  # (rows, their samples) per forward, unread
+        prev: tuple[list[int], mx.array] | None = None
         for j in range(max(ks)):
             live = [i for i, k in enumerate(ks) if k > j]
             live_seqs = [seqs[i] for i in live]
             # Position n - 1 + j: the pending token (j = 0), then the proposal so far.
             starts = [seqs[i].num_tokens - 1 + j for i in live]
-            tokens = None if j == 0 else mx.array([[drafts[i][-1]] for i in live], mx.int32)
+            if j == 0:
+                tokens = None
+            elif prev is not None:  # lazy: the previous step's samples of the rows still proposing
+                at = {i: n for n, i in enumerate(prev[0])}
+                picked = [at[i] for i in live]
+                t = prev[1] if len(picked) == len(prev[0]) else prev[1][mx.array(picked)]
+                tokens = t.reshape(-1, 1).astype(mx.int32)
+            else:
+                tokens = mx.array([[drafts[i][-1]] for i in live], mx.int32)
             logits = self.runner.forward(prepare_inputs(live_seqs, starts, [1] * len(live), bs, tokens))
             self.num_forwards += 1
-            sample_rows = [position_rows(base[i], drafts[i])[-1] for i in live]
-            picked = self.runner.sampler.read(self.runner.sampler.sample(logits, sample_rows)).token_ids
-            for i, t in zip(live, picked):
+            sample_rows = [position_rows(base[i], drafts[i] if not lazy else [0] * j)[-1] for i in live]
+            sampled = self.runner.sampler.sample(logits, sample_rows)
+            if lazy:
+                mx.async_eval(sampled.tokens, *self.runner.pool.arrays())
+                prev = (live, sampled.tokens)
+                steps.append(prev)
+                continue
+            for i, t in zip(live, self.runner.sampler.read(sampled).token_ids):
                 drafts[i].append(t)
+        if steps:
+            mx.eval(*(t for _, t in steps))
+            for live, t in steps:
+                for i, token in zip(live, cast("list[int]", t.tolist())):
+                    drafts[i].append(token)
         for s, k in zip(seqs, ks):
             assert s.spec is not None
             s.spec.draft_computed = s.num_tokens - 1  # every token before the pending one
