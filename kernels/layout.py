@@ -95,6 +95,9 @@ class ModelShapes:
     # The formats of the linear weights kept quantized (MLX's affine layout): (bits, group_size, dtype of
     # the scales and biases, e.g. "float16") each; (): none (every weight is a float matrix).
     quantization: tuple[tuple[int, int, str], ...] = ()
+    # Gated delta-net layers (Qwen3-Next, Qwen3.5; trillm.kernels.gated_delta): (key heads, value heads, key
+    # dim, value dim); (): none.
+    delta_net: tuple[int, ...] = ()
 
     @property
     def windows(self) -> tuple[int | None, ...]:

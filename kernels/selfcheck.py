@@ -57,6 +57,8 @@ import mlx.core as mx
 
 from trillm.kernels import cpu_ext
 from trillm.kernels.backend import Case, Kernel, KernelOp, forced_reference, kernel_backend
+from trillm.kernels import gated_delta as gated_delta_op
+from trillm.kernels.gated_delta import GatedDeltaFn
 from trillm.kernels.kv_gather import OP as KV_GATHER
 from trillm.kernels.kv_gather import KvGatherFn, kv_gather, kv_gather_ref
 from trillm.kernels.layout import ModelShapes
@@ -79,7 +81,7 @@ FAILURE_TTL_S = 3600.0  # how long a failure that raised stays cached (a mismatc
 ISOLATE_ENV = "TRILLM_KERNEL_ISOLATE"  # "1": uncached checks run in a child first; "0": never; unset: on GPU
 CHILD_TIMEOUT_S = 300.0  # one child's limit (a first Metal/CUDA compile of every variant takes seconds, not minutes)
 ENGINE_OPS: tuple[KernelOp, ...] = (PAGED_ATTENTION, KV_GATHER, rms_norm_op.OP, rope_op.OP, silu_mul_op.OP, linear_op.OP,
-                                    mla_op.OP, quant_linear_op.OP)  # fmt: skip
+                                    mla_op.OP, quant_linear_op.OP, gated_delta_op.OP)  # fmt: skip
 REFERENCE = "reference"
 MLX_VERSION = str(getattr(mx, "__version__", "unknown"))  # (mlx's stubs omit __version__)
 _PACKAGE_DIR = Path(__file__).resolve().parent
@@ -149,12 +151,16 @@ class KernelSelection:
     mla_attention: MlaAttentionFn = mla_op.mla_attention  # MLA models' attention (trillm.kernels.mla_attention)
     # Linear layers on weights kept quantized (trillm.kernels.quant_linear)
     quant_linear: Callable[..., mx.array] = quant_linear_op.quant_linear
+    # Delta-net layers' recurrence (trillm.kernels.gated_delta); None: mlx-lm's own gated_delta_update runs
+    # (its Metal kernel on Metal, its ops elsewhere).
+    gated_delta: GatedDeltaFn | None = None
 
 
 def unchecked() -> KernelSelection:
     """The per-call dispatchers, for code that builds caches without an engine (tests, benchmarks)."""
     report = KernelReport("unchecked", kernel_backend(), device_description(), (), 0.0)
-    return KernelSelection(report, paged_attention, kv_gather)
+    gdn = gated_delta_op.gated_delta if kernel_backend() == "cpu" else None
+    return KernelSelection(report, paged_attention, kv_gather, gated_delta=gdn)
 
 
 def device_description() -> str:
@@ -215,7 +221,13 @@ def select_kernels(
         linear=chosen.get(linear_op.OP.name, linear_op.linear_ref),
         mla_attention=chosen.get(mla_op.OP.name, mla_op.mla_attention_ref),
         quant_linear=chosen.get(quant_linear_op.OP.name, quant_linear_op.quant_linear),
+        gated_delta=None if _runs_reference(reports, gated_delta_op.OP) else chosen[gated_delta_op.OP.name],
     )  # fmt: skip
+
+
+def _runs_reference(reports: list[OpReport], op: KernelOp) -> bool:
+    """Whether `op` is left out of the check or runs its reference (then the model's own code runs instead)."""
+    return next((r.implementation for r in reports if r.op == op.name), REFERENCE) == REFERENCE
 
 
 @dataclass(frozen=True, slots=True)
@@ -362,8 +374,15 @@ def _check_case(op: KernelOp, kernel: Kernel, case: Case) -> tuple[str, bool] | 
         return f"{case.label}: {_error_text(exc)}", False
     want = op.reference(*case.args, **case.kwargs)
     mx.eval(want)
-    if (problem := compare(got, want, op.exact, op.tolerances.get(want.dtype, (0.0, 0.0)))) is not None:
-        return f"{case.label}: {problem}", True
+    # An op with several outputs (the gated delta rule's y and state) returns a tuple: each is compared.
+    wants = want if isinstance(want, tuple) else (want,)
+    gots = got if isinstance(got, tuple) else (got,)
+    if len(gots) != len(wants):
+        return f"{case.label}: returned {len(gots)} outputs, expected {len(wants)}", True
+    for i, (g, w) in enumerate(zip(gots, wants)):
+        if (problem := compare(g, w, op.exact, op.tolerances.get(w.dtype, (0.0, 0.0)))) is not None:
+            where = f" (output {i})" if len(wants) > 1 else ""
+            return f"{case.label}{where}: {problem}", True
     return None
 
 
@@ -419,7 +438,8 @@ def _shapes_json(shapes: ModelShapes) -> dict[str, Any]:
 def _shapes_from_json(fields: dict[str, Any]) -> ModelShapes:
     return ModelShapes(**{**fields, "dtype": getattr(mx, fields["dtype"]),
                           "layer_windows": tuple(fields["layer_windows"]),
-                          "quantization": tuple(tuple(f) for f in fields.get("quantization", ()))})  # fmt: skip
+                          "quantization": tuple(tuple(f) for f in fields.get("quantization", ())),
+                          "delta_net": tuple(fields.get("delta_net", ()))})  # fmt: skip
 
 
 def check_in_child(
@@ -635,6 +655,8 @@ PRESETS: dict[str, ModelShapes] = {
     "llama-4-chunked": ModelShapes(40, 8, 128, 16, mx.float32, attention_chunk=1000),
     # MLA: the latent pool is one 512-wide head (kv_lora_rank), k_pe 64 wide; 16 query heads
     "deepseek-v2-lite": ModelShapes(16, 1, 512, 16, mx.float32, kv_lora_rank=512, qk_rope_head_dim=64),
+    # Qwen3-Next-80B-A3B's delta-net layers: 16 key heads, 32 value heads of 128 (its attention beside them)
+    "qwen3-next": ModelShapes(16, 2, 256, 16, mx.float32, delta_net=(16, 32, 128, 128)),
 }
 
 

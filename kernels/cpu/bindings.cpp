@@ -3,6 +3,7 @@
 #include <nanobind/stl/optional.h>
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/variant.h>
+#include <nanobind/stl/vector.h>
 
 #include "ops.h"
 #include "simd.h"
@@ -27,6 +28,9 @@ NB_MODULE(_trillm_cpu, m) {
         "The MLA primitive's split on this pool: (heads per item, queries per item, partitions, partition size).");
   m.def("rms_norm", &trillm_cpu::rms_norm, "x"_a, "weight"_a, "eps"_a, nb::kw_only(), "stream"_a = nb::none(),
         "RMSNorm over the last axis (as mx.fast.rms_norm).");
+  m.def("gated_delta", &trillm_cpu::gated_delta, "q"_a, "k"_a, "v"_a, "g"_a, "beta"_a, "state"_a,
+        "mask"_a = nb::none(), nb::kw_only(), "stream"_a = nb::none(),
+        "The gated delta rule over T tokens: [y, new state] (see trillm.kernels.gated_delta).");
   m.def("rope", &trillm_cpu::rope, "x"_a, "dims"_a, nb::kw_only(), "traditional"_a, "base"_a, "scale"_a,
         "offset"_a, "stream"_a = nb::none(), "RoPE (as mx.fast.rope, forward); offset: int32 [1] or [B].");
   m.def("silu_mul", &trillm_cpu::silu_mul, "gate"_a, "up"_a, nb::kw_only(), "stream"_a = nb::none(),

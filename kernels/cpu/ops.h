@@ -5,6 +5,7 @@
 #include <optional>
 #include <string>
 #include <utility>
+#include <vector>
 
 // TRILLM_KERNEL_BODIES_ONLY: the plain declarations only, for tests/kernels/cpu_bodies.cpp (the kernel bodies without mlx).
 #ifndef TRILLM_KERNEL_BODIES_ONLY
@@ -81,6 +82,35 @@ class MlaAttention : public mx::Primitive {
 
  private:
   float scale_;
+};
+
+// The gated delta rule (Qwen3-Next / Qwen3.5 linear attention), as mlx-lm's gated_delta_ops: q, k
+// [B, T, Hk, Dk], v [B, T, Hv, Dv] (one dtype of float32, float16, bfloat16; value head hv reads key head
+// hv / (Hv / Hk)); g [B, T, Hv] or [B, T, Hv, Dk] and beta [B, T, Hv] (read as float32); state [B, Hv, Dv,
+// Dk] (float32); mask bool [B, T] or none (a masked token leaves the state as it was). Per token:
+// state *= g; delta = (v - state . k) * beta; state += k delta^T; y = state . q -> {y [B, T, Hv, Dv] in q's
+// dtype, the new state float32}.
+std::vector<mx::array> gated_delta(const mx::array& q, const mx::array& k, const mx::array& v, const mx::array& g,
+                                   const mx::array& beta, const mx::array& state,
+                                   const std::optional<mx::array>& mask, mx::StreamOrDevice s = {});
+
+class GatedDelta : public mx::Primitive {
+ public:
+  GatedDelta(mx::Stream stream, bool vec_g, bool has_mask)
+      : mx::Primitive(stream), vec_g_(vec_g), has_mask_(has_mask) {}
+  void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override;
+  void eval_gpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override;
+  const char* name() const override {
+    return "TrillmGatedDelta";
+  }
+  bool is_equivalent(const mx::Primitive& other) const override {
+    const auto& o = static_cast<const GatedDelta&>(other);
+    return vec_g_ == o.vec_g_ && has_mask_ == o.has_mask_;
+  }
+
+ private:
+  bool vec_g_;
+  bool has_mask_;
 };
 
 // RMSNorm over the last axis: x * rsqrt(mean(x^2) + eps) * weight, as mx.fast.rms_norm.

@@ -7,9 +7,12 @@
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
+#include <memory>
 #include <random>
+#include <string>
 #include <vector>
 
+#include "gated_delta.cpp"
 #include "linear.cpp"
 #include "paged_attention.cpp"
 #include "rms_norm.cpp"
@@ -205,6 +208,46 @@ void check_attention(int B, int HQ, int HKV, int D, int L, int ctx, int window) 
 
 }  // namespace
 
+// The gated delta rule over T tokens, against the recurrence in double (a scalar or per-channel gate, GQA,
+// a masked token), on fp32 inputs: each ISA's row tiles (and the scalar rows for a Dk off the lanes).
+void check_gated_delta(int B, int T, int Hk, int Hv, int Dk, int Dv, bool vec_g) {
+  auto q = randn(size_t(B) * T * Hk * Dk, 0.1f), k = randn(size_t(B) * T * Hk * Dk, 0.1f);
+  auto v = randn(size_t(B) * T * Hv * Dv), st = randn(size_t(B) * Hv * Dv * Dk);
+  auto graw = randn(size_t(B) * T * Hv * (vec_g ? Dk : 1)), braw = randn(size_t(B) * T * Hv);
+  std::vector<float> g(graw.size()), beta(braw.size());
+  for (size_t i = 0; i < g.size(); ++i) g[i] = std::exp(-std::fabs(graw[i]));
+  for (size_t i = 0; i < beta.size(); ++i) beta[i] = 1.0f / (1.0f + std::exp(-braw[i]));
+  std::unique_ptr<bool[]> mask(new bool[size_t(B) * T]);
+  for (int i = 0; i < B * T; ++i) mask[i] = !(i % T == T - 1 && i / T == B - 1 && T > 1);  // last row's last token
+  std::vector<float> y(size_t(B) * T * Hv * Dv), out(st.size());
+  GdnArgs a{B, T, Hk, Hv, Dk, Dv, vec_g, g.data(), beta.data(), mask.get(), st.data(), out.data()};
+  gated_delta_run<float>(a, q.data(), k.data(), v.data(), y.data());
+  std::vector<double> wy(y.size()), ws(st.begin(), st.end());
+  for (int b = 0; b < B; ++b)
+    for (int h = 0; h < Hv; ++h) {
+      const int hk = h / (Hv / Hk);
+      for (int t = 0; t < T; ++t) {
+        const size_t sh = (size_t(b) * T + t) * Hv + h;
+        const float* qt = &q[((size_t(b) * T + t) * Hk + hk) * Dk];
+        const float* kt = &k[((size_t(b) * T + t) * Hk + hk) * Dk];
+        for (int r = 0; r < Dv; ++r) {
+          double* row = &ws[((size_t(b) * Hv + h) * Dv + r) * Dk];
+          std::vector<double> nr(Dk);
+          double kv = 0.0, o = 0.0;
+          for (int i = 0; i < Dk; ++i) kv += (nr[i] = row[i] * g[vec_g ? sh * Dk + i : sh]) * kt[i];
+          const double delta = (v[sh * Dv + r] - kv) * beta[sh];
+          for (int i = 0; i < Dk; ++i) o += (nr[i] += kt[i] * delta) * qt[i];
+          wy[sh * Dv + r] = o;
+          if (mask[size_t(b) * T + t]) std::copy(nr.begin(), nr.end(), row);
+        }
+      }
+    }
+  const std::string what = "gated_delta B=" + std::to_string(B) + " T=" + std::to_string(T) + " Dk=" +
+                           std::to_string(Dk) + (vec_g ? " vector gate" : "");
+  expect_close((what + " y").c_str(), y, wy, 1e-4, 1e-4);
+  expect_close((what + " state").c_str(), out, ws, 1e-4, 1e-4);
+}
+
 int main() {
   std::printf("ISA %s: %d floats per vector, %d vector registers, %d threads\n", TRILLM_SIMD, W, NREG,
               ThreadPool::get().size());
@@ -222,6 +265,9 @@ int main() {
   check_attention(3, 8, 2, 128, 1, 600, 0);   // decode across two partitions
   check_attention(1, 4, 4, 64, 21, 50, 0);    // a prefill chunk over a cached prefix
   check_attention(2, 4, 2, 80, 5, 40, 16);    // D not a power of two, a sliding window
+  check_gated_delta(2, 1, 2, 4, 128, 64, false);  // decode, GQA 2, Qwen3.5's Dk
+  check_gated_delta(3, 9, 1, 2, 64, 16, true);    // a scan, a per-channel gate
+  check_gated_delta(1, 5, 2, 2, 24, 8, false);    // Dk off every ISA's lanes: the scalar rows
   std::printf(failures ? "%d check(s) failed\n" : "all checks passed\n", failures);
   return failures ? 1 : 0;
 }
