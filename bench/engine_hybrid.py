@@ -6,7 +6,8 @@ downloaded), with the default model's tokenizer. In one process, alternating: si
 mlx-lm's `generate_step`, batches against its `BatchGenerator`, a long prompt's prefill, and a conversation's
 second-turn TTFT with the prefix cache (resuming from a recurrent-state checkpoint) against without. First a
 profile of one decode step: the share of it the recurrent layers' delta-rule update takes (mlx-lm's own
-`gated_delta_update` on the step's shapes, timed alone), which says whether a kernel for it would pay.
+`gated_delta_update` on the step's shapes, timed alone, and trillm's `gated_delta` that the engine runs in
+its place: trillm.kernels.gated_delta), which says what is left of the step beside it.
 """
 
 from __future__ import annotations
@@ -43,7 +44,9 @@ class HybridFigures:
     prefill: tuple[float, float]
     second_turn_ttft: tuple[float, float]  # (cached, uncached) seconds
     second_turn_prefilled: tuple[int, int]  # prompt tokens computed on the second turn (cached, uncached)
-    recurrent_share: float  # of one batch-16 decode step: the delta-rule updates alone
+    recurrent_share: float  # of one batch-16 decode step: the delta-rule updates alone (mlx-lm's)
+    recurrent_ms: tuple[float, float] = (0.0, 0.0)  # those updates alone, (trillm's gated_delta, mlx-lm's) ms
+    gated_delta: str = ""  # what the engine's self-check chose for the recurrence
 
 
 def qwen35_model(hidden: int, layers: int, interval: int, vocab: int, seed: int = 0) -> tuple[nn.Module, dict[str, Any]]:
@@ -74,10 +77,20 @@ def loaded(model: nn.Module, text: dict[str, Any]) -> LoadedModel:
                        num_attention_heads=text["num_attention_heads"], vocab_size=text["vocab_size"])
 
 
-def recurrent_share(model: nn.Module, lm: LoadedModel, batch: int, iters: int = 5) -> tuple[float, float]:
-    """(seconds of the delta-rule updates of one decode step, all linear layers, timed alone; seconds of the
-    whole step through the engine) at `batch` rows."""
+@dataclass(frozen=True)
+class StepProfile:
+    mlx_lm_s: float  # the delta-rule updates of one decode step, all linear layers, mlx-lm's, timed alone
+    trillm_s: float  # the same through trillm's gated_delta (g and beta as mlx-lm computes them)
+    step_s: float  # the whole step through the engine
+    gated_delta: str  # the engine's choice for the recurrence ("cpu", "reference": mlx-lm's own)
+
+
+def recurrent_share(model: nn.Module, lm: LoadedModel, batch: int, iters: int = 5) -> StepProfile:
+    """The delta-rule updates of one decode step at `batch` rows, timed alone, and the engine's whole step."""
+    from mlx_lm.models import gated_delta as mlx_gdn
     from mlx_lm.models.gated_delta import gated_delta_update
+
+    from trillm.kernels.gated_delta import gated_delta
 
     layers = [layer.linear_attn for layer in model.language_model.model.layers if hasattr(layer, "linear_attn")]
     g = layers[0]
@@ -92,12 +105,22 @@ def recurrent_share(model: nn.Module, lm: LoadedModel, batch: int, iters: int = 
         outs = [gated_delta_update(q, k, v, a, b, layer.A_log, layer.dt_bias, st) for layer, st in zip(layers, states)]
         mx.eval(outs)
 
-    updates()
-    t0 = time.perf_counter()
-    for _ in range(iters):
-        updates()
-    alone = (time.perf_counter() - t0) / iters
+    def ours() -> None:
+        outs = [gated_delta(q, k, v, mlx_gdn.compute_g(layer.A_log, a, layer.dt_bias), mx.sigmoid(b), st)
+                for layer, st in zip(layers, states)]
+        mx.eval(outs)
+
+    def timed(fn: Any) -> float:
+        fn()
+        t0 = time.perf_counter()
+        for _ in range(iters):
+            fn()
+        return (time.perf_counter() - t0) / iters
+
+    alone, trillm_alone = timed(updates), timed(ours)
     engine = LLMEngine(EngineConfig(max_num_seqs=batch, max_num_batched_tokens=2048, verify_model=False), loaded=lm)
+    report = engine.kernel_report
+    choice = next((r.implementation for r in report.ops if r.op == "gated_delta"), "?") if report else "?"
     params = SamplingParams(max_tokens=iters + 4, temperature=0.0, ignore_eos=True)
     for i, p in enumerate(make_prompts(lm, batch)):
         engine.add_request(f"profile-{i}", p, params)
@@ -107,7 +130,7 @@ def recurrent_share(model: nn.Module, lm: LoadedModel, batch: int, iters: int = 
     while engine.has_unfinished_requests():
         engine.step()
         steps += 1
-    return alone, (time.perf_counter() - t0) / max(steps, 1)
+    return StepProfile(alone, trillm_alone, (time.perf_counter() - t0) / max(steps, 1), choice)
 
 
 def second_turn(engine: LLMEngine, first: list[int], new: list[int], reply: int, tag: str) -> tuple[float, int]:
@@ -139,9 +162,11 @@ def hybrid_main(args: argparse.Namespace) -> int:
     print(f"qwen3_5-shaped, {n_params / 1e6:.0f}M params fp32 ({4 * n_params / 1e6:.0f} MB), {args.hybrid_layers} "
           f"layers (full attention every {args.hybrid_interval}); CPU kernels {isa}; BLAS {BLAS.name}", flush=True)
 
-    alone, step = recurrent_share(model, lm, 16)
-    print(f"profile, batch-16 decode step: {1e3 * step:.1f} ms, of which the delta-rule updates alone "
-          f"{1e3 * alone:.1f} ms ({100 * alone / step:.0f}%)", flush=True)
+    prof = recurrent_share(model, lm, 16)
+    alone, step = prof.mlx_lm_s, prof.step_s
+    print(f"profile, batch-16 decode step: {1e3 * step:.1f} ms (the engine's recurrence: {prof.gated_delta}); the "
+          f"delta-rule updates alone: mlx-lm's {1e3 * alone:.1f} ms, trillm's gated_delta {1e3 * prof.trillm_s:.1f} "
+          f"ms ({100 * prof.trillm_s / step:.0f}% of the step)", flush=True)
 
     engine = LLMEngine(EngineConfig(max_num_seqs=64, max_num_batched_tokens=2048), loaded=lm)
     uncached = LLMEngine(EngineConfig(max_num_seqs=64, max_num_batched_tokens=2048, enable_prefix_caching=False,
@@ -166,7 +191,8 @@ def hybrid_main(args: argparse.Namespace) -> int:
           f"({best_c[1]} tokens prefilled), uncached {1e3 * best_u[0]:.0f} ms ({best_u[1]} tokens): "
           f"{best_c[0] / best_u[0]:.2f}x (target <= 0.30x)")
     figures = HybridFigures(n_params / 1e6, isa, (single, peer_single), batches, (prefill, peer_prefill),
-                            (best_c[0], best_u[0]), (best_c[1], best_u[1]), alone / step)
+                            (best_c[0], best_u[0]), (best_c[1], best_u[1]), alone / step,
+                            (1e3 * prof.trillm_s, 1e3 * alone), prof.gated_delta)
     if min(single, peer_single, prefill, peer_prefill, *(x for pair in batches.values() for x in pair)) <= 0 or \
             best_c[1] >= best_u[1] or not best_u[0] < float("inf"):
         raise SystemExit("bench engine --hybrid measured nothing (or the second turn never hit the prefix cache)")

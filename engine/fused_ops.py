@@ -3,7 +3,8 @@ activation, through trillm.kernels.
 
 `install_fused_ops(model)` swaps the model's `nn.Linear`, `nn.Embedding`, `nn.RMSNorm` and `nn.RoPE` modules
 for subclasses (same parameters, same attributes; quantized linear layers and embeddings, kept quantized,
-run `quant_linear`) and rebinds `swiglu` in the model's own mlx-lm modules,
+run `quant_linear`) and rebinds `swiglu` and `gated_delta_update` (the delta-net layers' recurrence: Qwen3-Next, Qwen3.5) in the
+model's own mlx-lm modules,
 the way `install_paged_attention` rebinds attention. They run trillm's ops only inside
 `fused_ops(kernels)`, which ModelRunner.forward enters with the implementations the engine's start-up
 self-check chose (`trillm.kernels.selfcheck`; without a selection, the per-call dispatchers): anything else
@@ -19,6 +20,7 @@ buffer backed by huge pages (`trillm.kernels.hugepages`): decode streams them al
 
 from __future__ import annotations
 
+import inspect
 import sys
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
@@ -32,6 +34,10 @@ from trillm.kernels.selfcheck import KernelSelection, unchecked
 
 _ACTIVE: ContextVar[KernelSelection | None] = ContextVar("trillm_fused_ops", default=None)
 _SWIGLU = "swiglu"
+_GATED_DELTA = "gated_delta_update"
+# gated_delta_update's parameters the fused one understands; a version of mlx-lm with others runs its own.
+_GATED_DELTA_PARAMS = frozenset({"q", "k", "v", "a", "b", "A_log", "dt_bias", "state", "mask", "use_kernel",
+                                 "lower_bound", "allow_neg_eigval"})
 _PACKED = "_trillm_weights_packed"
 
 
@@ -201,6 +207,45 @@ def _fused_swiglu(original: Callable[[mx.array, mx.array], mx.array]) -> Callabl
     return swiglu
 
 
+def _fused_gated_delta(original: Callable[..., tuple[mx.array, mx.array]]) -> Callable[..., tuple[mx.array, mx.array]]:
+    """mlx-lm's gated_delta_update with its recurrence run by the selection's `gated_delta` (the CPU primitive):
+    g and beta computed by mlx-lm's own helpers, as it computes them. Outside fused_ops(), where the
+    selection runs mlx-lm's own (None: on Metal, or the kernel lost its check), with use_kernel=False (mlx-lm's
+    training path) or parameters this version does not know: the original."""
+    sig = inspect.signature(original)
+    helpers = sys.modules.get(original.__module__)
+    known = set(sig.parameters) <= _GATED_DELTA_PARAMS
+
+    def gated_delta_update(*args: object, **kwargs: object) -> tuple[mx.array, mx.array]:
+        k = _ACTIVE.get()
+        run = k.gated_delta if k is not None else None
+        if run is None or not known or helpers is None:
+            return original(*args, **kwargs)
+        bound = sig.bind(*args, **kwargs)
+        bound.apply_defaults()
+        p = bound.arguments
+        if not p.get("use_kernel", True):
+            return original(*args, **kwargs)
+        q, key, v, a, b = (p[n] for n in ("q", "k", "v", "a", "b"))
+        assert isinstance(q, mx.array) and isinstance(key, mx.array) and isinstance(v, mx.array)
+        beta = mx.sigmoid(b)
+        if p.get("allow_neg_eigval"):
+            beta = beta * 2.0
+        lower_bound = p.get("lower_bound")
+        g = (helpers.compute_g(p["A_log"], a, p["dt_bias"]) if lower_bound is None
+             else helpers.compute_lower_bound_g(p["A_log"], a, p["dt_bias"], lower_bound))  # fmt: skip
+        state = p.get("state")
+        if state is None:
+            B, _, _, dk = q.shape
+            state = mx.zeros((B, v.shape[2], v.shape[3], dk), dtype=mx.float32)
+        mask = p.get("mask")
+        assert isinstance(state, mx.array) and (mask is None or isinstance(mask, mx.array))
+        return run(q, key, v, g, beta, state, mask)
+
+    gated_delta_update.__trillm_original__ = original  # type: ignore[attr-defined]
+    return gated_delta_update
+
+
 def _replacement(child: object) -> nn.Module | None:
     if not isinstance(child, nn.Module):
         return None
@@ -306,4 +351,12 @@ def install_fused_ops(model: nn.Module) -> list[str]:
         if not hasattr(fn, "__trillm_original__"):
             setattr(mod, _SWIGLU, _fused_swiglu(fn))
         counts["swiglu"] = counts.get("swiglu", 0) + 1
+    for name in sorted({type(m).__module__ for _, m in model.named_modules()}):
+        mod = sys.modules.get(name)
+        fn = getattr(mod, _GATED_DELTA, None)
+        if fn is None or not callable(fn):
+            continue
+        if not hasattr(fn, "__trillm_original__"):
+            setattr(mod, _GATED_DELTA, _fused_gated_delta(fn))
+        counts["gated_delta"] = counts.get("gated_delta", 0) + 1
     return [f"{name} x{n}" for name, n in sorted(counts.items())] + notes

@@ -110,6 +110,11 @@ def make_kv_pool(lm: LoadedModel, config: EngineConfig, num_blocks: int, max_mod
     mla_ranks = next(((int(m.kv_lora_rank), int(m.qk_rope_head_dim)) for _, m in lm.model.named_modules()
                       if type(m).__name__ == "DeepseekV3Attention"), None)
     args = getattr(lm.model, "args", None)  # mlx-lm's ModelArgs; 0: the kernels derive a size
+    # Gated delta-net layers (mlx-lm's GatedDeltaNet: Qwen3-Next, Qwen3.5): their heads, for the recurrence's kernel.
+    delta_net = next(((int(m.num_k_heads), int(m.num_v_heads), int(m.head_k_dim), int(m.head_v_dim))
+                      for _, m in lm.model.named_modules() if type(m).__name__.endswith("GatedDeltaNet")
+                      and all(hasattr(m, a) for a in ("num_k_heads", "num_v_heads", "head_k_dim", "head_v_dim"))),
+                     ())  # fmt: skip
     selections: dict[tuple[int, int, int | None, int | None], KernelSelection] = {}
     primary: KernelSelection | None = None
     per_layer = []
@@ -129,7 +134,7 @@ def make_kv_pool(lm: LoadedModel, config: EngineConfig, num_blocks: int, max_mod
                                  max_context=max_model_len, hidden_size=int(getattr(args, "hidden_size", 0) or 0),
                                  intermediate_size=int(getattr(args, "intermediate_size", 0) or 0),
                                  vocab_size=int(getattr(args, "vocab_size", 0) or 0),
-                                 quantization=quantization_formats(lm.model))  # fmt: skip
+                                 quantization=quantization_formats(lm.model), delta_net=delta_net)  # fmt: skip
             try:
                 if primary is None:
                     selections[key] = primary = select_kernels(shapes, config.kernels)
