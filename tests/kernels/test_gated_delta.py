@@ -6,6 +6,7 @@ engine's seam: a model's gated_delta_update runs the primitive inside fused_ops(
 from __future__ import annotations
 
 import os
+import shutil
 import sys
 
 import numpy as np
@@ -142,3 +143,23 @@ def test_engine_seam_routes_the_models_own_call() -> None:
     assert mx.array_equal(kept[1], want[1]).item()
     assert hasattr(qwen3_5, "gated_delta_update")
     assert sys.modules[original.__module__] is mlx_gdn
+
+
+@pytest.mark.skipif(shutil.which("g++") is None, reason="g++ not found: the CPU kernel emulator needs it")
+@pytest.mark.parametrize("dtype", [mx.float32, mx.float16], ids=["f32", "f16"])
+@pytest.mark.parametrize("shape, vector_gate, ragged", [
+    ((2, 1, 1, 2, 64, 8), False, False),  # decode, GQA 2
+    ((2, 6, 2, 6, 32, 4), True, True),  # a ragged scan, GQA 3, a per-channel gate
+], ids=["decode", "ragged-scan"])  # fmt: skip
+def test_gpu_body_under_the_emulator(shape: tuple[int, ...], vector_gate: bool, ragged: bool, dtype: mx.Dtype) -> None:
+    # The shared Metal/CUDA body, its template and grid as on a GPU, run by the g++ thread emulator.
+    import kernel_emulator
+
+    from trillm.kernels.gated_delta import gated_delta_kernel
+
+    kernel_emulator.install()
+    args = _inputs(*shape, dtype, vector_gate, ragged, seed=11)
+    y, state = gated_delta_kernel(kernel_emulator.BACKEND, *args)
+    want_y, want_state = mlx_gdn.gated_delta_ops(*args)
+    _close(y, want_y, TOLERANCES[dtype])
+    _close(state, want_state, TOLERANCES[mx.float32])
