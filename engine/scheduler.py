@@ -13,14 +13,17 @@ tag + 1, but never less than the virtual time (the largest tag admitted) + 1. Wa
 is round-robin over the requests waiting, and a request arriving behind a 1,000-sequence one is admitted
 within one sequence of it. Ungrouped sequences (every tag the virtual time + 1) stay first-come first-served.
 Two bounds keep one request from crowding out the others: its share of the waiting queue
-(`RequestLimits.max_group_waiting`, refused with InvalidRequest) and of the running batch. Alone, or while
-every group's running + waiting sequences fit the batch, a request may use every row; under contention each
-group's share is its max-min fair share of the rows (`_fair_shares`: who wants less than an equal split gets
-what it wants, the rest split the remainder). A waiting sequence of a group at its share is passed over
-(the only way the head is overtaken), and one under its share that finds every row taken preempts the newest
-running sequence of the group furthest over its share (by recompute, as for a lack of blocks; its full blocks
-stay in the prefix cache): another request's first sequence gets a row in the step after it arrives, and
-the large request keeps its share, so it still progresses.
+(`RequestLimits.max_group_waiting`, refused with InvalidRequest) and of the running batch. Alone, a request
+may use every row; beside others each group's share is its max-min fair share of the rows (`_fair_shares`:
+who wants less than an equal split gets what it wants, the rest split the remainder), and never more than an
+equal split, ceil(rows / live groups), even while rows are free: a step's time grows with its rows (on a CPU
+about linearly), so a free row given to a large request is paid for by every other request's inter-token gap
+and first token. A waiting sequence of a group at its share is passed over (the only way the head is
+overtaken), and one under its share that finds every row taken preempts the newest running sequence of the
+group furthest over its share (by recompute, as for a lack of blocks; its full blocks stay in the prefix
+cache): another request's first sequence gets a row in the step after it arrives, and the large request
+keeps its share, so it still progresses. A group left over its share when others arrive is not preempted for
+that alone: it shrinks as its sequences finish, or as newcomers need its rows.
 
 Scheduling policy (`EngineConfig.scheduling_policy`, vLLM's names): under "fcfs" a request's `priority` is
 ignored (the order above). Under "priority" lower values go first, aged so that nothing starves: priority p
@@ -137,17 +140,22 @@ class Scheduler:
         return self.limits.max_model_len
 
     def _fair_shares(self) -> dict[str, int]:
-        """Each live group's max-min fair share of the running rows, or {} when every group's demand (its
-        running + waiting sequences) fits the rows that ungrouped sequences leave: then nobody is capped.
+        """Each live group's share of the running rows that ungrouped sequences leave, or {} for a group alone.
 
-        Water-filling: groups wanting less than an equal split get what they want, the rest split what is left;
-        its remainder goes to the groups holding the most rows now (then in queue order), so that a share never
-        moves a row for nothing.
+        A group's demand (its running + waiting sequences) counts up to an equal split of the rows, ceil(rows /
+        live groups); if those demands fit, each is its share. Else water-filling (max-min fairness): groups
+        wanting less than an equal split get what they want, the rest split what is left; its remainder goes
+        to the groups holding the most rows now (then in queue order), so that a share never moves a row for
+        nothing.
         """
-        rows = self.config.max_num_seqs - sum(s.group is None for s in self.running)
-        demand = {g: n + self._group_running[g] for g, n in self._group_waiting.items()}  # in arrival order
-        if sum(demand.values()) <= rows:
+        if len(self._group_waiting) < 2:
             return {}
+        rows = self.config.max_num_seqs - sum(s.group is None for s in self.running)
+        split = -(-max(rows, 0) // len(self._group_waiting))
+        # in arrival order
+        demand = {g: min(n + self._group_running[g], split) for g, n in self._group_waiting.items()}
+        if sum(demand.values()) <= rows:
+            return demand
         shares: dict[str, int] = {}
         left = max(rows, 0)
         by_demand = sorted(demand, key=demand.__getitem__)

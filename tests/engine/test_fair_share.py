@@ -1,6 +1,7 @@
-"""Fair shares of the running batch: a request alone may use every row, but under contention the rows are
-shared max-min fairly between requests (groups), a request under its share takes a row from the one furthest
-over it by preemption (recompute), and the large request keeps progressing."""
+"""Fair shares of the running batch: a request alone may use every row, but beside others the rows are shared
+max-min fairly between requests (groups), none taking more than an equal split even while rows are free, a
+request under its share takes a row from the one furthest over it by preemption (recompute), and the large
+request keeps progressing."""
 
 from __future__ import annotations
 
@@ -31,6 +32,11 @@ def make(max_num_seqs: int) -> Scheduler:
                        max_waiting=10_000)
     bm = BlockManager(4000, 4, model_id="t", enable_prefix_caching=True)
     return Scheduler(cfg, bm, RequestLimits(512, 4, bm.num_usable_blocks, 1000, 10_000))
+
+
+def equal_split(groups: int, rows: int) -> int:
+    """The most rows one of `groups` live requests may hold: every row alone, else ceil(rows / groups)."""
+    return rows if groups < 2 else -(-rows // groups)
 
 
 def max_min_fair(demand: dict[str, int], rows: int) -> dict[str, int]:
@@ -73,19 +79,24 @@ def test_rows_are_shared_max_min_fairly_and_nothing_starves(reqs: list[tuple[int
                 break
             continue
         demand = Counter(q.group for q in s.waiting + s.running)
+        before = Counter(q.group for q in s.running)
+        split = equal_split(len(demand), max_num_seqs)
+        wanted = {g: min(d, split) for g, d in demand.items()}  # what each may hold: up to the equal split
         batch = s.schedule()
         held = Counter(q.group for q in s.running)
         waiting = {q.group for q in s.waiting}
-        # Work-conserving: a sequence waits only while every row is taken.
-        assert not waiting or len(s.running) == max_num_seqs
-        # Max-min fair: nobody waiting holds two rows fewer than anyone else ...
-        for g in waiting:
-            assert all(held[h] <= held[g] + 1 for h in held), (g, held)
-        # ... which is the reference allocation when rows are scarce, and every demand when they are not.
-        if sum(demand.values()) > max_num_seqs:
-            assert sorted(held[g] for g in demand) == sorted(max_min_fair(dict(demand), max_num_seqs).values())
+        # No request grows past the equal split (one may be left over it from before the others arrived) ...
+        assert all(held[g] <= max(split, before[g]) for g in held), (held, before, split)
+        # ... and up to it the batch is work-conserving: a sequence waits while a row is free only if its
+        # request holds its split.
+        assert len(s.running) == max_num_seqs or all(held[g] >= split for g in waiting), (held, split)
+        # Max-min fair: while rows are scarce, everyone holds the reference allocation of what they may hold;
+        # else everyone holds at least that.
+        if sum(wanted.values()) > max_num_seqs:
+            assert sorted(held[g] for g in demand) == sorted(max_min_fair(wanted, max_num_seqs).values())
         else:
-            assert held == demand and not s.waiting
+            assert all(held[g] >= wanted[g] for g in demand), (held, wanted)
+            assert len(demand) > 1 or len(s.running) == min(sum(demand.values()), max_num_seqs)  # alone: every row
         assert all(q.status is SequenceStatus.WAITING for q in batch.preempted)
         rows = [(q, q.num_tokens) for q in s.running]
         s.postprocess(batch, [SampledToken(q, rng.randrange(3, 900)) for q in batch.sampled])
@@ -121,6 +132,39 @@ def test_a_request_alone_uses_every_row_and_gives_one_up_to_a_newcomer() -> None
     batch = s.schedule()
     assert newest in [c.seq for c in batch.prefills]  # back in the freed row, recomputed from the prefix cache
     assert s.num_preemptions == 1
+
+
+def test_beside_other_requests_a_fan_out_takes_free_rows_only_up_to_an_equal_split() -> None:
+    """A step's time grows with its rows, so the rows a fan-out could fill beside a chat are not free: it holds
+    ceil(rows / live requests), and every row again once it is alone."""
+    s = make(8)
+
+    def step() -> Counter[str | None]:
+        """One step; the rows each request held in it."""
+        batch = s.schedule()
+        held = Counter(q.group for q in s.running)
+        s.postprocess(batch, [SampledToken(q, 7) for q in batch.sampled])
+        return held
+
+    chat = Sequence("chat", [9, 9, 9], SamplingParams(max_tokens=8, ignore_eos=True), group="chat")
+    s.add(chat)
+    step()
+    for i in range(64):
+        s.add(Sequence(f"f{i}", [5, 6, i], SamplingParams(max_tokens=3, ignore_eos=True), group="f"))
+    assert step() == {"chat": 1, "f": 4}  # 8 / 2 live requests: 3 rows left free
+    third = Sequence("third", [8, 8], SamplingParams(max_tokens=20, ignore_eos=True), group="third")
+    s.add(third)
+    assert step() == {"chat": 1, "f": 4, "third": 1}  # a free row; the fan-out keeps the 4 it holds ...
+    step()
+    assert step() == {"chat": 1, "f": 3, "third": 1}  # ... and is refilled to 8 / 3 once they finish
+    while not chat.is_finished:
+        step()
+    held = step()
+    assert held == {"f": 4, "third": 1}, held  # 8 / 2 again
+    while not third.is_finished:
+        step()
+    step()
+    assert step() == {"f": 8} and not s.num_preemptions  # alone: every row
 
 
 def run_until(engine: LLMEngine, request_id: str, limit: int) -> tuple[int, list[RequestOutput]]:
