@@ -3,10 +3,9 @@ activation, through trillm.kernels.
 
 `install_fused_ops(model)` swaps the model's `nn.Linear`, `nn.Embedding`, `nn.RMSNorm` and `nn.RoPE` modules
 for subclasses (same parameters, same attributes; quantized linear layers and embeddings, kept quantized,
-run `quant_linear`) and rebinds `swiglu` and `gated_delta_update` (the delta-net layers' recurrence: Qwen3-Next, Qwen3.5) in the
-model's own mlx-lm modules,
-the way `install_paged_attention` rebinds attention. They run trillm's ops only inside
-`fused_ops(kernels)`, which ModelRunner.forward enters with the implementations the engine's start-up
+run `quant_linear`) and rebinds `swiglu` and `gated_delta_update` (the delta-net layers' recurrence: Qwen3-Next,
+Qwen3.5), once, at load, in the model's own mlx-lm modules, the way `install_paged_attention` rebinds attention.
+They run trillm's ops only inside `fused_ops(kernels)`, which ModelRunner.forward enters with the implementations the engine's start-up
 self-check chose (`trillm.kernels.selfcheck`; without a selection, the per-call dispatchers): anything else
 that runs the same model object or module (mlx-lm's own generate, a benchmark's peer) keeps mlx-lm's
 behaviour.
