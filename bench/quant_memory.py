@@ -1,6 +1,7 @@
 """Resident memory after load with the weights kept quantized, against their dequantized float32 load.
 
     trillm bench quant-memory [--layers N] [--skip-default]
+    trillm bench quant-memory --serve-idle [--idle-s S]
 
 1. The default model (SmolLM2-135M-Instruct, Q4_1 GGUF), loaded by `load_model` in a fresh process with
    `--dtype quantized` (the default) and with `--dtype float32`: VmRSS after the load.
@@ -9,6 +10,10 @@
    packed array is random words, never a float32 copy. VmRSS after it is evaluated, its weight bytes, the
    float32 bytes it would take, and three decode steps through trillm's fused ops (quant_linear).
    `--layers N` builds N of its 28 layers (the figure is then extrapolated per layer, and says so).
+3. `--serve-idle` (instead of 1 and 2): the idle resident memory of a served model, each server started alone,
+   healthy, then left idle `--idle-s` seconds: `trillm serve` on the default GGUF, and `trillm serve` and
+   `mlx_lm.server` on the same fp32 MLX folder (bench/harness/export_mlx.py, what `bench peers` serves). VmRSS
+   of the server's whole process tree (trillm's self-check child, if one is still alive, counts).
 """
 
 from __future__ import annotations
@@ -110,10 +115,60 @@ def qwen_row(layers: int) -> dict[str, Any]:
             "params": params, "fp32_mb": params * 4 / 2**20, "layer_mb": layer_bytes / 2**20, "build_s": build_s, "decode_s": min(times[1:])}
 
 
+def tree_rss_mb(pid: int) -> float:
+    """VmRSS of `pid` and its descendants (from /proc), MiB."""
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    total, todo = 0.0, [pid]
+    while todo:
+        p = todo.pop()
+        todo.extend(children.get(p, []))
+        try:
+            for line in Path(f"/proc/{p}/status").read_text().splitlines():
+                if line.startswith("VmRSS:"):
+                    total += int(line.split()[1]) / 1024
+        except OSError:
+            pass
+    return total
+
+
+def serve_idle_rows(idle_s: float) -> list[dict[str, Any]]:
+    """Each server alone: start, wait healthy, idle `idle_s`, read its tree's RSS, stop."""
+    import tempfile
+
+    from trillm.bench.harness.export_mlx import export_gguf
+    from trillm.bench.harness.servers import ServerProcess, free_port, mlx_lm_command, trillm_command
+    from trillm.engine.loader import default_model_path
+
+    folder = str(export_gguf())
+    plan = [("trillm serve", "default GGUF (Q4_1 kept quantized)", trillm_command(str(default_model_path()), free_port())),
+            ("trillm serve", "fp32 MLX folder", trillm_command(folder, free_port())),
+            ("mlx_lm.server", "fp32 MLX folder", mlx_lm_command(folder, free_port()))]
+    rows = []
+    logs = Path(tempfile.mkdtemp(prefix="trillm-idle-rss-"))
+    for i, (name, model, cmd) in enumerate(plan):
+        sp = ServerProcess(name, cmd, int(cmd[cmd.index("--port") + 1]), logs / f"{i}.log")
+        if name == "mlx_lm.server":
+            sp.health_path = "/v1/models"
+        with sp:
+            ready_s = sp.wait_ready()
+            time.sleep(idle_s)
+            assert sp.proc is not None
+            rows.append({"server": name, "model": model, "ready_s": ready_s, "rss_mb": tree_rss_mb(sp.proc.pid)})
+    return rows
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="trillm bench quant-memory", description=__doc__.split("\n")[0])
     ap.add_argument("--layers", type=int, default=28, help="Qwen 7B layers to build (of 28)")
     ap.add_argument("--skip-default", action="store_true")
+    ap.add_argument("--serve-idle", action="store_true", help="idle RSS of trillm serve against mlx_lm.server")
+    ap.add_argument("--idle-s", type=float, default=10.0, help="--serve-idle: seconds idle before reading RSS")
     ap.add_argument("--one-default", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.one_default:
@@ -123,6 +178,17 @@ def main(argv: list[str] | None = None) -> int:
 
     ext = cpu_ext.load()
     print(f"CPU kernels: {ext.SIMD if ext is not None else 'unavailable'}; {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}")
+    if args.serve_idle:
+        rows = serve_idle_rows(args.idle_s)
+        for r in rows:
+            print(f"{r['server']:>13} on {r['model']}: idle RSS {r['rss_mb']:6.0f} MiB (healthy after {r['ready_s']:.1f} s)")
+        base = next(r["rss_mb"] for r in rows if r["server"] == "mlx_lm.server")
+        for r in rows:
+            if r["server"] != "mlx_lm.server":
+                print(f"trillm serve ({r['model']}) / mlx_lm.server: {r['rss_mb'] / base:.2f}x")
+        if not all(r["rss_mb"] > 0 for r in rows):
+            raise SystemExit("bench quant-memory --serve-idle measured nothing")
+        return 0
     measured = False
     if not args.skip_default:
         for r in default_model_rows():

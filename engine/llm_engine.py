@@ -22,7 +22,7 @@ from trillm.engine.errors import InvalidRequest, ModelLoadError, UnknownRequest,
 from trillm.engine.grammar import grammar_compiler
 from trillm.engine.kv_cache import KVLayout
 from trillm.engine.kv_slabs import check_memory, memory_statistics, pool_capacity_for, resize_pool
-from trillm.engine.memory import MemoryBudget, default_memory_limit
+from trillm.engine.memory import MemoryBudget, default_memory_limit, release_freed_heap
 from trillm.engine.loader import LoadedModel
 from trillm.engine.outputs import EngineStatistics, FinishReason, RequestOutput, TokenLogprob, Usage
 from trillm.engine.prompt_logprobs import PromptLogprobsBuffer, ScoredSpan
@@ -246,6 +246,7 @@ class LLMEngine:
         if self.kv_layout is not None and config.verify_model:
             self._verify_model()
             self.release_idle_memory()  # the probe's blocks are nobody's: start from the smallest pool
+        release_freed_heap()  # what the kernel self-check and the probe freed goes back to the system
 
     def _verify_model(self) -> None:
         from trillm.engine.model_probe import probe
@@ -425,6 +426,7 @@ class LLMEngine:
             return 0
         before = cap.nbytes
         self.block_manager.shrink()
+        release_freed_heap()
         self._idle_since = None  # released: nothing more until the next request has come and gone
         return before - cap.nbytes
 

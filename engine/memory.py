@@ -16,6 +16,7 @@ import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import cache
 
 DEFAULT_LIMIT_FRACTION = 0.9
 _UNITS = {"": 1e9, "k": 1e3, "kb": 1e3, "m": 1e6, "mb": 1e6, "g": 1e9, "gb": 1e9, "t": 1e12, "tb": 1e12,
@@ -88,6 +89,30 @@ def default_memory_limit(fraction: float = DEFAULT_LIMIT_FRACTION) -> int | None
     if not room:
         return None
     return process_rss() + int(fraction * max(0, min(room)))
+
+
+@cache
+def _malloc_trim() -> Callable[[int], int] | None:
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        import ctypes
+
+        fn: Callable[[int], int] = ctypes.CDLL("libc.so.6").malloc_trim
+        return fn
+    except (OSError, AttributeError):  # not glibc (musl has no malloc_trim)
+        return None
+
+
+def release_freed_heap() -> None:
+    """Give the C heap's free pages back to the system (glibc's `malloc_trim`; elsewhere nothing).
+
+    MLX's CPU buffers come from malloc; what the start-up self-check, the load probe and a shrunk pool free
+    stays in glibc's arenas (its mmap threshold rises as large blocks are freed, so later ones come from the
+    heap), resident and counted against --memory-limit: on SmolLM2-135M fp32, 1132 MiB idle after start
+    without this, 711 MiB with it."""
+    if (trim := _malloc_trim()) is not None:
+        trim(0)
 
 
 @dataclass(frozen=True, slots=True)
