@@ -2,7 +2,8 @@
 
 Per attention layer there is one K pool and one V pool, each
 
-    pool: [num_blocks, block_size, num_kv_heads, head_dim]   (the model's dtype; fp32 on CPU)
+    pool: [num_blocks, block_size, num_kv_heads, head_dim]   (the model's dtype, fp32 on CPU; or the cache's:
+                                                              float16, bfloat16, or int8 beside a scale pool)
 
 i.e. flash-attention's paged layout. A *slot* is one token position in the pool:
 
@@ -41,6 +42,11 @@ the start-up self-check builds its cases from):
     sinks: [Hq] | None    attention sinks (gpt-oss): one extra logit per head in the softmax, with no value
                           (ModelShapes.sinks)
 
+The int8 cache (`--kv-cache-dtype int8`; `ModelShapes.kv_dtype`): K and V pools of int8, each with a float32
+scale pool [num_blocks, block_size, num_kv_heads], one scale per token and KV head (trillm.kernels.kv_write:
+written by `kv_write_int8`; value = q * scale). Attention takes them as `k_scale=` / `v_scale=`. A float cache
+of another dtype than the queries' (float16 K/V for float32 queries) needs no scales.
+
 MLA layers (DeepSeek V2/V3 and kin; `trillm.kernels.mla_attention`) keep the same two pools per layer with
 one "KV head" each: the K pool holds the compressed latent and the V pool the RoPE part k_pe,
 
@@ -57,7 +63,10 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 
+from trillm.kernels.kv_write import quantize_int8
+
 RESERVED_BLOCK = 0  # padding target for block tables; never allocated to a sequence
+KV_DTYPES = (None, "float32", "float16", "bfloat16", "int8")  # ModelShapes.kv_dtype
 
 
 @dataclass(frozen=True, slots=True)
@@ -98,6 +107,13 @@ class ModelShapes:
     # Gated delta-net layers (Qwen3-Next, Qwen3.5; trillm.kernels.gated_delta): (key heads, value heads, key
     # dim, value dim); (): none.
     delta_net: tuple[int, ...] = ()
+    # The KV pool's dtype, by name ("float32", "float16", "bfloat16", or "int8": int8 values beside float32
+    # scales, see the module docstring); None: `dtype`, the model's.
+    kv_dtype: str | None = None
+
+    @property
+    def int8_kv(self) -> bool:
+        return self.kv_dtype == "int8"
 
     @property
     def windows(self) -> tuple[int | None, ...]:
@@ -132,6 +148,8 @@ class ModelShapes:
             raise ValueError(f"attention_chunk must be >= 1, got {self.attention_chunk}")
         if self.softcap is not None and not self.softcap > 0:
             raise ValueError(f"softcap must be > 0, got {self.softcap}")
+        if self.kv_dtype not in KV_DTYPES:
+            raise ValueError(f"kv_dtype must be one of {KV_DTYPES}, got {self.kv_dtype!r}")
         if min(self.kv_lora_rank, self.qk_rope_head_dim) < 0 or (self.kv_lora_rank > 0) != (self.qk_rope_head_dim > 0):
             raise ValueError(f"MLA needs both kv_lora_rank and qk_rope_head_dim (or neither): {self}")
 
@@ -145,6 +163,15 @@ class PagedBatch:
     v_pool: mx.array
     block_tables: mx.array  # int32 [B, max_blocks]; padding -> RESERVED_BLOCK
     context_lens: mx.array  # int32 [B]
+    k_scale: mx.array | None = None  # float32 [num_blocks, bs, Hkv]: the int8 cache's scales (else None)
+    v_scale: mx.array | None = None
+
+    @property
+    def scales(self) -> dict[str, mx.array]:
+        """The attention calls' keyword arguments for the pools' scales (none for a float cache)."""
+        if self.k_scale is None or self.v_scale is None:
+            return {}
+        return {"k_scale": self.k_scale, "v_scale": self.v_scale}
 
 
 def shuffled_tables(lens: list[int], block_size: int, seed: int) -> tuple[int, list[list[int]]]:
@@ -166,15 +193,23 @@ def random_batch(shapes: ModelShapes, lens: list[int], num_queries: int, seed: i
     """A batch laid out as above: block 0 reserved, rows in shuffled blocks, one padding column per table.
 
     Pool slots no row owns hold random values too, so a kernel that reads outside a row's blocks shows.
+    The pools are in `shapes.kv_dtype` (int8: the random values quantized per token and head, with scales).
     """
     bs, hkv, d = shapes.block_size, shapes.num_kv_heads, shapes.head_dim
     num_blocks, tables = shuffled_tables(lens, bs, seed)
     k2, k3, k4 = mx.random.split(mx.random.key(seed), 3)
     pool_shape = (num_blocks, bs, hkv, d)
+    k_pool, v_pool = mx.random.normal(pool_shape, key=k3), mx.random.normal(pool_shape, key=k4)
+    k_scale = v_scale = None
+    if shapes.int8_kv:
+        (k_pool, k_scale), (v_pool, v_scale) = quantize_int8(k_pool), quantize_int8(v_pool)
+    else:
+        kv_dtype = getattr(mx, shapes.kv_dtype) if shapes.kv_dtype else shapes.dtype
+        k_pool, v_pool = k_pool.astype(kv_dtype), v_pool.astype(kv_dtype)
     return PagedBatch(
         q=mx.random.normal((len(lens), shapes.num_q_heads, num_queries, d), key=k2).astype(shapes.dtype),
-        k_pool=mx.random.normal(pool_shape, key=k3).astype(shapes.dtype),
-        v_pool=mx.random.normal(pool_shape, key=k4).astype(shapes.dtype),
+        k_pool=k_pool, v_pool=v_pool,
         block_tables=mx.array(tables, dtype=mx.int32),
         context_lens=mx.array(lens, dtype=mx.int32),
+        k_scale=k_scale, v_scale=v_scale,
     )

@@ -22,6 +22,12 @@ context partition with an online softmax (flash-decoding). Simdgroups are merged
 with one partition the kernel writes the output, otherwise it writes per-partition (max, sum, unnormalised
 output) and a reduction kernel merges partitions and the sinks. Only decode splits the context (prefill
 has query tiles for parallelism); how finely is a per-back-end `SplitPolicy`.
+
+The pools' dtype. Every implementation takes the K/V pools in the queries' dtype, or (the CPU primitive and
+the reference) a float cache of another dtype, or the int8 cache with its per-token, per-head float32 scales
+(`k_scale=`, `v_scale=`: `trillm.kernels.layout`), dequantized as each token is read. The Metal/CUDA kernels
+have no int8 variant yet: they refuse it (`gpu_supports`), and the engine refuses `--kv-cache-dtype int8` on
+a GPU rather than serve it through the reference's gathers.
 """
 
 from __future__ import annotations
@@ -36,7 +42,8 @@ from trillm.kernels.backend import (
 )  # fmt: skip
 from trillm.kernels import cpu_ext
 from trillm.kernels.kv_gather import kv_gather_ref
-from trillm.kernels.layout import ModelShapes, random_batch
+from trillm.kernels.kv_write import dequantize_int8
+from trillm.kernels.layout import KV_DTYPES, ModelShapes, random_batch
 
 NUM_SIMDGROUPS = 4  # NW: 128 threads per threadgroup
 MAX_ROWS_X_D = 1024  # R * D bound: keeps per-lane registers and threadgroup memory (16 KB) in check
@@ -320,6 +327,8 @@ def gpu_supports(shapes: ModelShapes) -> str | None:
         return f"head_dim {shapes.head_dim} is not a multiple of 32 up to {MAX_ROWS_X_D}"
     if shapes.dtype not in GPU_DTYPES:
         return f"dtype {shapes.dtype} is not float32/float16/bfloat16"
+    if shapes.kv_dtype is not None and getattr(mx, shapes.kv_dtype) != shapes.dtype:
+        return f"a {shapes.kv_dtype} KV cache for {shapes.dtype} queries (no Metal/CUDA variant yet)"
     return None
 
 
@@ -341,6 +350,20 @@ def check_shapes(q: mx.array, k_pool: mx.array, v_pool: mx.array, block_tables: 
                          f"got {block_tables.shape} and {context_lens.shape}")  # fmt: skip
 
 
+def check_scales(k_pool: mx.array, v_pool: mx.array, k_scale: mx.array | None, v_scale: mx.array | None) -> None:
+    """ValueError unless an int8 pool comes with both float32 scale pools [num_blocks, bs, Hkv] and a float
+    pool with none."""
+    if k_pool.dtype != v_pool.dtype:
+        raise ValueError(f"k_pool {k_pool.dtype} and v_pool {v_pool.dtype} must share a dtype")
+    if k_pool.dtype == mx.int8:
+        for name, sc in (("k_scale", k_scale), ("v_scale", v_scale)):
+            if sc is None or sc.shape != k_pool.shape[:3] or sc.dtype != mx.float32:
+                got = "none" if sc is None else f"{sc.shape} {sc.dtype}"
+                raise ValueError(f"an int8 KV pool needs {name} float32 {k_pool.shape[:3]}, got {got}")
+    elif k_scale is not None or v_scale is not None:
+        raise ValueError(f"k_scale/v_scale go with an int8 pool, not {k_pool.dtype}")
+
+
 def paged_attention_kernel(
     backend: str,
     q: mx.array,
@@ -354,6 +377,8 @@ def paged_attention_kernel(
     sinks: mx.array | None = None,
     softcap: float | None = None,
     chunk: int | None = None,
+    k_scale: mx.array | None = None,
+    v_scale: mx.array | None = None,
 ) -> mx.array:
     """Launch the paged attention kernels on `backend` (any name in backend.FACTORIES). Shapes as the reference."""
     check_shapes(q, k_pool, v_pool, block_tables, context_lens)
@@ -361,6 +386,8 @@ def paged_attention_kernel(
     _, bs, hkv, _ = k_pool.shape
     max_blocks = block_tables.shape[1]
     _check_variant(window, softcap, chunk)
+    if k_scale is not None or v_scale is not None or k_pool.dtype == mx.int8:
+        raise NotImplementedError(f"the {backend} paged attention kernel has no int8 KV cache variant yet")
     if k_pool.dtype != q.dtype or v_pool.dtype != q.dtype:
         raise ValueError(f"q {q.dtype} and the pools {k_pool.dtype}/{v_pool.dtype} must share a dtype")
     plan = launch_plan(backend, b, hq, hkv, length, d, max_blocks * bs)
@@ -434,6 +461,8 @@ def paged_attention_ref(
     sinks: mx.array | None = None,
     softcap: float | None = None,
     chunk: int | None = None,
+    k_scale: mx.array | None = None,
+    v_scale: mx.array | None = None,
 ) -> mx.array:
     """Pure-mx paged attention: gather K/V through the tables, mask, then `mx.fast` SDPA (GQA native).
 
@@ -446,8 +475,12 @@ def paged_attention_ref(
     the mask, the sinks and the softmax.
     The whole table width is gathered, so pass a table trimmed to the batch's longest row; reading
     max(context_lens) here would force a host sync every layer.
+    k_scale, v_scale: the int8 cache's float32 scales [num_blocks, bs, Hkv] (`trillm.kernels.layout`).
     """
     _check_variant(window, softcap, chunk)
+    check_scales(k_pool, v_pool, k_scale, v_scale)
+    if k_pool.dtype != q.dtype:
+        k_pool, v_pool, block_tables = _rows_in(q.dtype, k_pool, v_pool, k_scale, v_scale, block_tables)
     if q.shape[2] == 1:
         return _decode_ref(q, k_pool, v_pool, block_tables, context_lens, scale, window, sinks, softcap, chunk)
     n = block_tables.shape[1] * k_pool.shape[1]
@@ -459,6 +492,21 @@ def paged_attention_ref(
     if sinks is not None and sinks.dtype != q.dtype:
         sinks = sinks.astype(q.dtype)
     return mx.fast.scaled_dot_product_attention(q, keys, values, scale=scale, mask=mask, sinks=sinks)
+
+
+def _rows_in(dtype: mx.Dtype, k_pool: mx.array, v_pool: mx.array, k_scale: mx.array | None,
+             v_scale: mx.array | None, block_tables: mx.array) -> tuple[mx.array, mx.array, mx.array]:
+    """The tables' blocks only, dequantized (int8) or cast to `dtype`, as a compact pool [B * n, bs, Hkv, D]
+    with its own tables: the reference then reads them as any pool of the queries' dtype."""
+    b, n = block_tables.shape
+    kb, vb = k_pool[block_tables], v_pool[block_tables]  # [B, n, bs, Hkv, D]
+    if k_scale is not None and v_scale is not None:
+        kb = dequantize_int8(kb, k_scale[block_tables], dtype)
+        vb = dequantize_int8(vb, v_scale[block_tables], dtype)
+    else:
+        kb, vb = kb.astype(dtype), vb.astype(dtype)
+    shape = (b * n, *k_pool.shape[1:])
+    return kb.reshape(shape), vb.reshape(shape), mx.arange(b * n, dtype=mx.int32).reshape(b, n)
 
 
 def _softmax_with_sinks(scores: mx.array, sinks: mx.array | None) -> mx.array:
@@ -551,11 +599,13 @@ def paged_attention_gpu(
     sinks: mx.array | None = None,
     softcap: float | None = None,
     chunk: int | None = None,
+    k_scale: mx.array | None = None,
+    v_scale: mx.array | None = None,
 ) -> mx.array:
-    """`paged_attention` as this GPU's kernels (Metal or CUDA). Shapes as the reference."""
+    """`paged_attention` as this GPU's kernels (Metal or CUDA). Shapes as the reference; no int8 cache yet."""
     return paged_attention_kernel(
         gpu_backend(), q, k_pool, v_pool, block_tables, context_lens, scale=scale, window=window, sinks=sinks,
-        softcap=softcap, chunk=chunk,
+        softcap=softcap, chunk=chunk, k_scale=k_scale, v_scale=v_scale,
     )
 
 
@@ -571,6 +621,8 @@ def paged_attention_cpu(
     sinks: mx.array | None = None,
     softcap: float | None = None,
     chunk: int | None = None,
+    k_scale: mx.array | None = None,
+    v_scale: mx.array | None = None,
 ) -> mx.array:
     """`paged_attention` as a primitive of trillm's CPU extension (kernels/cpu/paged_attention.cpp).
 
@@ -580,8 +632,10 @@ def paged_attention_cpu(
     """
     ext = cpu_ext.require()
     _check_variant(window, softcap, chunk)
+    check_scales(k_pool, v_pool, k_scale, v_scale)
     out: mx.array = ext.paged_attention(q, k_pool, v_pool, block_tables, context_lens, scale=scale,
-                                        window=window or 0, sinks=sinks, softcap=softcap or 0.0, chunk=chunk or 0)
+                                        window=window or 0, sinks=sinks, softcap=softcap or 0.0, chunk=chunk or 0,
+                                        k_scale=k_scale, v_scale=v_scale)
     return out
 
 
@@ -607,7 +661,7 @@ class PagedAttentionFn(Protocol):
     def __call__(
         self, q: mx.array, k_pool: mx.array, v_pool: mx.array, block_tables: mx.array, context_lens: mx.array,
         *, scale: float, window: int | None = None, sinks: mx.array | None = None, softcap: float | None = None,
-        chunk: int | None = None,
+        chunk: int | None = None, k_scale: mx.array | None = None, v_scale: mx.array | None = None,
     ) -> mx.array: ...  # fmt: skip
 
 
@@ -624,6 +678,8 @@ def paged_attention(
     sinks: mx.array | None = None,
     softcap: float | None = None,
     chunk: int | None = None,
+    k_scale: mx.array | None = None,
+    v_scale: mx.array | None = None,
 ) -> mx.array:
     """Causal attention of q [B, Hq, L, D] over each row's cached K/V -> [B, Hq, L, D] in q's dtype.
 
@@ -634,13 +690,14 @@ def paged_attention(
     """
     check_shapes(q, k_pool, v_pool, block_tables, context_lens)
     kernel = None
-    if k_pool.dtype == q.dtype:
+    kv_dtype = None if k_pool.dtype == q.dtype else str(k_pool.dtype).rsplit(".", 1)[-1]
+    if kv_dtype in KV_DTYPES:
         shapes = ModelShapes(q.shape[1], k_pool.shape[2], q.shape[3], k_pool.shape[1], q.dtype, window,
-                             sinks is not None, softcap=softcap, attention_chunk=chunk)  # fmt: skip
+                             sinks is not None, softcap=softcap, attention_chunk=chunk, kv_dtype=kv_dtype)  # fmt: skip
         kernel = OP.kernel_for(kernel_backend(), shapes)
     impl: PagedAttentionFn = kernel.fn if kernel is not None else paged_attention_ref
     return impl(q, k_pool, v_pool, block_tables, context_lens, scale=scale, window=window, sinks=sinks,
-                softcap=softcap, chunk=chunk)
+                softcap=softcap, chunk=chunk, k_scale=k_scale, v_scale=v_scale)
 
 
 # ---------------------------------------------------------------- self-check cases
@@ -657,7 +714,7 @@ def _case(shapes: ModelShapes, label: str, lens: list[int], num_queries: int, se
         sinks = mx.random.normal((shapes.num_q_heads,), key=mx.random.key(seed + 1)) * 2
     args = (batch.q, batch.k_pool, batch.v_pool, batch.block_tables, batch.context_lens)
     kwargs = {"scale": shapes.head_dim**-0.5, "window": window, "sinks": sinks, "softcap": shapes.softcap,
-              "chunk": shapes.attention_chunk}
+              "chunk": shapes.attention_chunk, **batch.scales}
     if window is not None:
         label += f" window {window}"
     if shapes.attention_chunk is not None:

@@ -16,7 +16,8 @@ NB_MODULE(_trillm_cpu, m) {
   m.doc() = "trillm's CPU kernels as MLX primitives";
   m.def("paged_attention", &trillm_cpu::paged_attention, "q"_a, "k_pool"_a, "v_pool"_a, "block_tables"_a,
         "context_lens"_a, nb::kw_only(), "scale"_a, "window"_a = 0, "sinks"_a = nb::none(),
-        "softcap"_a = 0.0f, "chunk"_a = 0, "stream"_a = nb::none(), "Paged attention over the KV pool (see trillm.kernels.paged_attention).");
+        "softcap"_a = 0.0f, "chunk"_a = 0, "k_scale"_a = nb::none(), "v_scale"_a = nb::none(),
+        "stream"_a = nb::none(), "Paged attention over the KV pool (see trillm.kernels.paged_attention).");
   m.def("mla_attention", &trillm_cpu::mla_attention, "q_latent"_a, "q_pe"_a, "latent_pool"_a, "pe_pool"_a,
         "block_tables"_a, "context_lens"_a, nb::kw_only(), "scale"_a, "stream"_a = nb::none(),
         "Paged MLA attention over the latent cache (see trillm.kernels.mla_attention).");

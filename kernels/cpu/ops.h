@@ -24,10 +24,13 @@ namespace trillm_cpu {
 // context_lens int32 [B]; sinks [Hq] or none; window 0 = none; softcap 0 = none (else scores =
 // softcap * tanh(scores / softcap) after the scale, before the mask); chunk 0 = none (else chunked attention,
 // Llama 4's: the query at pos sees keys >= pos - pos % chunk only) -> [B, Hq, L, D] in q's dtype.
+// The pools: q's dtype, float16/bfloat16 under float32 q, or int8 with k_scale and v_scale, float32
+// [num_blocks, bs, Hkv] (one scale per token and KV head; value = q * scale).
 mx::array paged_attention(const mx::array& q, const mx::array& k_pool, const mx::array& v_pool,
                           const mx::array& block_tables, const mx::array& context_lens, float scale, int window,
                           const std::optional<mx::array>& sinks, float softcap = 0.0f, int chunk = 0,
-                          mx::StreamOrDevice s = {});
+                          const std::optional<mx::array>& k_scale = std::nullopt,
+                          const std::optional<mx::array>& v_scale = std::nullopt, mx::StreamOrDevice s = {});
 
 class PagedAttention : public mx::Primitive {
  public:

@@ -12,6 +12,11 @@
 // batch is too small to keep the cores busy). A token's K (and V) for every KV head is one contiguous row
 // of HKV * D values, so reading all heads of a token reads whole cache lines once, where one head's slice
 // (D of every HKV * D values) leaves the prefetchers fetching lines another item reads again later.
+//
+// The pools may hold another dtype than the queries: a float16/bfloat16 cache for float32 queries, or the int8
+// cache (trillm.kernels.layout), whose float32 scale per token and KV head sits in a pool of its own. Either
+// way a tile's token rows are converted to float32 as they are read (token_row), so the tile loops below
+// only ever see float rows; the int8 cache reads a quarter of float32's bytes per token.
 #include <algorithm>
 #include <climits>
 #include <cmath>
@@ -47,12 +52,25 @@ struct AttnArgs {
   const int32_t* tables;
   const int32_t* lens;
   const float* sinks;  // nullptr: none
+  const float* kscale;  // the int8 cache's scales [num_blocks, BS, HKV] (nullptr: a float cache)
+  const float* vscale;
 };
 
+// n values of one token from `off` (its heads from the item's first), as float32: in place for a float32
+// pool, else converted into scratch; an int8 pool's head h scaled by scales[sc_off + h] (D values per head).
 template <typename T>
-inline const float* token_row(const T* pool, size_t off, float* scratch, int n) {
+inline const float* token_row(const T* pool, size_t off, float* scratch, int n, const float* scales, size_t sc_off,
+                              int D) {
   if constexpr (std::is_same_v<T, float>) {
     return pool + off;
+  } else if constexpr (std::is_same_v<T, int8_t>) {
+    for (int h = 0; h * D < n; ++h) {
+      const float sc = scales[sc_off + h];
+      const int8_t* src = pool + off + static_cast<size_t>(h) * D;
+      float* dst = scratch + h * D;
+      for (int d = 0; d < D; ++d) dst[d] = static_cast<float>(src[d]) * sc;
+    }
+    return scratch;
   } else {
     for (int d = 0; d < n; ++d) scratch[d] = static_cast<float>(pool[off + d]);
     return scratch;
@@ -168,9 +186,10 @@ inline void row_tile_any(const RowTile& t, int r, int D) {
   }
 }
 
-// One work item. DCT: D / 16 when known at compile time (0: read from args).
-template <typename T, int DCT>
-void attn_item(const AttnArgs& a, const T* q, const T* kp, const T* vp, int item, T* out, float* o_part,
+// One work item. DCT: D / 16 when known at compile time (0: read from args). T: the queries' (and the
+// output's) dtype; TKV: the pools'.
+template <typename T, typename TKV, int DCT>
+void attn_item(const AttnArgs& a, const T* q, const TKV* kp, const TKV* vp, int item, T* out, float* o_part,
                float* m_part, float* l_part) {
   const int DC = DCT ? DCT : a.D / W;
   const int D = DC * W;
@@ -240,15 +259,17 @@ void attn_item(const AttnArgs& a, const T* q, const T* kp, const T* vp, int item
     const int n = std::min(W, end - t0);
     for (int j = 0; j < n; ++j) {
       const int t = t0 + j;
-      const size_t off = (static_cast<size_t>(table[t / a.BS]) * a.BS + t % a.BS) * token_stride + kvh0 * D;
-      krow[j] = token_row(kp, off, kscr + j * span, span);
-      vrow[j] = token_row(vp, off, vscr + j * span, span);
+      const size_t slot = static_cast<size_t>(table[t / a.BS]) * a.BS + t % a.BS;
+      const size_t off = slot * token_stride + kvh0 * D;
+      const size_t sc_off = slot * a.HKV + kvh0;
+      krow[j] = token_row(kp, off, kscr + j * span, span, a.kscale, sc_off, D);
+      vrow[j] = token_row(vp, off, vscr + j * span, span, a.vscale, sc_off, D);
     }
     // Blocks are scattered over the pool: hardware prefetchers lose the stream at every block, so ask for
     // the next tile while this one computes.
     for (int t = t0 + W, te = std::min(t0 + 2 * W, end); t < te; ++t) {
       const size_t off = (static_cast<size_t>(table[t / a.BS]) * a.BS + t % a.BS) * token_stride + kvh0 * D;
-      for (int e = 0; e < span; e += 64 / static_cast<int>(sizeof(T))) {
+      for (int e = 0; e < span; e += 64 / static_cast<int>(sizeof(TKV))) {
         __builtin_prefetch(kp + off + e);
         __builtin_prefetch(vp + off + e);
       }
@@ -319,8 +340,8 @@ void reduce_row(const AttnArgs& a, size_t row, const float* o_part, const float*
   for (int d = 0; d < a.D; ++d) out[row * a.D + d] = static_cast<T>(o[d] * f);
 }
 
-template <typename T>
-void run_attention(const AttnArgs& a, const T* q, const T* k, const T* v, T* out) {
+template <typename T, typename TKV = T>
+void run_attention(const AttnArgs& a, const T* q, const TKV* k, const TKV* v, T* out) {
   const int items = a.B * (a.HQ / a.hpi) * a.num_qtiles * a.num_parts;
   const size_t rows = static_cast<size_t>(a.B) * a.HQ * a.L;
   // Every (row, partition) slot is written by its item, so the outputs need no zero fill; their bytes are
@@ -336,11 +357,11 @@ void run_attention(const AttnArgs& a, const T* q, const T* k, const T* v, T* out
   auto& pool = ThreadPool::get();
   pool.parallel_for(items, [&](int item) {
     if (a.D == 64) {
-      attn_item<T, 64 / W>(a, q, k, v, item, out, op, mp, lp);
+      attn_item<T, TKV, 64 / W>(a, q, k, v, item, out, op, mp, lp);
     } else if (a.D == 128) {
-      attn_item<T, 128 / W>(a, q, k, v, item, out, op, mp, lp);
+      attn_item<T, TKV, 128 / W>(a, q, k, v, item, out, op, mp, lp);
     } else {
-      attn_item<T, 0>(a, q, k, v, item, out, op, mp, lp);
+      attn_item<T, TKV, 0>(a, q, k, v, item, out, op, mp, lp);
     }
   });
   if (a.num_parts > 1) {
@@ -388,18 +409,36 @@ int decode_heads_per_item(int batch, int num_q_heads, int num_kv_heads, int head
 #ifndef TRILLM_KERNEL_BODIES_ONLY
 mx::array paged_attention(const mx::array& q, const mx::array& k_pool, const mx::array& v_pool,
                           const mx::array& block_tables, const mx::array& context_lens, float scale, int window,
-                          const std::optional<mx::array>& sinks, float softcap, int chunk, mx::StreamOrDevice s) {
+                          const std::optional<mx::array>& sinks, float softcap, int chunk,
+                          const std::optional<mx::array>& k_scale, const std::optional<mx::array>& v_scale,
+                          mx::StreamOrDevice s) {
   if (q.ndim() != 4 || k_pool.ndim() != 4 || v_pool.ndim() != 4) {
     throw std::invalid_argument("[trillm paged_attention] q and the pools must be 4-D");
   }
   if (k_pool.shape() != v_pool.shape()) {
     throw std::invalid_argument("[trillm paged_attention] k_pool and v_pool shapes differ");
   }
-  if (q.dtype() != k_pool.dtype() || q.dtype() != v_pool.dtype()) {
-    throw std::invalid_argument("[trillm paged_attention] q, k_pool and v_pool must share one dtype");
-  }
   if (q.dtype() != mx::float32 && q.dtype() != mx::float16 && q.dtype() != mx::bfloat16) {
     throw std::invalid_argument("[trillm paged_attention] dtype must be float32, float16 or bfloat16");
+  }
+  // The pools: q's dtype; float16/bfloat16 under float32 queries; or int8 with float32 scales per token and head.
+  const auto kv = k_pool.dtype();
+  const bool int8 = kv == mx::int8;
+  if (v_pool.dtype() != kv ||
+      !(kv == q.dtype() || int8 || (q.dtype() == mx::float32 && (kv == mx::float16 || kv == mx::bfloat16)))) {
+    throw std::invalid_argument("[trillm paged_attention] the pools must share q's dtype, be float16/bfloat16 "
+                                "under float32 queries, or be int8 (with scales)");
+  }
+  if (int8 != bool(k_scale) || int8 != bool(v_scale)) {
+    throw std::invalid_argument("[trillm paged_attention] k_scale and v_scale go with an int8 pool, and only with one");
+  }
+  if (int8) {
+    const mx::Shape want = {k_pool.shape(0), k_pool.shape(1), k_pool.shape(2)};
+    for (const auto* sc : {&*k_scale, &*v_scale}) {
+      if (sc->shape() != want || sc->dtype() != mx::float32) {
+        throw std::invalid_argument("[trillm paged_attention] the int8 pools' scales must be float32 [num_blocks, bs, Hkv]");
+      }
+    }
   }
   const int B = q.shape(0), HQ = q.shape(1), D = q.shape(3), HKV = k_pool.shape(2);
   if (k_pool.shape(3) != D || D % W != 0 || HQ % HKV != 0) {
@@ -422,6 +461,10 @@ mx::array paged_attention(const mx::array& q, const mx::array& k_pool, const mx:
       mx::contiguous(mx::astype(block_tables, mx::int32, stream), false, stream),
       mx::contiguous(mx::astype(context_lens, mx::int32, stream), false, stream)};
   if (sinks) inputs.push_back(mx::contiguous(mx::astype(*sinks, mx::float32, stream), false, stream));
+  if (int8) {
+    inputs.push_back(*k_scale);
+    inputs.push_back(*v_scale);
+  }
   return mx::array(q.shape(), q.dtype(), std::make_shared<PagedAttention>(stream, scale, window, bool(sinks), softcap, chunk),
                    std::move(inputs));
 }
@@ -435,6 +478,11 @@ void PagedAttention::eval_cpu(const std::vector<mx::array>& inputs, std::vector<
   auto& out = outputs[0];
   if (!k.flags().row_contiguous || !v.flags().row_contiguous) {
     throw std::runtime_error("[trillm paged_attention] the K/V pools must be row-contiguous");
+  }
+  const bool int8 = k.dtype() == mx::int8;
+  const size_t sc = has_sinks_ ? 6 : 5;  // the scales' inputs, after the sinks
+  if (int8 && (!inputs[sc].flags().row_contiguous || !inputs[sc + 1].flags().row_contiguous)) {
+    throw std::runtime_error("[trillm paged_attention] the int8 pools' scales must be row-contiguous");
   }
   out.set_data(mx::allocator::malloc(out.nbytes()));
   AttnArgs a{};
@@ -457,22 +505,31 @@ void PagedAttention::eval_cpu(const std::vector<mx::array>& inputs, std::vector<
   a.tables = tables.data<int32_t>();
   a.lens = lens.data<int32_t>();
   a.sinks = has_sinks_ ? inputs[5].data<float>() : nullptr;
+  a.kscale = int8 ? inputs[sc].data<float>() : nullptr;
+  a.vscale = int8 ? inputs[sc + 1].data<float>() : nullptr;
 
   auto& enc = mx::cpu::get_command_encoder(stream());
   for (const auto& in : inputs) enc.set_input_array(in);
   enc.set_output_array(out);
+  // (T, TKV): the queries' dtype and the pools' (the combinations paged_attention admits).
+  auto run = [&](auto tq, auto tkv) {
+    using T = decltype(tq);
+    using TKV = decltype(tkv);
+    enc.dispatch([a, qp = q.data<T>(), kp = k.data<TKV>(), vp = v.data<TKV>(), op = out.data<T>()] {
+      run_attention<T, TKV>(a, qp, kp, vp, op);
+    });
+  };
   if (q.dtype() == mx::float32) {
-    enc.dispatch([a, qp = q.data<float>(), kp = k.data<float>(), vp = v.data<float>(), op = out.data<float>()] {
-      run_attention<float>(a, qp, kp, vp, op);
-    });
+    if (int8) run(float{}, int8_t{});
+    else if (k.dtype() == mx::float16) run(float{}, mx::float16_t{});
+    else if (k.dtype() == mx::bfloat16) run(float{}, mx::bfloat16_t{});
+    else run(float{}, float{});
   } else if (q.dtype() == mx::float16) {
-    enc.dispatch([a, qp = q.data<mx::float16_t>(), kp = k.data<mx::float16_t>(), vp = v.data<mx::float16_t>(),
-                  op = out.data<mx::float16_t>()] { run_attention<mx::float16_t>(a, qp, kp, vp, op); });
+    if (int8) run(mx::float16_t{}, int8_t{});
+    else run(mx::float16_t{}, mx::float16_t{});
   } else {
-    enc.dispatch([a, qp = q.data<mx::bfloat16_t>(), kp = k.data<mx::bfloat16_t>(),
-                  vp = v.data<mx::bfloat16_t>(), op = out.data<mx::bfloat16_t>()] {
-      run_attention<mx::bfloat16_t>(a, qp, kp, vp, op);
-    });
+    if (int8) run(mx::bfloat16_t{}, int8_t{});
+    else run(mx::bfloat16_t{}, mx::bfloat16_t{});
   }
 }
 
