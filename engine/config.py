@@ -14,6 +14,9 @@ SCHEDULING_POLICIES = ("fcfs", "priority")
 # ngram: prompt lookup over the request's own tokens (engine/ngram.py); draft:PATH: a small model of the same
 # tokenizer proposes (engine/spec_draft.py)
 SPECULATIVE_METHODS = ("off", "ngram", "draft")
+# --kv-cache-dtype -> the pool's dtype by name (auto: the model's; int8: int8 values beside float32 scales per
+# token and KV head, trillm.kernels.layout)
+KV_CACHE_DTYPES = {"auto": None, "fp32": "float32", "fp16": "float16", "bf16": "bfloat16", "int8": "int8"}
 
 
 @dataclass(frozen=True, slots=True)
@@ -57,6 +60,9 @@ class EngineConfig:
     kv_slab_mb: float = 64.0
     kv_idle_release_s: float = 30.0
     kv_idle_keep_mb: float = 64.0
+    # The KV pool's dtype (KV_CACHE_DTYPES): auto keeps the model's (float32 on CPU); int8 quarters float32's
+    # bytes per token (plus a float32 scale per token and KV head).
+    kv_cache_dtype: str = "auto"
 
     @property
     def speculative_method(self) -> str:
@@ -101,6 +107,9 @@ class EngineConfig:
             raise InvalidRequest("memory_limit and kv_slab_mb must be > 0")
         if self.kv_idle_release_s < 0 or self.kv_idle_keep_mb < 0:
             raise InvalidRequest("kv_idle_release_s and kv_idle_keep_mb must be >= 0")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise InvalidRequest(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, "
+                                 f"got {self.kv_cache_dtype!r}")
         if self.kernels not in KERNEL_MODES:
             raise InvalidRequest(f"kernels must be one of {', '.join(KERNEL_MODES)}, got {self.kernels!r}")
 
@@ -146,6 +155,10 @@ _FLAGS: dict[str, tuple[str, str]] = {
     "kv_slab_mb": ("--kv-slab-mb", "the KV pool grows in slabs of this many MB (geometrically, at least 1.5x)"),
     "kv_idle_release_s": ("--kv-idle-release-s", "seconds idle after which the KV pool shrinks; 0: at once"),
     "kv_idle_keep_mb": ("--kv-idle-keep-mb", "MB of the most recently used prefix cache an idle pool keeps"),
+    "kv_cache_dtype": ("--kv-cache-dtype", "the KV cache's dtype: auto (the model's; float32 on CPU), fp32, fp16, "
+                                           "bf16, or int8 (8-bit keys and values with a float32 scale per token "
+                                           "and head: ~3.8x float32's tokens in the same memory at head_dim 64; "
+                                           "CPU only for now)"),
 }
 
 
@@ -163,10 +176,12 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
             g.add_argument(flag, dest=name, action="store_false" if default else "store_true", help=help_text)
         else:
             kind: Any = {"dtype": str, "kernels": str, "scheduling_policy": str, "speculative": str,
+                         "kv_cache_dtype": str,
                          "kv_cache_memory_gb": float, "kv_idle_release_s": float, "kv_slab_mb": float,
                          "kv_idle_keep_mb": float,
                          "memory_limit": parse_memory_size}.get(name, int)
-            choices = {"kernels": KERNEL_MODES, "scheduling_policy": SCHEDULING_POLICIES}.get(name)
+            choices = {"kernels": KERNEL_MODES, "scheduling_policy": SCHEDULING_POLICIES,
+                       "kv_cache_dtype": tuple(KV_CACHE_DTYPES)}.get(name)
             g.add_argument(flag, dest=name, type=kind, default=default, help=f"{help_text} (default: {default})",
                            choices=choices)
 

@@ -31,6 +31,8 @@ import mlx.nn as nn
 
 from trillm.engine.state_pool import CacheNode, LayerState, StatePool, StateRows, StateSlots, bytes_per_slot
 from trillm.kernels import kv_write
+from trillm.kernels.kv_gather import kv_gather_ref
+from trillm.kernels.kv_write import kv_write_int8
 from trillm.kernels.selfcheck import KernelSelection, unchecked
 
 
@@ -80,6 +82,10 @@ class KVLayout:
     # model's caches comes from (None: cache i is pool layer i, the plain case).
     states: tuple[LayerState, ...] = ()
     plan: tuple[CacheNode, ...] | None = None
+    # The pool's dtype by name ("float32", "float16", "bfloat16", or "int8": int8 values beside a float32 scale
+    # per token and KV head); None: the model's dtype, whatever sizing is given (the mock's weightless models).
+    # Part of what a stored block means: a block of one KV dtype is no block of another.
+    kv_dtype: str | None = None
 
     @classmethod
     def uniform(cls, num_layers: int, num_kv_heads: int, head_dim: int) -> KVLayout:
@@ -91,7 +97,18 @@ class KVLayout:
         return tuple(layer.window or layer.chunk for layer in self.layers)
 
     def bytes_per_block(self, block_size: int, dtype: DTypeLike) -> int:
-        return block_size * sum(layer.elements_per_token for layer in self.layers) * dtype.size
+        """One block's bytes over every layer: K and V at the pool's dtype (`dtype`, the model's, when
+        kv_dtype is None), and for int8 a float32 scale per token, KV head, K and V."""
+        elements = block_size * sum(layer.elements_per_token for layer in self.layers)
+        if self.kv_dtype is None:
+            return elements * dtype.size
+        if self.kv_dtype == "int8":
+            return elements + block_size * sum(2 * layer.num_kv_heads for layer in self.layers) * 4
+        return elements * {"float32": 4, "float16": 2, "bfloat16": 2}[self.kv_dtype]
+
+    @property
+    def int8(self) -> bool:
+        return self.kv_dtype == "int8"
 
     @property
     def state_bytes_per_sequence(self) -> int:
@@ -100,7 +117,9 @@ class KVLayout:
 
 
 class KVPool:
-    """Per-layer K and V pools, [num_blocks, block_size, num_kv_heads, k_dim | v_dim] each."""
+    """Per-layer K and V pools, [num_blocks, block_size, num_kv_heads, k_dim | v_dim] each, in the layout's
+    kv_dtype (else `dtype`, the model's); the int8 cache adds per-layer K and V scales, float32
+    [num_blocks, block_size, num_kv_heads] (trillm.kernels.layout)."""
 
     def __init__(self, layout: KVLayout, num_blocks: int, block_size: int, dtype: mx.Dtype, *,
                  kernels: KernelSelection | None = None,
@@ -112,9 +131,13 @@ class KVPool:
         # have their own.
         self.kernels = kernels or unchecked()
         self.layer_kernels = layer_kernels or [self.kernels] * len(layout.layers)
-        self.keys = [mx.zeros((num_blocks, block_size, lay.num_kv_heads, lay.k_dim), dtype) for lay in layout.layers]
-        self.values = [mx.zeros((num_blocks, block_size, lay.num_kv_heads, lay.v_dim), dtype) for lay in layout.layers]
-        mx.eval(self.keys, self.values)
+        kv_dtype = getattr(mx, layout.kv_dtype) if layout.kv_dtype is not None else dtype
+        self.keys = [mx.zeros((num_blocks, block_size, lay.num_kv_heads, lay.k_dim), kv_dtype) for lay in layout.layers]
+        self.values = [mx.zeros((num_blocks, block_size, lay.num_kv_heads, lay.v_dim), kv_dtype) for lay in layout.layers]
+        scales = layout.layers if layout.int8 else ()
+        self.key_scales = [mx.zeros((num_blocks, block_size, lay.num_kv_heads), mx.float32) for lay in scales]
+        self.value_scales = [mx.zeros((num_blocks, block_size, lay.num_kv_heads), mx.float32) for lay in scales]
+        mx.eval(self.keys, self.values, self.key_scales, self.value_scales)
         # The recurrent layers' states, one slot per running sequence (state_slots: the block manager's).
         self.states: StatePool | None = None
         if layout.states:
@@ -127,7 +150,7 @@ class KVPool:
 
     @property
     def nbytes(self) -> int:
-        return (sum(a.nbytes for a in self.keys) + sum(a.nbytes for a in self.values)
+        return (sum(a.nbytes for a in self.keys + self.values + self.key_scales + self.value_scales)
                 + (self.states.nbytes if self.states is not None else 0))
 
     def caches(self) -> list[Any]:
@@ -148,7 +171,14 @@ class KVPool:
         return [build(node) for node in plan]
 
     def arrays(self) -> list[mx.array]:
-        return self.keys + self.values + (self.states.arrays() if self.states is not None else [])
+        return (self.keys + self.values + self.key_scales + self.value_scales
+                + (self.states.arrays() if self.states is not None else []))
+
+    def scales(self, layer: int) -> dict[str, mx.array]:
+        """The attention kernels' keyword arguments for a layer's int8 scales (none for a float cache)."""
+        if not self.key_scales:
+            return {}
+        return {"k_scale": self.key_scales[layer], "v_scale": self.value_scales[layer]}
 
     def begin(self, layout: BatchLayout) -> None:
         """Describe the next forward (call `commit`, if it succeeded, then `end` after it)."""
@@ -198,14 +228,27 @@ class PagedKVCache:
         else:
             flat_k = keys.transpose(0, 2, 1, 3).reshape(B * L, H, D)
             flat_v = values.transpose(0, 2, 1, 3).reshape(B * L, H, Dv)
-        pool = self.pool
-        pool.keys[self.layer], pool.values[self.layer] = kv_write(
-            pool.keys[self.layer], pool.values[self.layer], flat_k, flat_v, lay.slot_mapping)
-        # Dense view for calls that leave the paged path; lazy, so free when unused.
+        pool, i = self.pool, self.layer
+        if pool.key_scales:  # int8: quantized per token and head on the write
+            pool.keys[i], pool.values[i], pool.key_scales[i], pool.value_scales[i] = kv_write_int8(
+                pool.keys[i], pool.values[i], pool.key_scales[i], pool.value_scales[i], flat_k, flat_v,
+                lay.slot_mapping)
+        else:
+            pool.keys[i], pool.values[i] = kv_write(pool.keys[i], pool.values[i], flat_k, flat_v, lay.slot_mapping)
+        # Dense view for calls that leave the paged path (in the model's dtype); lazy, so free when unused.
         max_len = self._padded_len()
-        gather = pool.layer_kernels[self.layer].kv_gather
-        self._fetched = (gather(pool.keys[self.layer], lay.block_tables, max_len),
-                         gather(pool.values[self.layer], lay.block_tables, max_len))
+        gather = pool.layer_kernels[i].kv_gather
+        dense_k = gather(pool.keys[i], lay.block_tables, max_len)
+        dense_v = gather(pool.values[i], lay.block_tables, max_len)
+        if pool.key_scales:
+            def scales(s: mx.array) -> mx.array:  # [num_blocks, bs, Hkv] -> [B, Hkv, max_len, 1]
+                return kv_gather_ref(s[..., None], lay.block_tables, max_len)
+
+            dense_k = (dense_k.astype(mx.float32) * scales(pool.key_scales[i])).astype(keys.dtype)
+            dense_v = (dense_v.astype(mx.float32) * scales(pool.value_scales[i])).astype(values.dtype)
+        elif dense_k.dtype != keys.dtype:
+            dense_k, dense_v = dense_k.astype(keys.dtype), dense_v.astype(values.dtype)
+        self._fetched = (dense_k, dense_v)
         return self._fetched
 
     def _padded_len(self) -> int:
@@ -254,7 +297,8 @@ class PagedKVCache:
         lay = self._layout
         attention = self.pool.layer_kernels[self.layer].paged_attention
         return attention(queries, self.pool.keys[self.layer], self.pool.values[self.layer], lay.block_tables,
-                         lay.context_lens, scale=scale, window=window, sinks=sinks, chunk=chunk, **variant)
+                         lay.context_lens, scale=scale, window=window, sinks=sinks, chunk=chunk,
+                         **self.pool.scales(self.layer), **variant)
 
     def attend_mla(self, q_latent: mx.array, q_pe: mx.array, *, scale: float) -> mx.array:
         """MLA attention over this layer's latent (K pool) and RoPE keys (V pool): [B, H, L, kv_lora_rank]."""
@@ -276,7 +320,8 @@ class PagedKVCache:
 
     @property
     def nbytes(self) -> int:
-        return self.pool.keys[self.layer].nbytes + self.pool.values[self.layer].nbytes
+        scales = sum(s.nbytes for s in self.pool.scales(self.layer).values())
+        return self.pool.keys[self.layer].nbytes + self.pool.values[self.layer].nbytes + scales
 
 
 _SDPA = "scaled_dot_product_attention"

@@ -124,13 +124,13 @@ class PoolCapacity:
 
 
 def resize_pool(pool: KVPool, num_blocks: int, kept: Sequence[int] | None = None) -> None:
-    """Reallocate every layer's K and V to `num_blocks` blocks. kept None: grown, every block keeps its id;
+    """Reallocate every layer's K and V (and the int8 cache's scales) to `num_blocks` blocks. kept None: grown, every block keeps its id;
     else block kept[i] moves to id i (the rest of the new array is padding: free blocks' contents are never
     read). One layer at a time, freeing the old array (and MLX's cached buffers) before the next."""
     import mlx.core as mx
 
     index = None if kept is None else mx.array(list(kept) + [0] * (num_blocks - len(kept)), mx.int32)
-    for arrays in (pool.keys, pool.values):
+    for arrays in (pool.keys, pool.values, pool.key_scales, pool.value_scales):
         for i in range(len(arrays)):
             old = arrays[i]
             if index is None:

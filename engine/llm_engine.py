@@ -83,6 +83,22 @@ class StepInfo:
     virtual_seconds: float | None  # a simulated runner's duration for it; None: the step's wall time
 
 
+def with_kv_dtype(layout: KVLayout, config: EngineConfig, lm: LoadedModel) -> KVLayout:
+    """`layout` with the pool's dtype by name (--kv-cache-dtype; auto: the model's). ModelLoadError for what
+    no kernel serves: int8 on Metal/CUDA (no GPU variant yet) and int8 with MLA's latent caches."""
+    from trillm.engine.config import KV_CACHE_DTYPES
+    from trillm.kernels.backend import kernel_backend
+
+    kv_dtype = KV_CACHE_DTYPES[config.kv_cache_dtype] or str(lm.dtype).rsplit(".", 1)[-1]
+    if kv_dtype == "int8":
+        if (backend := kernel_backend()) != "cpu":
+            raise ModelLoadError(f"--kv-cache-dtype int8 runs on CPU only for now: the {backend} attention kernels "
+                                 f"have no int8 variant yet (use fp16, bf16 or auto)")
+        if any(layer.k_dim != layer.v_dim for layer in layout.layers):
+            raise ModelLoadError(f"{lm.name}: --kv-cache-dtype int8 does not cover MLA's latent caches yet")
+    return dataclasses.replace(layout, kv_dtype=kv_dtype)
+
+
 def make_kv_pool(lm: LoadedModel, config: EngineConfig, num_blocks: int, max_model_len: int,
                  layout: KVLayout | None = None, state_slots: StateSlots | None = None) -> KVPool:
     """The paged KV pool for `lm` (its `kv_layout` unless given), with the kernels the start-up self-check
@@ -101,7 +117,9 @@ def make_kv_pool(lm: LoadedModel, config: EngineConfig, num_blocks: int, max_mod
     from trillm.kernels.selfcheck import KernelCheckError, KernelSelection, select_kernels
     from trillm.engine.fused_ops import quantization_formats
 
-    layout = layout or kv_layout(lm.model, lm.name)
+    layout = layout or with_kv_dtype(kv_layout(lm.model, lm.name), config, lm)
+    # The check runs each kernel on the pool's dtype where it is not the model's (kernels.layout).
+    kv_dtype = None if layout.kv_dtype in (None, str(lm.dtype).rsplit(".", 1)[-1]) else layout.kv_dtype
     sinks = any(isinstance(getattr(m, "sinks", None), mx.array) for _, m in lm.model.named_modules())
     # Gemma 2's attention soft-capping (engine/attention_variants.py): the check runs the kernel's variant too.
     caps = {float(c) for _, m in lm.model.named_modules() if (c := getattr(m, "attn_logit_softcapping", None))}
@@ -134,7 +152,8 @@ def make_kv_pool(lm: LoadedModel, config: EngineConfig, num_blocks: int, max_mod
                                  max_context=max_model_len, hidden_size=int(getattr(args, "hidden_size", 0) or 0),
                                  intermediate_size=int(getattr(args, "intermediate_size", 0) or 0),
                                  vocab_size=int(getattr(args, "vocab_size", 0) or 0),
-                                 quantization=quantization_formats(lm.model), delta_net=delta_net)  # fmt: skip
+                                 quantization=quantization_formats(lm.model), delta_net=delta_net,
+                                 kv_dtype=kv_dtype)  # fmt: skip
             try:
                 if primary is None:
                     selections[key] = primary = select_kernels(shapes, config.kernels)
@@ -181,7 +200,7 @@ class LLMEngine:
 
             if not isinstance(lm, LoadedModel):
                 raise TypeError(f"{lm.name}: the MLX runner needs a LoadedModel (other facts need a runner_factory)")
-            self.kv_layout = layout = kv_layout(lm.model, lm.name)
+            self.kv_layout = layout = with_kv_dtype(kv_layout(lm.model, lm.name), config, lm)
             if layout.states:
                 from trillm.engine.state_checkpoints import checkpoints_for
                 from trillm.engine.state_pool import StateSlots

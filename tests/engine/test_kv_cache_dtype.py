@@ -1,0 +1,113 @@
+"""--kv-cache-dtype: the pool's dtype, its bytes per block, and generation over an int8 cache.
+
+The int8 cache is lossy: its output is compared with the float32 cache's (prompt logprobs within a bound,
+greedy tokens mostly equal), and its exact parts are exact: the block bytes the engine sizes the pool by
+are the pool's arrays' bytes, and a pool grown across slabs generates what one allocated up front does.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import mlx.core as mx
+
+from trillm.engine.config import KV_CACHE_DTYPES, EngineConfig
+from trillm.engine.errors import InvalidRequest, ModelLoadError
+from trillm.engine.kv_cache import KVLayout, KVPool
+from trillm.engine.llm_engine import LLMEngine
+from trillm.engine.loader import LoadedModel
+from trillm.engine.sampling_params import SamplingParams
+
+GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+SCORE = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0)
+
+
+def engine(model: LoadedModel, kv: str, **kw: object) -> LLMEngine:
+    cfg: dict[str, object] = dict(block_size=16, num_kv_blocks=128, max_num_seqs=8, max_num_batched_tokens=128,
+                                  verify_model=False, kv_cache_dtype=kv)
+    cfg.update(kw)
+    return LLMEngine(EngineConfig(**cfg), loaded=model)  # type: ignore[arg-type]
+
+
+def prompts(model: LoadedModel) -> list[list[int]]:
+    texts = ["the quick brown fox jumps over the lazy dog " * 6, "once upon a time there was " * 8,
+             "0123456789 " * 12, "hello world " * 10]
+    return [model.tokenizer.encode(t) for t in texts]
+
+
+def prompt_logprobs(eng: LLMEngine, ps: list[list[int]]) -> list[np.ndarray]:
+    outs = eng.generate(ps, SCORE)
+    return [np.array([e.logprob for e in o.prompt_logprobs[1:]]) for o in outs]  # type: ignore[union-attr]
+
+
+@pytest.mark.parametrize("kv", list(KV_CACHE_DTYPES))
+def test_block_bytes_are_the_pools_bytes(tiny_model: LoadedModel, kv: str) -> None:
+    eng = engine(tiny_model, kv)
+    pool: KVPool = eng.runner.pool  # type: ignore[attr-defined]
+    layout = eng.kv_layout
+    assert layout is not None and layout.kv_dtype == (KV_CACHE_DTYPES[kv] or "float32")
+    assert pool.keys[0].dtype == getattr(mx, layout.kv_dtype)
+    blocks = pool.keys[0].shape[0]
+    assert pool.nbytes == blocks * eng._bytes_per_block == blocks * layout.bytes_per_block(16, tiny_model.dtype)
+    lay = layout.layers[0]
+    per_token_head = {"auto": 8 * lay.k_dim, "fp32": 8 * lay.k_dim, "fp16": 4 * lay.k_dim, "bf16": 4 * lay.k_dim,
+                      "int8": 2 * lay.k_dim + 8}[kv]  # K + V; int8: one float32 scale each
+    assert eng._bytes_per_block == 16 * len(layout.layers) * lay.num_kv_heads * per_token_head
+    assert eng.statistics().kv_pool_bytes == pool.nbytes
+
+
+def test_int8_cache_generates_close_to_float32(tiny_model: LoadedModel) -> None:
+    ps = prompts(tiny_model)
+    ref, q8 = engine(tiny_model, "fp32"), engine(tiny_model, "int8")
+    assert q8.kernel_report is not None and q8.kernel_report.implementation("paged_attention") in ("cpu", "reference")
+    deltas = np.concatenate([np.abs(a - b) for a, b in zip(prompt_logprobs(ref, ps), prompt_logprobs(q8, ps))])
+    assert deltas.size > 200
+    # Rounding each K/V to 8 bits moves logprobs a little, never wildly (a broken scale moves them by units).
+    assert float(deltas.mean()) < 0.05 and float(deltas.max()) < 0.3, (deltas.mean(), deltas.max())
+    assert float(deltas.max()) > 0  # quantized: not the float32 cache by accident
+    want = [o.new_token_ids for o in ref.generate(ps, GREEDY)]
+    got = [o.new_token_ids for o in q8.generate(ps, GREEDY)]
+    same = sum(a == b for w, g in zip(want, got) for a, b in zip(w, g))
+    assert same >= 0.75 * sum(map(len, want)), (same, want, got)
+
+
+def test_fp16_cache_generates_close_to_float32(tiny_model: LoadedModel) -> None:
+    ps = prompts(tiny_model)
+    deltas = np.concatenate([np.abs(a - b) for a, b in zip(prompt_logprobs(engine(tiny_model, "fp32"), ps),
+                                                           prompt_logprobs(engine(tiny_model, "fp16"), ps))])
+    assert float(deltas.max()) < 0.05, deltas.max()
+
+
+def test_an_int8_pool_grown_across_slabs_generates_what_one_big_pool_does(tiny_model: LoadedModel) -> None:
+    big = engine(tiny_model, "int8", num_kv_blocks=256, kv_slab_mb=1024)
+    small = engine(tiny_model, "int8", num_kv_blocks=256, kv_slab_mb=0.0625)
+    cap = small.pool_capacity
+    assert cap is not None and cap.capacity == cap.slab_blocks < 256
+    want = [o.new_token_ids for o in big.generate(prompts(tiny_model), GREEDY)]
+    got = [o.new_token_ids for o in small.generate(prompts(tiny_model), GREEDY)]
+    assert got == want and cap.num_grows >= 1
+    pool: KVPool = small.runner.pool  # type: ignore[attr-defined]
+    assert all(a.shape[0] == cap.capacity for a in pool.keys + pool.values + pool.key_scales + pool.value_scales)
+    # Idle: the pool shrinks, the kept blocks (and their scales) renamed; a prefix hit still generates the same.
+    small.release_idle_memory()
+    again = small.generate(prompts(tiny_model)[-1:], GREEDY)[0]
+    assert again.new_token_ids == want[-1]
+    assert all(a.shape[0] == cap.capacity for a in pool.key_scales + pool.value_scales)
+
+
+def test_int8_is_refused_where_no_kernel_serves_it(tiny_model: LoadedModel, monkeypatch: pytest.MonkeyPatch) -> None:
+    with pytest.raises(InvalidRequest, match="kv_cache_dtype"):
+        EngineConfig(kv_cache_dtype="int4")
+    import trillm.kernels.backend as backend
+
+    monkeypatch.setattr(backend, "kernel_backend", lambda: "metal")
+    with pytest.raises(ModelLoadError, match="int8 runs on CPU only"):
+        engine(tiny_model, "int8")
+
+
+def test_layout_sizes_each_kv_dtype() -> None:
+    layout = KVLayout.uniform(2, 4, 64)
+    assert layout.bytes_per_block(16, mx.float32) == 16 * 2 * 4 * 128 * 4
+    assert KVLayout(layout.layers, kv_dtype="float16").bytes_per_block(16, mx.float32) == 16 * 2 * 4 * 128 * 2
+    assert KVLayout(layout.layers, kv_dtype="int8").bytes_per_block(16, mx.float32) == 16 * 2 * 4 * (128 + 8)
