@@ -33,6 +33,7 @@ import numpy as np  # noqa: E402
 
 from trillm.engine.config import KV_CACHE_DTYPES, EngineConfig  # noqa: E402
 from trillm.engine.llm_engine import LLMEngine  # noqa: E402
+from trillm.engine.loader import LoadedModel  # noqa: E402
 from trillm.engine.sampling_params import SamplingParams  # noqa: E402
 from trillm.kernels import cpu_ext  # noqa: E402
 from trillm.kernels.layout import ModelShapes, random_batch  # noqa: E402
@@ -81,7 +82,7 @@ def prompt_logprobs(eng: LLMEngine, ids: list[int]) -> np.ndarray:
 
 def greedy(eng: LLMEngine, prompts: list[list[int]], tokens: int) -> list[list[int]]:
     params = SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True)
-    return [o.new_token_ids for o in eng.generate(prompts, params)]
+    return [list(o.new_token_ids) for o in eng.generate(prompts, params)]
 
 
 def decode_ms(eng: LLMEngine, ids: list[int], steps: int) -> float:
@@ -100,6 +101,7 @@ def decode_ms(eng: LLMEngine, ids: list[int], steps: int) -> float:
 def attention_ms(eng: LLMEngine, kv_dtype: str, batch: int, context: int, iters: int = 10) -> tuple[float, str]:
     """One layer's paged attention at decode (the engine's chosen implementation) over `batch` rows."""
     lm = eng.loaded
+    assert isinstance(lm, LoadedModel)
     pool = eng.runner.pool  # type: ignore[attr-defined]
     shapes = ModelShapes(lm.num_attention_heads, lm.num_kv_heads, lm.head_dim, 16, mx.float32,
                          kv_dtype=None if kv_dtype == "float32" else kv_dtype)

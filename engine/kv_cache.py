@@ -174,11 +174,11 @@ class KVPool:
         return (self.keys + self.values + self.key_scales + self.value_scales
                 + (self.states.arrays() if self.states is not None else []))
 
-    def scales(self, layer: int) -> dict[str, mx.array]:
-        """The attention kernels' keyword arguments for a layer's int8 scales (none for a float cache)."""
+    def scales(self, layer: int) -> tuple[mx.array | None, mx.array | None]:
+        """A layer's int8 K and V scales, the kernels' k_scale and v_scale (None for a float cache)."""
         if not self.key_scales:
-            return {}
-        return {"k_scale": self.key_scales[layer], "v_scale": self.value_scales[layer]}
+            return None, None
+        return self.key_scales[layer], self.value_scales[layer]
 
     def begin(self, layout: BatchLayout) -> None:
         """Describe the next forward (call `commit`, if it succeeded, then `end` after it)."""
@@ -296,9 +296,10 @@ class PagedKVCache:
         options (softcap)."""
         lay = self._layout
         attention = self.pool.layer_kernels[self.layer].paged_attention
+        k_scale, v_scale = self.pool.scales(self.layer)
         return attention(queries, self.pool.keys[self.layer], self.pool.values[self.layer], lay.block_tables,
-                         lay.context_lens, scale=scale, window=window, sinks=sinks, chunk=chunk,
-                         **self.pool.scales(self.layer), **variant)
+                         lay.context_lens, scale=scale, window=window, sinks=sinks, chunk=chunk, k_scale=k_scale,
+                         v_scale=v_scale, **variant)
 
     def attend_mla(self, q_latent: mx.array, q_pe: mx.array, *, scale: float) -> mx.array:
         """MLA attention over this layer's latent (K pool) and RoPE keys (V pool): [B, H, L, kv_lora_rank]."""
@@ -320,7 +321,7 @@ class PagedKVCache:
 
     @property
     def nbytes(self) -> int:
-        scales = sum(s.nbytes for s in self.pool.scales(self.layer).values())
+        scales = sum(s.nbytes for s in self.pool.scales(self.layer) if s is not None)
         return self.pool.keys[self.layer].nbytes + self.pool.values[self.layer].nbytes + scales
 
 
