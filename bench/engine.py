@@ -161,37 +161,44 @@ LONG_SCHEMA = {"type": "object", "properties": {"items": {"type": "array", "minI
                "required": ["items"]}
 
 
-def batch_rows(engine: LLMEngine, model: LoadedModel, batches: list[int], trials: int, max_tokens: int) -> list[Row]:
-    """Batch decode throughput against mlx-lm's BatchGenerator, best of `trials`, printed as it goes."""
+def batch_rows(engine: LLMEngine, model: LoadedModel, batches: list[int], trials: int, max_tokens: int,
+               peer: bool = True) -> list[Row]:
+    """Batch decode throughput against mlx-lm's BatchGenerator (unless not `peer`: nan), best of `trials`,
+    printed as it goes."""
     rows = []
     for b in batches:
         prompts = make_prompts(model, b)
-        t = m = 0.0
+        t, m = 0.0, 0.0 if peer else float("nan")
         for _ in range(trials):  # alternate, so machine noise hits both alike
             t = max(t, run_trillm(engine, prompts, max_tokens))
-            m = max(m, run_mlx_lm(model, prompts, max_tokens))
+            if peer:
+                m = max(m, run_mlx_lm(model, prompts, max_tokens))
         rows.append(Row(b, t, m))
         print(f"batch {b:>3}: trillm {t:7.1f} tok/s   mlx-lm BatchGenerator {m:7.1f} tok/s   ratio {t / m:.2f}x",
               flush=True)
     return rows
 
 
-def single_stream_pair(engine: LLMEngine, model: LoadedModel, trials: int) -> tuple[float, float]:
-    """Single-stream decode tok/s of trillm and of mlx-lm, best of `trials`, alternating."""
+def single_stream_pair(engine: LLMEngine, model: LoadedModel, trials: int, with_peer: bool = True) -> tuple[float, float]:
+    """Single-stream decode tok/s of trillm and of mlx-lm (nan unless `with_peer`), best of `trials`, alternating."""
     one = make_prompts(model, 1)[0]
-    single = peer = 0.0
+    single, peer = 0.0, 0.0 if with_peer else float("nan")
     for _ in range(trials):
         single = max(single, single_stream_decode_tok_s(engine, one))
-        peer = max(peer, mlx_lm_decode_tok_s(model, one))
+        if with_peer:
+            peer = max(peer, mlx_lm_decode_tok_s(model, one))
     return single, peer
 
 
-def prefill_pair(engine: LLMEngine, model: LoadedModel, tokens: int, trials: int) -> tuple[float, float]:
-    """Prefill tok/s of trillm and of mlx-lm on fresh prompts of `tokens` (no prefix hit), best of `trials`."""
-    prefill = peer = 0.0
+def prefill_pair(engine: LLMEngine, model: LoadedModel, tokens: int, trials: int,
+                 with_peer: bool = True) -> tuple[float, float]:
+    """Prefill tok/s of trillm and of mlx-lm (nan unless `with_peer`) on fresh prompts of `tokens` (no prefix
+    hit), best of `trials`."""
+    prefill, peer = 0.0, 0.0 if with_peer else float("nan")
     for trial in range(trials):
         prefill = max(prefill, trillm_prefill_tok_s(engine, long_prompt(model, tokens, 2 * trial)))
-        peer = max(peer, mlx_lm_prefill_tok_s(model, long_prompt(model, tokens, 2 * trial + 1)))
+        if with_peer:
+            peer = max(peer, mlx_lm_prefill_tok_s(model, long_prompt(model, tokens, 2 * trial + 1)))
     print(f"prefill of {tokens} tokens: trillm {prefill:.0f} tok/s, mlx-lm {peer:.0f} tok/s, "
           f"ratio {prefill / peer:.2f}x", flush=True)
     return prefill, peer
@@ -261,12 +268,17 @@ def constrained_main(args: argparse.Namespace, model: LoadedModel, engine: LLMEn
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="trillm bench engine", description=__doc__)
-    ap.add_argument("--model", default=None, help="model path (default: SmolLM2-135M-Instruct GGUF, fp32)")
+    ap.add_argument("--model", default=None, help="model path (default: SmolLM2-135M-Instruct's Q4_1 GGUF)")
+    ap.add_argument("--dtype", default=None,
+                    help="the weights' dtype, as `trillm serve --dtype`: float32 dequantizes a quantized file, "
+                         "quantized (the default) keeps it as stored")
     ap.add_argument("--batches", default="1,8,16,32")
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--trials", type=int, default=2, help="alternating trials per batch size; the best counts")
     ap.add_argument("--prefill-tokens", type=int, default=1000, help="prompt length of the prefill comparison")
     ap.add_argument("--results", default="results", help="folder for the JSON result")
+    ap.add_argument("--no-mlx-lm", action="store_true",
+                    help="trillm's figures only (mlx-lm's CPU quantized matmul makes a quantized model's run long)")
     ap.add_argument("--constrained", type=int, default=None, metavar="K",
                     help="instead: a batch (--batch) with K rows under a JSON schema against K = 0, in one run")
     ap.add_argument("--batch", type=int, default=16, help="--constrained: the batch size")
@@ -283,7 +295,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.hybrid:
         return hybrid_main(args)
 
-    model = load_model(args.model)
+    model = load_model(args.model, dtype=args.dtype)
     if args.speculative is not None:
         from trillm.bench.engine_spec import spec_main
 
@@ -297,19 +309,21 @@ def main(argv: list[str] | None = None) -> int:
     if engine.kernel_report is not None:
         print(f"kernel self-check: {summary(engine.kernel_report)}")
     warm = make_prompts(model, 2)
+    peer = not args.no_mlx_lm
     run_trillm(engine, warm, 8)
-    run_mlx_lm(model, warm, 8)
+    if peer:
+        run_mlx_lm(model, warm, 8)
 
-    rows = batch_rows(engine, model, batches, args.trials, args.max_tokens)
+    rows = batch_rows(engine, model, batches, args.trials, args.max_tokens, peer)
     bw = memory_bandwidth_gbs()
     bound = bw * 1e9 / model.num_bytes
-    single, peer_single = single_stream_pair(engine, model, args.trials)
+    single, peer_single = single_stream_pair(engine, model, args.trials, peer)
     print(f"memory bandwidth {bw:.1f} GB/s -> single-stream decode bound {bound:.1f} tok/s "
           f"({model.num_bytes / 1e6:.0f} MB of weights per token)")
     print(f"single-stream decode: trillm {single:.1f} tok/s ({100 * single / bound:.0f}% of the bound, "
           f"{single * model.num_bytes / 1e9:.1f} GB/s of weights), "
           f"mlx-lm stream_generate {peer_single:.1f} tok/s, ratio {single / peer_single:.2f}x", flush=True)
-    prefill, peer_prefill = prefill_pair(engine, model, args.prefill_tokens, args.trials)
+    prefill, peer_prefill = prefill_pair(engine, model, args.prefill_tokens, args.trials, peer)
     if min(single, peer_single, prefill, peer_prefill, *(r.trillm_tok_s for r in rows), *(r.mlx_lm_tok_s for r in rows)) <= 0:
         raise SystemExit("bench engine measured nothing")
     print("\n| batch | trillm tok/s | mlx-lm BatchGenerator tok/s | ratio |\n|---:|---:|---:|---:|")
