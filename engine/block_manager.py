@@ -4,6 +4,10 @@ Prefix caching hashes each *full* block of a sequence's tokens, chained through 
 by the model's identity, with blake2b (stable across processes; never Python's `hash()`). A block whose last
 reference is dropped keeps its hash and stays matchable until it is evicted for reuse, least recently freed
 first. Only full, computed blocks are ever shared, so a sequence writes only into blocks it owns alone.
+
+A lower tier (engine/kv_disk.py) may sit under the prefix cache: an evicted block is handed to it before its
+block is reused, and where a sequence's memory hits end, the blocks the lower tier holds next are loaded into
+free blocks at admission and count as hits (published as if computed).
 """
 
 from __future__ import annotations
@@ -13,7 +17,7 @@ from array import array
 from collections import OrderedDict
 from collections.abc import Callable, Sequence as Seq
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from trillm.kernels.layout import RESERVED_BLOCK
 from trillm.engine.sequence import Sequence
@@ -48,6 +52,18 @@ def block_hashes(root: bytes, token_ids: Seq[int], block_size: int, max_blocks: 
     return out
 
 
+class LowerTier(Protocol):
+    """Where evicted blocks go and come back from, by chained hash (engine/kv_disk.py's PooledDiskTier)."""
+
+    def __contains__(self, h: bytes) -> bool: ...
+    def save(self, block_id: int, h: bytes) -> None: ...  # called before block_id is reused
+    def load(self, hashes: Seq[bytes], block_ids: Seq[int]) -> int: ...  # how many leading blocks it loaded
+
+
+# (kind "stored" | "removed", hash, parent hash or None, medium "memory" | "disk")
+KVEventHook = Callable[[str, bytes, "bytes | None", str], None]
+
+
 @dataclass(slots=True)
 class Block:
     block_id: int
@@ -57,9 +73,12 @@ class Block:
 
 class BlockManager:
     def __init__(self, num_blocks: int, block_size: int, *, model_id: str = "", enable_prefix_caching: bool = True,
-                 state_slots: StateSlots | None = None, capacity: PoolCapacity | None = None) -> None:
+                 state_slots: StateSlots | None = None, capacity: PoolCapacity | None = None,
+                 lower: LowerTier | None = None) -> None:
         """state_slots: a hybrid model's recurrent-state slots, taken and freed with each sequence's blocks.
-        capacity: a pool that grows to num_blocks as blocks are needed (engine/kv_slabs.py); None: all exist."""
+        capacity: a pool that grows to num_blocks as blocks are needed (engine/kv_slabs.py); None: all exist.
+        lower: a lower tier for evicted blocks (never with state_slots: a recurrent state is not in a block)."""
+        assert lower is None or state_slots is None, "the lower tier does not cover recurrent state"
         assert num_blocks >= 2
         self.block_size = block_size
         self.num_blocks = num_blocks
@@ -75,10 +94,13 @@ class BlockManager:
         self._num_cached_free = 0  # free blocks still holding a hash (kept, not counted: statistics() is per step)
         self.num_queried_tokens = 0
         self.num_hit_tokens = 0
-        # Optional KV-event hook for a KV-aware router: ("stored", hash, parent hash or None) when a full block
-        # enters the prefix cache, ("removed", hash, None) when it is evicted. Called on the engine's thread.
-        self.on_kv_event: Callable[[str, bytes, bytes | None], None] | None = None
+        self.num_lower_hit_tokens = 0  # of the hits, tokens loaded from the lower tier
+        # Optional KV-event hook for a KV-aware router: ("stored", hash, parent hash or None, "memory") when a
+        # full block enters the prefix cache, ("removed", hash, None, "memory") when it is evicted; the lower
+        # tier's own stores and removals with medium "disk" (`lower_events`). Called on the engine's thread.
+        self.on_kv_event: KVEventHook | None = None
         self.state_slots = state_slots
+        self.lower = lower
 
     # ---- sizes -------------------------------------------------------------------------------------------
     @property
@@ -151,6 +173,27 @@ class BlockManager:
             hits = hits[: checkpoints.resumable(seq.block_hashes, len(hits))]
         return hits
 
+    def _lower_hashes(self, seq: Sequence, start: int) -> list[bytes]:
+        """The hashes of seq's blocks from block `start` on that the lower tier holds, up to its first miss."""
+        if self.lower is None or not self._looks_up(seq):
+            return []
+        out = []
+        for h in seq.block_hashes[start : (seq.num_tokens - 1) // self.block_size]:
+            if h in self._cached or h not in self.lower:
+                break
+            out.append(h)
+        return out
+
+    def lower_candidates(self, seq: Sequence) -> list[bytes]:
+        """What admission would load of seq from the lower tier now (to prefetch it)."""
+        return self._lower_hashes(seq, len(self._match(seq)))
+
+    def lower_events(self, events: Seq[tuple[str, bytes]]) -> None:
+        """Report the lower tier's stores and removals (medium "disk")."""
+        if self.on_kv_event is not None:
+            for kind, h in events:
+                self.on_kv_event(kind, h, None, "disk")
+
     def num_inflight_prefix_blocks(self, seq: Sequence, running: list[Sequence]) -> int:
         """How many of seq's blocks past its cache hits a running sequence is computing right now.
 
@@ -192,14 +235,39 @@ class BlockManager:
                 self._num_cached_free -= 1  # a hit block always has its hash
             block.ref_count += 1
         seq.block_table = hits + [self._take_free() for _ in range(self.blocks_needed(seq.num_tokens) - len(hits))]
-        seq.num_computed_tokens = len(hits) * self.block_size
-        seq.num_hashed_blocks = len(hits)
+        loaded = self._load_lower(seq, len(hits))
+        seq.num_computed_tokens = (len(hits) + loaded) * self.block_size
+        seq.num_hashed_blocks = len(hits) + loaded
         if self.state_slots is not None:
             self.state_slots.take(seq)
             if hits and self.state_slots.checkpoints is not None:
                 self.state_slots.checkpoints.restore(seq, seq.block_hashes[len(hits) - 1])
         self.num_queried_tokens += seq.num_tokens
         self.num_hit_tokens += seq.num_computed_tokens
+        self.num_lower_hit_tokens += loaded * self.block_size
+
+    def _load_lower(self, seq: Sequence, start: int) -> int:
+        """Load seq's blocks past its memory hits that the lower tier holds into the free blocks just taken for
+        them, and publish them; returns how many (a block the tier cannot give back ends the run: computed)."""
+        wanted = self._lower_hashes(seq, start)
+        if not wanted:
+            return 0
+        assert self.lower is not None
+        loaded = self.lower.load(wanted, seq.block_table[start : start + len(wanted)])
+        for i in range(start, start + loaded):
+            self._publish(self.blocks[seq.block_table[i]], seq.block_hashes[i], seq.block_hashes[i - 1] if i else None)
+        return loaded
+
+    def _publish(self, block: Block, h: bytes, parent: bytes | None) -> None:
+        if block.hash is None and h not in self._cached:
+            block.hash = h
+            self._cached[h] = block.block_id
+            if self.on_kv_event is not None:
+                self.on_kv_event("stored", h, parent, "memory")
+
+    def cached_blocks(self) -> list[tuple[int, bytes]]:
+        """(block id, hash) of every block the prefix cache can match now."""
+        return [(b, h) for h, b in self._cached.items()]
 
     def _take_free(self) -> int:
         # A growing pool adds blocks rather than evict a cached prefix, while memory allows.
@@ -212,10 +280,12 @@ class BlockManager:
             self._num_cached_free -= 1
             if self._cached.get(block.hash) == block_id:
                 del self._cached[block.hash]
+                if self.lower is not None:
+                    self.lower.save(block_id, block.hash)
                 if self.state_slots is not None and self.state_slots.checkpoints is not None:
                     self.state_slots.checkpoints.drop(block.hash)
                 if self.on_kv_event is not None:
-                    self.on_kv_event("removed", block.hash, None)
+                    self.on_kv_event("removed", block.hash, None, "memory")
             block.hash = None
         block.ref_count = 1
         return block_id
@@ -237,8 +307,14 @@ class BlockManager:
         recent = [b for b in reversed(self._free) if self.blocks[b].hash is not None]
         kept = recent[: max(0, cap.idle_keep_blocks - 1)]  # the reserved block counts: keep 64 MB = one slab
         ids = [RESERVED_BLOCK] + kept
-        if cap.shrink(ids) == len(self.blocks):
+        if cap.shrunk_capacity(len(ids)) == len(self.blocks):
             return []
+        if self.lower is not None:  # before the reallocation drops their contents
+            for block_id in recent[len(kept):]:
+                h = self.blocks[block_id].hash
+                assert h is not None
+                self.lower.save(block_id, h)
+        cap.shrink(ids)
         dropped = []
         for block_id in recent[len(kept):]:
             h = self.blocks[block_id].hash
@@ -248,7 +324,7 @@ class BlockManager:
             if self.state_slots is not None and self.state_slots.checkpoints is not None:
                 self.state_slots.checkpoints.drop(h)
             if self.on_kv_event is not None:
-                self.on_kv_event("removed", h, None)
+                self.on_kv_event("removed", h, None, "memory")
         # Renamed: kept[i] is block i + 1 now, in the same least-recently-freed order; new blocks go first.
         hashes = [self.blocks[b].hash for b in kept]
         self.blocks = [Block(i) for i in range(cap.capacity)]
@@ -307,13 +383,7 @@ class BlockManager:
             return
         self._extend_hashes(seq)
         for i in range(seq.num_hashed_blocks, full):
-            block = self.blocks[seq.block_table[i]]
-            h = seq.block_hashes[i]
-            if block.hash is None and h not in self._cached:
-                block.hash = h
-                self._cached[h] = block.block_id
-                if self.on_kv_event is not None:
-                    self.on_kv_event("stored", h, seq.block_hashes[i - 1] if i else None)
+            self._publish(self.blocks[seq.block_table[i]], seq.block_hashes[i], seq.block_hashes[i - 1] if i else None)
         seq.num_hashed_blocks = full
         if self.state_slots is not None and self.state_slots.checkpoints is not None:
             self.state_slots.checkpoints.publish(seq, full, seq.block_hashes, self._cached.__contains__)

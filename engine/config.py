@@ -63,6 +63,11 @@ class EngineConfig:
     # The KV pool's dtype (KV_CACHE_DTYPES): auto keeps the model's (float32 on CPU); int8 quarters float32's
     # bytes per token (plus a float32 scale per token and KV head).
     kv_cache_dtype: str = "auto"
+    # The prefix cache's disk tier (engine/kv_disk.py): evicted blocks, and at close the cached ones, kept in
+    # kv_cache_dir (None: no disk tier) within kv_cache_dir_gb GB per model and KV layout, least recently used
+    # first; a later request or a restarted engine loads them instead of computing them.
+    kv_cache_dir: str | None = None
+    kv_cache_dir_gb: float = 10.0
 
     @property
     def speculative_method(self) -> str:
@@ -110,6 +115,8 @@ class EngineConfig:
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise InvalidRequest(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, "
                                  f"got {self.kv_cache_dtype!r}")
+        if self.kv_cache_dir_gb <= 0:
+            raise InvalidRequest("kv_cache_dir_gb must be > 0")
         if self.kernels not in KERNEL_MODES:
             raise InvalidRequest(f"kernels must be one of {', '.join(KERNEL_MODES)}, got {self.kernels!r}")
 
@@ -159,6 +166,11 @@ _FLAGS: dict[str, tuple[str, str]] = {
                                            "bf16, or int8 (8-bit keys and values with a float32 scale per token "
                                            "and head: ~3.8x float32's tokens in the same memory at head_dim 64; "
                                            "CPU only for now)"),
+    "kv_cache_dir": ("--kv-cache-dir", "a folder for the prefix cache's disk tier: evicted blocks (and at shutdown "
+                                       "the cached ones) are written there and loaded by later requests, also "
+                                       "after a restart (default: none, no disk tier)"),
+    "kv_cache_dir_gb": ("--kv-cache-dir-gb", "--kv-cache-dir: GB of blocks kept per model and KV layout, least "
+                                             "recently used evicted first"),
 }
 
 
@@ -176,7 +188,7 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
             g.add_argument(flag, dest=name, action="store_false" if default else "store_true", help=help_text)
         else:
             kind: Any = {"dtype": str, "kernels": str, "scheduling_policy": str, "speculative": str,
-                         "kv_cache_dtype": str,
+                         "kv_cache_dtype": str, "kv_cache_dir": str, "kv_cache_dir_gb": float,
                          "kv_cache_memory_gb": float, "kv_idle_release_s": float, "kv_slab_mb": float,
                          "kv_idle_keep_mb": float,
                          "memory_limit": parse_memory_size}.get(name, int)

@@ -1,7 +1,8 @@
 """KV events and per-step load, from any LLMEngine (real or mock), for a KV-aware router.
 
 Emission follows Dynamo's mocker: "stored" when a full block enters the prefix cache, "removed" when one is
-evicted from it (not when its last reference goes: a free block stays matchable). Event ids increase by one
+evicted from it (not when its last reference goes: a free block stays matchable). With a disk tier, its own
+"stored" (a block written) and "removed" (a file evicted or found bad) come as medium "disk" (vLLM's field). Event ids increase by one
 per event for as long as one `KVEventLog` lives (one engine); a consumer that sees a gap has missed events,
 and one that sees ids restart is talking to a new engine: both must resync.
 """
@@ -20,7 +21,9 @@ class KVEvent:
     event_id: int
     kind: str  # "stored" | "removed"
     block_hash: str  # hex of the chained 16-byte block hash
-    parent_hash: str | None = None  # stored only: the previous block's hash (None for a first block)
+    parent_hash: str | None = None  # memory stored only: the previous block's hash (None for a first block)
+    # "memory": the prefix cache's blocks; "disk": its disk tier's (engine/kv_disk.py), matchable at a load's cost
+    medium: str = "memory"
 
 
 @dataclass(frozen=True, slots=True)
@@ -79,8 +82,9 @@ class KVEventLog:
         self._pending: list[KVEvent] = []
         block_manager.on_kv_event = self._on_kv_event
 
-    def _on_kv_event(self, kind: str, h: bytes, parent: bytes | None) -> None:
-        self._pending.append(KVEvent(next(self._ids), kind, h.hex(), parent.hex() if parent is not None else None))
+    def _on_kv_event(self, kind: str, h: bytes, parent: bytes | None, medium: str) -> None:
+        self._pending.append(KVEvent(next(self._ids), kind, h.hex(), parent.hex() if parent is not None else None,
+                                     medium))
 
     def take(self) -> tuple[KVEvent, ...]:
         """The events since the previous call, oldest first."""

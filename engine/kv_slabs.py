@@ -108,10 +108,14 @@ class PoolCapacity:
             self.budget.usage(fresh=True)
         return range(old, new)
 
+    def shrunk_capacity(self, num_kept: int) -> int:
+        """The capacity a shrink keeping num_kept blocks leaves (the current one: no shrink)."""
+        return min(self.capacity, max(self.idle_floor, -(-num_kept // self.slab_blocks) * self.slab_blocks))
+
     def shrink(self, kept: Sequence[int]) -> int:
         """Reallocate to the slabs holding `kept` (old ids, the reserved block first): block kept[i] becomes
         block i. Returns the new capacity."""
-        new = min(self.capacity, max(self.idle_floor, -(-len(kept) // self.slab_blocks) * self.slab_blocks))
+        new = self.shrunk_capacity(len(kept))
         if new == self.capacity:
             return new
         self.capacity = new

@@ -37,6 +37,7 @@ if TYPE_CHECKING:
     from trillm.engine.kv_cache import KVPool
     from trillm.engine.kv_slabs import ResizeHook
     from trillm.engine.spec_draft import DraftProposer
+    from trillm.engine.kv_disk import PooledDiskTier
     from trillm.engine.model_probe import ProbeResult
     from trillm.engine.state_pool import StateSlots
     from trillm.kernels.selfcheck import KernelReport
@@ -245,6 +246,8 @@ class LLMEngine:
         self.scheduler = Scheduler(config, self.block_manager, self.limits, self.eos_token_ids)
         self.grammars = grammar_compiler(self.tokenizer)  # llguidance's view of the tokenizer is built on first use
         self.kernel_report: KernelReport | None = None  # which implementation each kernel op runs (MLX runner)
+        self._pool: KVPool | None = None  # the MLX runner's
+        self.kv_disk: PooledDiskTier | None = None  # the prefix cache's disk tier (engine/kv_disk.py)
         self.runner: Runner = runner_factory(num_blocks if self.pool_capacity is None else self.pool_capacity.capacity)
         self._idle_since: float | None = time.monotonic()  # when the engine last ran out of requests
         self._pipelined = config.pipeline_decode and self.runner.supports_launch_ahead
@@ -266,6 +269,40 @@ class LLMEngine:
             self._verify_model()
             self.release_idle_memory()  # the probe's blocks are nobody's: start from the smallest pool
         release_freed_heap()  # what the kernel self-check and the probe freed goes back to the system
+        if config.kv_cache_dir is not None:
+            self._attach_disk_tier(config.kv_cache_dir)  # after the probe: its blocks are nobody's to keep
+
+    def _attach_disk_tier(self, directory: str) -> None:
+        from pathlib import Path
+
+        from trillm.engine.kv_disk import DiskTier, DiskTierConfig, PooledDiskTier, pool_identity
+
+        why = ("the tensor-parallel and mock runners keep no MLX pool here" if self._pool is None
+               else "its recurrent state is not in KV blocks" if self.state_slots is not None
+               else "prefix caching is off" if not self.block_manager.enable_prefix_caching else None)
+        if why is not None or self._pool is None:
+            log.warning("%s: --kv-cache-dir ignored: %s", self.model_name, why)
+            return
+        identity, block_bytes = pool_identity(self.loaded.model_id, self._pool)
+        disk = DiskTier(DiskTierConfig(Path(directory).expanduser(), int(self.config.kv_cache_dir_gb * 1e9),
+                                       identity, block_bytes))
+        self.kv_disk = PooledDiskTier(disk, self._pool)
+        self.block_manager.lower = self.kv_disk
+        log.info("%s: disk tier for the prefix cache in %s (%d blocks, %.2f GB found)", self.model_name, disk.folder,
+                 disk.num_blocks, disk.nbytes / 1e9)
+
+    def close(self) -> None:
+        """Write the prefix cache's blocks to the disk tier, so a restart finds them, and stop its threads (no
+        disk tier: nothing). The engine serves no request after it."""
+        tier, self.kv_disk = self.kv_disk, None
+        if tier is None:
+            return
+        if self._inflight is not None:
+            self.runner.collect(self._inflight)
+            self._inflight = None
+        self.block_manager.lower = None
+        tier.close(self.block_manager.cached_blocks())
+        self.block_manager.lower_events(tier.take_events())
 
     def _verify_model(self) -> None:
         from trillm.engine.model_probe import probe
@@ -294,6 +331,7 @@ class LLMEngine:
         self._recent: deque[tuple[float, int, int]] = deque()  # (time, prompt tokens, generated tokens)
         self._recent_sums = [0, 0]  # running sums over _recent, so statistics() is O(1)
         self.block_manager.num_queried_tokens = self.block_manager.num_hit_tokens = 0
+        self.block_manager.num_lower_hit_tokens = 0
         if self.speculator is not None:
             self.speculator.counters = SpecCounters()
 
@@ -301,7 +339,8 @@ class LLMEngine:
         from trillm.engine.model_runner import ModelRunner
         from trillm.engine.sampler import Sampler
 
-        pool = make_kv_pool(lm, self.config, num_blocks, self.max_model_len, self.kv_layout, self.state_slots)
+        self._pool = pool = make_kv_pool(lm, self.config, num_blocks, self.max_model_len, self.kv_layout,
+                                         self.state_slots)
         if self.pool_capacity is not None:
             self.pool_capacity.on_resize = partial(resize_pool, pool)
         self.kernel_report = pool.kernels.report
@@ -351,6 +390,8 @@ class LLMEngine:
             self.speculator.track(seq)
         self.scheduler.add(seq)  # raises InvalidRequest / Overloaded; the last thing that may fail
         self._requests[request_id] = req
+        if self.kv_disk is not None:  # read at admission's pace, on the tier's own threads
+            self.kv_disk.prefetch(self.block_manager.lower_candidates(seq))
 
     def abort(self, request_id: str) -> None:
         """Drop a live request now and free every block it holds."""
@@ -381,6 +422,7 @@ class LLMEngine:
         """
         t0 = time.perf_counter()
         outputs = self._step(check_abort)
+        self._sync_disk_tier()
         if self.on_phase is not None:
             self.on_phase("step", time.perf_counter() - t0, self.last_step.batch if self.last_step else None)
         return outputs
@@ -420,6 +462,12 @@ class LLMEngine:
         self._settle_if_idle()
         return outputs
 
+    def _sync_disk_tier(self) -> None:
+        """Hand the blocks evicted in this step (computed by now) to the disk tier's writer; report its events."""
+        if self.kv_disk is not None:
+            self.kv_disk.materialize()
+            self.block_manager.lower_events(self.kv_disk.take_events())
+
     def _settle_if_idle(self) -> None:
         # An unread launch holds old pool versions, which would turn the next in-place KV write into a copy.
         if self._inflight is not None and not self._requests:
@@ -445,6 +493,7 @@ class LLMEngine:
             return 0
         before = cap.nbytes
         self.block_manager.shrink()
+        self._sync_disk_tier()
         release_freed_heap()
         self._idle_since = None  # released: nothing more until the next request has come and gone
         return before - cap.nbytes
@@ -596,8 +645,17 @@ class LLMEngine:
             spec_draft_tokens=self._spec_counters.num_draft_tokens,
             spec_accepted_tokens=self._spec_counters.num_accepted_tokens,
             spec_verifies=self._spec_counters.num_verifies,
+            **self._disk_statistics(),
             **memory_statistics(self.memory, bm, self._bytes_per_block),
         )
+
+    def _disk_statistics(self) -> dict[str, int]:
+        if self.kv_disk is None:
+            return {}
+        disk = self.kv_disk.disk
+        return {"kv_disk_hit_tokens": self.block_manager.num_lower_hit_tokens, "kv_disk_blocks": disk.num_blocks,
+                "kv_disk_bytes": disk.nbytes, "kv_disk_writes": disk.num_written,
+                "kv_disk_dropped_writes": disk.num_dropped, "kv_disk_corrupt_blocks": disk.num_corrupt}
 
     @property
     def _spec_counters(self) -> SpecCounters:

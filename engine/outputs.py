@@ -100,6 +100,14 @@ class EngineStatistics:
     memory_limit_bytes: int = 0
     kv_pool_bytes: int = 0
     kv_pool_used_bytes: int = 0
+    # The prefix cache's disk tier (engine/kv_disk.py): prompt tokens loaded from it (also in prefix_cache_hits),
+    # the blocks and bytes it holds, blocks written, writes dropped (its queue was full) and bad files found.
+    kv_disk_hit_tokens: int = 0
+    kv_disk_blocks: int = 0
+    kv_disk_bytes: int = 0
+    kv_disk_writes: int = 0
+    kv_disk_dropped_writes: int = 0
+    kv_disk_corrupt_blocks: int = 0
 
     @property
     def prefix_cache_hit_rate(self) -> float:

@@ -69,6 +69,8 @@ class KVIndex:
                 return self._broken()
             self._last_id = event.event_id
             self._num_events += 1
+            if event.medium != "memory":
+                continue  # the router predicts memory hits; a disk tier's blocks cost a load
             if event.kind == "stored":
                 self._blocks.add(event.block_hash)
             elif event.kind == "removed":

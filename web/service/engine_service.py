@@ -557,20 +557,26 @@ class EngineService:
     def _run_threaded(self) -> None:
         """The engine thread: build the engine here (its MLX streams belong to this thread), then step."""
         engine = self._factory()
-        driver = EngineDriver(engine)
-        started = trio.from_thread.run_sync(self._on_engine_started, engine, engine.statistics())
-        if started is None:
-            return  # the service stopped while the model loaded
-        work = started
-        while True:
-            trio.from_thread.check_cancelled()
-            if not work and driver.idle:
-                idle_work = trio.from_thread.run(self._wait_for_work_or_idle, driver.release_after_s)
-                if idle_work is None:
-                    return  # unload: dropping the engine frees the model and its KV cache
-                work = idle_work
-            result = driver.run_once(work, check_abort=trio.from_thread.check_cancelled)
-            work = trio.from_thread.run_sync(self._deliver, result)
+        try:
+            driver = EngineDriver(engine)
+            started = trio.from_thread.run_sync(self._on_engine_started, engine, engine.statistics())
+            if started is None:
+                return  # the service stopped while the model loaded
+            work = started
+            while True:
+                trio.from_thread.check_cancelled()
+                if not work and driver.idle:
+                    idle_work = trio.from_thread.run(self._wait_for_work_or_idle, driver.release_after_s)
+                    if idle_work is None:
+                        return  # unload: dropping the engine frees the model and its KV cache
+                    work = idle_work
+                result = driver.run_once(work, check_abort=trio.from_thread.check_cancelled)
+                work = trio.from_thread.run_sync(self._deliver, result)
+        finally:
+            try:
+                engine.close()  # its disk tier keeps the prefix cache for a restart
+            except Exception:  # never in the way of the error that ended the loop
+                log.exception("closing the engine of %s failed", self.model_name)
 
     async def _run_inline(self) -> None:
         """The engine in this task: each step's (simulated) duration passes before its tokens are delivered."""

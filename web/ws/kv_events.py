@@ -72,7 +72,8 @@ class KVEventHub:
         if self.reveal_hashes or not report.kv_events:
             return report
         return replace(report, kv_events=tuple(KVEvent(e.event_id, e.kind, self._hide(e.block_hash),
-                                                       None if e.parent_hash is None else self._hide(e.parent_hash))
+                                                       None if e.parent_hash is None else self._hide(e.parent_hash),
+                                                       e.medium)
                                                for e in report.kv_events))
 
     def hello(self) -> dict[str, Any]:
