@@ -26,6 +26,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "window": ("trillm.bench.window", "sliding-window decode at long context: the model's windows vs full attention"),
     "quant-memory": ("trillm.bench.quant_memory", "resident memory after load, weights kept quantized vs float32"),
     "kv-cache": ("trillm.bench.kv_cache", "the KV cache's dtype (int8, fp16 vs fp32): accuracy, capacity, decode at 8k"),
+    "kv-disk": ("trillm.bench.kv_disk", "the prefix cache's disk tier: TTFT after a restart, more prefixes than memory"),
 }
 
 
