@@ -32,7 +32,7 @@ import numpy as np
 from trillm.engine.config import EngineConfig
 from trillm.engine.distributed import TensorParallelError, TensorParallelGroup
 from trillm.engine.kv_cache import BatchLayout, KVLayout, KVPool
-from trillm.engine.llm_engine import LLMEngine, make_kv_pool
+from trillm.engine.llm_engine import LLMEngine, make_kv_pool, with_kv_dtype
 from trillm.engine.loader import LoadedModel, load_model
 from trillm.engine.model_runner import ForwardInputs, ModelRunner
 from trillm.engine.runner import Launch, RowsFn, Runner
@@ -362,7 +362,7 @@ class TensorParallelEngine:
             except RuntimeError as exc:
                 raise self.tp.error(exc) from exc
             # Every rank's layout from its shard's facts: asking the model would run its collectives alone.
-            layout = KVLayout.uniform(lm.num_layers, lm.num_kv_heads, lm.head_dim)
+            layout = with_kv_dtype(KVLayout.uniform(lm.num_layers, lm.num_kv_heads, lm.head_dim), self.config, lm)
             self._pool = make_kv_pool(lm, self.config, num_blocks, max_model_len, layout)
         sampler = Sampler(self.config.seed, vocab_size=lm.tokenizer.vocab_size)  # never an id past the vocabulary
         return TensorParallelRunner(lm.model, self._pool, sampler, self.channel)

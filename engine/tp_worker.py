@@ -17,7 +17,7 @@ import mlx.nn as nn
 
 from trillm.engine.distributed import TensorParallelError, TensorParallelGroup, die_with_parent, worker_doorbell
 from trillm.engine.kv_cache import KVLayout
-from trillm.engine.llm_engine import make_kv_pool
+from trillm.engine.llm_engine import make_kv_pool, with_kv_dtype
 from trillm.engine.loader import LoadedModel
 from trillm.engine.model_runner import ModelRunner
 from trillm.engine.sampler import Sampler
@@ -48,8 +48,8 @@ def run_worker(tp: TensorParallelGroup) -> int:
             return 0
         num_blocks, max_model_len = pool_table[0]
         # the same layout rank 0 builds (tp_runner), from the shard's facts
-        pool = make_kv_pool(loaded, config, num_blocks, max_model_len,
-                            KVLayout.uniform(loaded.num_layers, loaded.num_kv_heads, loaded.head_dim))
+        layout = KVLayout.uniform(loaded.num_layers, loaded.num_kv_heads, loaded.head_dim)
+        pool = make_kv_pool(loaded, config, num_blocks, max_model_len, with_kv_dtype(layout, config, loaded))
         # Only rank 0 needs logits: with an identity head, ModelRunner.forward returns the last hidden states,
         # which still depend on every collective of the forward (and an untied head's weights are freed).
         loaded.model.lm_head = nn.Identity()

@@ -77,6 +77,19 @@ def test_two_ranks_equal_one_rank(tiny_model_path: Path, tiny_model: LoadedModel
     assert tp["worker_exits"] == [] and tp["worker_codes"] == [0]  # alive throughout, then stopped cleanly
 
 
+def test_two_ranks_with_an_int8_cache_equal_one_rank(tiny_model_path: Path, tiny_model: LoadedModel,
+                                                     tmp_path: Path) -> None:
+    """--kv-cache-dtype int8 reaches every rank's pool: each KV head is quantized on its own (one scale per
+    token and head), so a rank holding half the heads writes and reads what one rank does."""
+    config = EngineConfig(model=str(tiny_model_path), block_size=16, num_kv_blocks=256, max_num_seqs=4,
+                          max_num_batched_tokens=512, kernels="ref", kv_cache_dtype="int8")
+    prompts = tiny_prompts(tiny_model)[:4]
+    tp = run_tp(2, config, prompts, 6, tmp_path, kinds=("batched",))
+    single = LLMEngine(config, loaded=tiny_model)
+    assert single.runner.pool.keys[0].dtype == mx.int8  # type: ignore[attr-defined]
+    assert_same_outputs(tp, scenarios(single, prompts, greedy(6), kinds=("batched",)))
+
+
 @pytest.mark.slow
 def test_smollm2_over_three_ranks_equals_one_rank(default_model: LoadedModel, tmp_path: Path) -> None:
     tok = default_model.tokenizer
