@@ -58,6 +58,7 @@ class LowerTier(Protocol):
     def __contains__(self, h: bytes) -> bool: ...
     def save(self, block_id: int, h: bytes) -> None: ...  # called before block_id is reused
     def load(self, hashes: Seq[bytes], block_ids: Seq[int]) -> int: ...  # how many leading blocks it loaded
+    def materialize(self) -> None: ...  # take the saved blocks' contents out of the pool now
 
 
 # (kind "stored" | "removed", hash, parent hash or None, medium "memory" | "disk")
@@ -314,6 +315,7 @@ class BlockManager:
                 h = self.blocks[block_id].hash
                 assert h is not None
                 self.lower.save(block_id, h)
+            self.lower.materialize()  # nothing of the old arrays may outlive the reallocation
         cap.shrink(ids)
         dropped = []
         for block_id in recent[len(kept):]:

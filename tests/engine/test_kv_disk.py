@@ -196,3 +196,19 @@ def test_an_int8_cache_round_trips_and_never_reads_float_blocks(tiny_model: Load
     out = second.generate([p], GREEDY)[0]
     assert out.new_token_ids == want.new_token_ids and second.statistics().kv_disk_hit_tokens > 0  # scales too
     second.close()
+
+
+def test_the_idle_shrink_writes_what_it_drops(tiny_model: LoadedModel, tmp_path: Path) -> None:
+    p = prompt(tiny_model)
+    want = uncached(tiny_model, p)
+    eng = engine(tiny_model, kv_cache_dir=str(tmp_path), kv_slab_mb=0.25, kv_idle_keep_mb=0.25, kv_idle_release_s=0,
+                 num_kv_blocks=64)
+    eng.generate([p], GREEDY)
+    eng.generate([prompt(tiny_model, "once upon a time there was ")], GREEDY)  # the most recent: kept
+    assert eng.release_idle_memory() > 0
+    eng.kv_disk.disk.flush()  # type: ignore[union-attr]
+    assert eng.statistics().kv_disk_writes > 0
+    out = eng.generate([p], GREEDY)[0]
+    assert out.new_token_ids == want and eng.statistics().kv_disk_hit_tokens > 0
+    eng.block_manager.check_invariants([])
+    eng.close()
