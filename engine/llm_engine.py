@@ -16,7 +16,7 @@ import numpy as np
 
 from trillm.engine.admission import RequestLimits
 from trillm.engine.block_manager import BlockManager
-from trillm.engine.config import EngineConfig
+from trillm.engine.config import KV_CACHE_DTYPES, EngineConfig
 from trillm.engine.detokenizer import IncrementalDetokenizer, StopStringMatcher
 from trillm.engine.errors import InvalidRequest, ModelLoadError, UnknownRequest, UnverifiedModel
 from trillm.engine.grammar import grammar_compiler
@@ -195,7 +195,9 @@ class LLMEngine:
         # A hybrid model's recurrent layers: one state slot per running sequence (engine/state_pool.py).
         self.state_slots: StateSlots | None = None
         state_bytes = 0
-        layout = KVLayout.uniform(lm.num_layers, lm.num_kv_heads, lm.head_dim)
+        # Other runners (the mock's, a tensor-parallel group's) size their blocks by the flag's dtype too.
+        layout = KVLayout(KVLayout.uniform(lm.num_layers, lm.num_kv_heads, lm.head_dim).layers,
+                          kv_dtype=KV_CACHE_DTYPES[config.kv_cache_dtype])
         if runner_factory is None:
             from trillm.engine.paged_model import kv_layout
 

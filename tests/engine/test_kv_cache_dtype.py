@@ -111,3 +111,12 @@ def test_layout_sizes_each_kv_dtype() -> None:
     assert layout.bytes_per_block(16, mx.float32) == 16 * 2 * 4 * 128 * 4
     assert KVLayout(layout.layers, kv_dtype="float16").bytes_per_block(16, mx.float32) == 16 * 2 * 4 * 128 * 2
     assert KVLayout(layout.layers, kv_dtype="int8").bytes_per_block(16, mx.float32) == 16 * 2 * 4 * (128 + 8)
+
+
+def test_the_mock_sizes_its_blocks_by_the_flag() -> None:
+    from trillm.engine.mock import MockModelSpec, make_mock_engine
+
+    spec = MockModelSpec(name="m", vocab_size=100, max_model_len=256)
+    fp32 = make_mock_engine(EngineConfig(num_kv_blocks=8), spec=spec)
+    q8 = make_mock_engine(EngineConfig(num_kv_blocks=8, kv_cache_dtype="int8"), spec=spec)
+    assert fp32._bytes_per_block > 3 * q8._bytes_per_block > 0
