@@ -305,12 +305,13 @@ class Scheduler:
     def schedule_ahead(self, batch: ScheduledBatch) -> ScheduledBatch | None:
         """The next decode step of `batch`'s sequences, to launch before `batch` is read back; or None.
 
-        Only when nothing else could want the step (no prefill, nobody waiting, every running sequence
-        decoding), and only for sequences whose next step does not depend on the unread token (penalties
-        count it), that have no grammar (its mask for the next step depends on this step's token) and that
-        cannot finish by length on this step's token.
+        Only when nothing else could want the step (no prefill, every running sequence decoding, nobody waiting
+        but sequences passed over for their request's share: a fan-out's queue beside other requests must not
+        cost them the launch-ahead), and only for sequences whose next step does not depend on the unread token
+        (penalties count it), that have no grammar (its mask for the next step depends on this step's token) and
+        that cannot finish by length on this step's token.
         """
-        if batch.prefills or not batch.decodes or self.waiting or len(self.running) != len(batch.decodes):
+        if batch.prefills or not batch.decodes or len(self.running) != len(batch.decodes) or self._may_admit():
             return None
         # A constrained row's next mask needs this step's token (see LLMEngine.step).
         if any(s.status is not SequenceStatus.RUNNING or s.params.needs_penalties or s.grammar is not None
@@ -329,6 +330,14 @@ class Scheduler:
         ahead = ScheduledBatch(decodes=seqs)
         self._commit(ahead)
         return ahead
+
+    def _may_admit(self) -> bool:
+        """Some waiting sequence is not passed over for its request's share (the next schedule() may admit it)."""
+        if not self.waiting:
+            return False
+        shares = self._fair_shares()
+        return any(s.group is None or s.group not in shares or self._group_running[s.group] < shares[s.group]
+                   for s in self.waiting)
 
     def _commit(self, batch: ScheduledBatch) -> None:
         for seq in batch.decodes:

@@ -167,6 +167,25 @@ def test_beside_other_requests_a_fan_out_takes_free_rows_only_up_to_an_equal_spl
     assert step() == {"f": 8} and not s.num_preemptions  # alone: every row
 
 
+def test_a_fan_out_queued_at_its_share_does_not_stop_the_next_decode_step_from_launching_ahead() -> None:
+    """Launch-ahead waits for nobody who could not be admitted anyway: the fan-out's queue beside a chat, at its
+    equal split, leaves the decode steps pipelined; a newcomer who could take a row stops it."""
+    s = make(8)
+    s.add(Sequence("chat", [9, 9, 9], SamplingParams(max_tokens=50, ignore_eos=True), group="chat"))
+    for i in range(16):
+        s.add(Sequence(f"f{i}", [5, 6, i], SamplingParams(max_tokens=50, ignore_eos=True), group="f"))
+    batch = s.schedule()
+    s.postprocess(batch, [SampledToken(q, 7) for q in batch.sampled])
+    assert len(s.running) == 5 and len(s.waiting) == 12  # 4 rows each: the fan-out's 12 more are passed over
+    batch = s.schedule()
+    assert len(batch.decodes) == 5 and not batch.prefills
+    ahead = s.schedule_ahead(batch)
+    assert ahead is not None and ahead.decodes == batch.decodes
+    s.postprocess(batch, [SampledToken(q, 7) for q in batch.sampled])
+    s.add(Sequence("new", [8, 8], SamplingParams(max_tokens=5, ignore_eos=True), group="new"))
+    assert s.schedule_ahead(ahead) is None  # it gets a row in the next step, so that step is scheduled
+
+
 def run_until(engine: LLMEngine, request_id: str, limit: int) -> tuple[int, list[RequestOutput]]:
     """Step until request_id has its first token; returns the steps taken and every output meanwhile."""
     outputs: list[RequestOutput] = []
