@@ -123,7 +123,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--score-tokens", type=int, default=3000)
     ap.add_argument("--prompts", type=int, default=8)
     ap.add_argument("--greedy-tokens", type=int, default=32)
-    ap.add_argument("--context", type=int, default=8192)
+    ap.add_argument("--context", type=int, default=8192, help="capped at the model's context less the decode")
     ap.add_argument("--decode-steps", type=int, default=16)
     ap.add_argument("--attention-batch", type=int, default=8)
     ap.add_argument("--json", type=Path, default=None)
@@ -145,13 +145,15 @@ def main(argv: list[str] | None = None) -> int:
         lp = prompt_logprobs(eng, ids[: args.score_tokens])
         prompts = [ids[i * 200: i * 200 + 128] for i in range(args.prompts)]
         toks = greedy(eng, prompts, args.greedy_tokens)
-        long_ids = (ids * (args.context // len(ids) + 1))[: args.context]
+        context = min(args.context, eng.max_model_len - args.decode_steps - 1)  # SmolLM2's is 8192 in all
+        long_ids = (ids * (context // len(ids) + 1))[:context]
+        print(f"{kv}: scored {len(lp)} tokens, greedy done; decode at {context} tokens", flush=True)
         step_ms = decode_ms(eng, long_ids, args.decode_steps)
         assert eng.kv_layout is not None
         per_token = eng.kv_layout.bytes_per_block(16, eng.loaded.dtype) / 16
         kv_name = eng.kv_layout.kv_dtype or "float32"
-        a1, impl = attention_ms(eng, kv_name, 1, args.context)
-        an, _ = attention_ms(eng, kv_name, args.attention_batch, args.context)
+        a1, impl = attention_ms(eng, kv_name, 1, context)
+        an, _ = attention_ms(eng, kv_name, args.attention_batch, context)
         if base_lp is None:
             base_lp, base_greedy = lp, toks
             stats: dict[str, Any] = dict(mean_abs_dlogprob=None, max_abs_dlogprob=None, greedy_positions_equal=None,
