@@ -173,7 +173,7 @@ def main(argv: list[str] | None = None) -> int:
         mx.clear_cache()
     base = rows[0]
     print(f"\nSmolLM2-135M, {base.scored_tokens} scored tokens, {args.prompts} x {args.greedy_tokens} greedy tokens, "
-          f"decode at {args.context} tokens; attention: one layer, B=1 and B={args.attention_batch}")
+          f"decode at {context} tokens; attention: one layer, B=1 and B={args.attention_batch}")
     print("| KV cache | bytes/token | tokens in the same memory | mean / max abs dlogprob vs fp32 | greedy positions "
           "(prompts) equal | decode step at ctx | attention B=1 | attention B=N |")
     print("|---|---:|---:|---:|---:|---:|---:|---:|")
