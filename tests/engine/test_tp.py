@@ -95,14 +95,14 @@ def test_smollm2_over_three_ranks_equals_one_rank(default_model: LoadedModel, tm
     tok = default_model.tokenizer
     prompts = [tok.apply_chat_template([{"role": "user", "content": q}])
                for q in ("What is the capital of France?", "Name a colour.")]
-    # 3 ranks on 2 cores, each busy-waiting in 61 collectives a step: keep it to a few steps (and skip the
-    # kernel self-check on every rank)
+    # 3 ranks on 2 cores, each busy-waiting in 61 collectives a step: keep it to one batch of a few steps (the
+    # other scenarios run on the tiny model above) and skip the kernel self-check on every rank
     config = EngineConfig(block_size=16, num_kv_blocks=64, max_num_seqs=4, max_num_batched_tokens=256, kernels="ref")
-    kinds = ("batched", "singles")
+    kinds = ("batched",)
     tp = run_tp(3, config, prompts, 3, tmp_path, kinds)
     ref = scenarios(LLMEngine(config, loaded=default_model), prompts, greedy(3), kinds)
     assert_same_outputs(tp, ref)
-    assert tok.decode(tp["singles"][0]["tokens"]) == "The capital of"
+    assert tok.decode(tp["batched"][0]["tokens"]) == "The capital of"
 
 
 def _llama(heads: int, kv_heads: int, ffn: int) -> Any:
