@@ -22,9 +22,44 @@ def test_primitive_equals_dequantize_then_matmul(bits: int, group: int, scales: 
     n, k = 53, 384  # n: no multiple of any tile; k: 3 groups of 128, a chunk boundary past 256
     w, s, b = ql.random_quantized(n, k, group, bits, scales, seed=bits + group)
     x = random_array((rows, 1, k), mx.float32, rows)
-    got, want = ql.quant_linear_cpu(x, w, s, b, group, bits), ql.quant_linear_ref(x, w, s, b, group, bits)
+    got, want = ql.quant_linear_cpu(x, w, s, b, group, bits), _expected(x, w, s, b, group, bits)
     assert got.shape == want.shape == (rows, 1, n) and got.dtype == mx.float32
     np.testing.assert_allclose(np.array(got), np.array(want), atol=1e-4, rtol=1e-4)
+    exact = ql.quant_linear_cpu(x, w, s, b, group, bits, quantize_x=False)  # the fp32 path, on every ISA
+    np.testing.assert_allclose(np.array(exact), np.array(ql.quant_linear_ref(x, w, s, b, group, bits)), atol=1e-4,
+                               rtol=1e-4)
+
+
+def _expected(x: mx.array, w: mx.array, s: mx.array, b: mx.array, group: int, bits: int) -> mx.array:
+    """What the primitive computes: x's decode rows rounded to int8 blocks where the ISA does that, else exact."""
+    rows = x.size // x.shape[-1]
+    q8 = ql.quantizes_x() and rows <= ql.MAX_ROWS
+    return (ql.quant_linear_q8_ref if q8 else ql.quant_linear_ref)(x, w, s, b, group, bits)
+
+
+@pytest.mark.parametrize(("bits", "scales"), [(4, "float16"), (8, "float16"), (4, "float32")])
+def test_int8_rows_stay_within_activation_rounding_of_the_exact_product(bits: int, scales: str) -> None:
+    """The int8 decode path against dequantize-then-matmul: within llama.cpp's bound for quantized matmuls
+    (normalized mean squared error 5e-4, test-backend-ops) and within the self-check's tolerance."""
+    n, k = 200, 1536
+    w, s, b = ql.random_quantized(n, k, 32, bits, scales, seed=7)
+    x = random_array((8, k), mx.float32, 8)
+    got, want = np.array(ql.quant_linear_cpu(x, w, s, b, 32, bits)), np.array(ql.quant_linear_ref(x, w, s, b, 32, bits))
+    nmse = float(((got - want) ** 2).mean() / (want**2).mean())
+    assert nmse < 5e-4
+    atol, rtol = ql.TOLERANCES[mx.float32]
+    np.testing.assert_allclose(got, want, atol=atol, rtol=rtol)
+    if ql.quantizes_x():
+        assert nmse > 1e-8  # the int8 path ran, not the fp32 one
+
+
+def test_quantized_x_reference_rounds_blocks_of_32() -> None:
+    x = mx.array([[0.5 * (i % 7) - 1.0 for i in range(64)]]) * mx.array([[1.0] * 32 + [1e-3] * 32])
+    q = np.array(ql.quantize_x_ref(x))
+    for block in (q[0, :32], q[0, 32:]):
+        step = np.abs(block).max() / 127
+        assert np.allclose(block / step, np.round(block / step), atol=1e-3)  # whole multiples of d per block
+    np.testing.assert_allclose(q, np.array(x), rtol=0, atol=float(np.abs(np.array(x)).max()) / 254 + 1e-7)
 
 
 def test_long_rows_cross_the_kernels_k_chunks() -> None:
@@ -32,8 +67,10 @@ def test_long_rows_cross_the_kernels_k_chunks() -> None:
     w, s, b = ql.random_quantized(40, 2560, 64, 4, "float16", seed=3)
     for rows in (1, 9, 40):
         x = random_array((rows, 2560), mx.float32, rows)
-        np.testing.assert_allclose(np.array(ql.quant_linear_cpu(x, w, s, b, 64, 4)),
+        np.testing.assert_allclose(np.array(ql.quant_linear_cpu(x, w, s, b, 64, 4, quantize_x=False)),
                                    np.array(ql.quant_linear_ref(x, w, s, b, 64, 4)), atol=1e-4, rtol=1e-4)
+        np.testing.assert_allclose(np.array(ql.quant_linear_cpu(x, w, s, b, 64, 4)),
+                                   np.array(_expected(x, w, s, b, 64, 4)), atol=1e-4, rtol=1e-4)
 
 
 def test_dispatcher_sends_other_formats_to_mlx() -> None:
