@@ -9,6 +9,9 @@ What a Linux CPU user would run instead of trillm. Three things live here:
   own Python library), so llama.cpp runs the same fp32 weights as trillm and mlx_lm.server.
 - `llama_cpp_command()`: its server on loopback, one thread per core, `--interrupt_requests False` (by default
   a new request cancels the one streaming; it serves one request at a time either way).
+- `llama_server_command()`: llama.cpp's own C++ `llama-server` instead (`--llama-server PATH` or
+  $TRILLM_LLAMA_SERVER), which batches: `--parallel N` slots with continuous batching, the context split
+  among them, `-t`/`-tb` threads.
 """
 
 from __future__ import annotations
@@ -24,7 +27,8 @@ VERSION = "0.3.36"
 CMAKE_ARGS = "-DGGML_AMX=OFF -DGGML_OPENMP=OFF"
 CACHE_ROOT = Path(os.environ.get("TRILLM_CACHE", Path.home() / ".cache" / "trillm"))
 PYTHON_ENV = "TRILLM_LLAMA_CPP_PYTHON"  # an interpreter with llama_cpp.server importable
-HEALTH_PATH = "/v1/models"  # its server has no /health
+SERVER_BIN_ENV = "TRILLM_LLAMA_SERVER"  # llama.cpp's own llama-server binary (used instead of the Python one)
+HEALTH_PATH = "/v1/models"  # llama-cpp-python's server has no /health (llama-server's has)
 
 
 def venv_dir() -> Path:
@@ -114,6 +118,15 @@ def llama_cpp_command(python: str, gguf: str | os.PathLike[str], port: int, *, n
     return [python, "-m", "llama_cpp.server", "--model", str(gguf), "--host", "127.0.0.1", "--port", str(port),
             "--n_ctx", str(n_ctx), "--n_threads", n, "--n_threads_batch", n, "--interrupt_requests", "False",
             *extra]
+
+
+def llama_server_command(binary: str, gguf: str | os.PathLike[str], port: int, *, parallel: int,
+                         n_ctx: int = 4096, threads: int | None = None, extra: Sequence[str] = ()) -> list[str]:
+    """llama.cpp's own server on loopback: `parallel` slots of n_ctx tokens each (its -c is the total), both
+    thread pools one thread per core, no web UI."""
+    n = str(threads or os.cpu_count() or 1)
+    return [binary, "-m", str(gguf), "--host", "127.0.0.1", "--port", str(port), "-c", str(n_ctx * parallel),
+            "--parallel", str(parallel), "-t", n, "-tb", n, "--no-webui", *extra]
 
 
 def server_env() -> dict[str, str]:

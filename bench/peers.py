@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import os
 import shlex
 import sys
 from collections.abc import Callable
@@ -158,7 +159,13 @@ def build_parser() -> argparse.ArgumentParser:
                    "SmolLM2 dequantized to F32, cached; required with --model)")
     p.add_argument("--llama-cpp-threads", type=int, default=None, help="its decode and batch threads "
                    "(default: one per core)")
-    p.add_argument("--llama-cpp-args", default="", help="extra `python -m llama_cpp.server` flags (one string)")
+    p.add_argument("--llama-cpp-args", default="", help="extra `python -m llama_cpp.server` (or llama-server) "
+                   "flags (one string)")
+    p.add_argument("--llama-server", default=os.environ.get(llama_cpp.SERVER_BIN_ENV) or None,
+                   help="llama.cpp's own llama-server binary, run instead of llama-cpp-python's server, with "
+                   f"--parallel (default: ${llama_cpp.SERVER_BIN_ENV})")
+    p.add_argument("--llama-server-parallel", type=int, default=None,
+                   help="its --parallel slots (default: --high-concurrency)")
     p.add_argument("--skip-no-cache", action="store_true")
     p.add_argument("--startup-timeout", type=float, default=600.0)
     p.add_argument("--results-dir", default="results")
@@ -194,6 +201,9 @@ def _llama_cpp_process(args: argparse.Namespace, out: Path, model_given: bool) -
     python, why = None, None
     if gguf is None and model_given:
         why = "--model was given without --llama-cpp-gguf (the same weights as a GGUF)"
+    elif args.llama_server is not None:
+        if not os.access(args.llama_server, os.X_OK):
+            why = f"--llama-server {args.llama_server} is not an executable file"
     elif (python := llama_cpp.find_python(args.llama_cpp_python)) is None:
         why = "no interpreter with llama-cpp-python[server] found; `trillm bench llama-cpp install` builds one"
     if why is not None:
@@ -201,12 +211,16 @@ def _llama_cpp_process(args: argparse.Namespace, out: Path, model_given: bool) -
             raise SystemExit(f"trillm bench peers: --llama-cpp on: {why}")
         print(f"llama.cpp peer skipped: {why}", file=sys.stderr)
         return None
-    assert python is not None
     if gguf is None:
         print("dequantizing the default model to an F32 GGUF for llama.cpp (cached) ...", file=sys.stderr)
         gguf = str(llama_cpp.export_f32_gguf())
-    cmd = llama_cpp.llama_cpp_command(python, gguf, 0, threads=args.llama_cpp_threads,
-                                      extra=shlex.split(args.llama_cpp_args))
+    extra = shlex.split(args.llama_cpp_args)
+    if args.llama_server is not None:
+        cmd = llama_cpp.llama_server_command(args.llama_server, gguf, 0, threads=args.llama_cpp_threads, extra=extra,
+                                             parallel=args.llama_server_parallel or args.high_concurrency)
+        return ServerProcess(LLAMA_CPP, cmd, 0, out / "llama_server.log", env=llama_cpp.server_env())
+    assert python is not None
+    cmd = llama_cpp.llama_cpp_command(python, gguf, 0, threads=args.llama_cpp_threads, extra=extra)
     return ServerProcess(LLAMA_CPP, cmd, 0, out / "llama_cpp_server.log", env=llama_cpp.server_env(),
                          health_path=llama_cpp.HEALTH_PATH)
 

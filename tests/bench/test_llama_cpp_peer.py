@@ -82,6 +82,21 @@ def test_command_has_the_flags_the_issue_names() -> None:
     assert llama_cpp.CMAKE_ARGS.split() == ["-DGGML_AMX=OFF", "-DGGML_OPENMP=OFF"]
 
 
+def test_llama_server_command_runs_parallel_slots_on_the_given_threads() -> None:
+    cmd = llama_cpp.llama_server_command("/opt/llama-server", "/m.gguf", 8123, parallel=32, threads=2)
+    assert cmd[0] == "/opt/llama-server" and cmd[-1] == "--no-webui"
+    flags = dict(zip(cmd[1:-1:2], cmd[2:-1:2]))
+    assert flags == {"-m": "/m.gguf", "--host": "127.0.0.1", "--port": "8123", "-c": str(4096 * 32),
+                     "--parallel": "32", "-t": "2", "-tb": "2"}
+
+
+def test_peers_with_a_missing_llama_server_fails_loudly(tiny_model_path: Path, tmp_path: Path) -> None:
+    with pytest.raises(SystemExit, match="--llama-server .* is not an executable file"):
+        cli.main(["peers", "--model", str(tiny_model_path), "--llama-cpp", "on", "--llama-server",
+                  str(tmp_path / "llama-server"), "--llama-cpp-gguf", str(tmp_path / "m.gguf"), "--skip-mlx-lm",
+                  "--results-dir", str(tmp_path), "--only", "single"])
+
+
 def test_find_python_without_llama_cpp_is_none(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(llama_cpp, "CACHE_ROOT", tmp_path)
     monkeypatch.delenv(llama_cpp.PYTHON_ENV, raising=False)
