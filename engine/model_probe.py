@@ -39,9 +39,9 @@ TOLERANCE = {mx.float32: 2e-2, mx.float16: 0.25, mx.bfloat16: 0.35}
 # int8 (per token and head): SmolLM2-135M's prompt logprobs move by 0.02 on average, 0.3 at worst over 3k tokens
 # of English (docs/performance.md); a tiny random model's flat logits move more.
 KV_TOLERANCE = {"float16": 0.25, "bfloat16": 0.35, "int8": 0.5}
-# Weights kept quantized on an x86 CPU: every call of up to 32 rows (decode, short prompts) rounds x to int8
-# per block of 32, as llama.cpp does (trillm.kernels.quant_linear). SmolLM2-135M Q4_1: up to 0.63, on prompt
-# tokens it gives logprob -18 to -22 (TRILLM_QUANT_LINEAR_INT8=0: 2.4e-4).
+# Weights kept quantized on an x86 CPU with TRILLM_QUANT_LINEAR_XBITS=8: every call of up to 32 rows (decode,
+# short prompts) rounds x to int8 per block of 32, as llama.cpp does (trillm.kernels.quant_linear).
+# SmolLM2-135M Q4_1: up to 0.63, on prompt tokens it gives logprob -18 to -22 (int16, the default: 2.4e-4).
 INT8_ROWS_TOLERANCE = 1.0
 
 
@@ -127,7 +127,7 @@ def probe(engine: ProbedEngine) -> ProbeResult:
     from trillm.engine.fused_ops import quantization_formats
     from trillm.kernels import quant_linear
 
-    if quant_linear.quantizes_x() and quantization_formats(lm.model):
+    if quant_linear.rounded_x_bits() == 8 and quantization_formats(lm.model):
         tol = max(tol, INT8_ROWS_TOLERANCE)
     params = SamplingParams(max_tokens=DECODE_TOKENS, temperature=0.0, ignore_eos=True, logprobs=True,
                             prompt_logprobs=0, skip_special_tokens=False, cache_salt=PROBE_SALT)

@@ -39,9 +39,9 @@ NB_MODULE(_trillm_cpu, m) {
   m.def("linear", &trillm_cpu::linear, "x"_a, "weight"_a, nb::kw_only(), "stream"_a = nb::none(),
         "x @ weight.T for few rows (float32; K a multiple of 16).");
   m.def("quant_linear", &trillm_cpu::quant_linear, "x"_a, "w"_a, "scales"_a, "biases"_a, nb::kw_only(),
-        "group_size"_a, "bits"_a, "max_rows"_a, "quantize_x"_a = true, "stream"_a = nb::none(),
+        "group_size"_a, "bits"_a, "max_rows"_a, "x_bits"_a = 16, "stream"_a = nb::none(),
         "x @ dequantize(w, scales, biases).T on MLX's affine layout, bits 4 or 8 (see trillm.kernels.quant_linear);"
-        " quantize_x: decode rows quantized to int8 per block of 32 where the ISA has int8 dot products.");
+        " x_bits 16 / 8: decode rows rounded to that per block of 32 where the ISA has integer dot products, 32: fp32.");
   m.def("advise_hugepages", [](const mx::array& a) {
           auto r = trillm_cpu::advise_hugepages(a);
           return nb::make_tuple(r.advised, r.collapsed, r.error);

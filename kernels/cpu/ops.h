@@ -146,16 +146,16 @@ class Linear : public mx::Primitive {
 // y = x @ dequantize(w, scales, biases).T on MLX's affine layout (mx.quantize), weights never dequantized
 // in memory for up to max_rows rows of x: x [..., K] float32; w uint32 [N, K * bits / 32] (bits 4 or 8);
 // scales, biases [N, K / group_size] (float32, float16 or bfloat16); group_size a multiple of 16 -> [..., N]
-// float32. More rows: blocks of w dequantized to fp32 and multiplied by cblas_sgemm. quantize_x (x86 with
-// AVX2): the decode rows are quantized to int8 per block of 32 and multiplied in int8 dot products, as
-// llama.cpp does; off, or elsewhere, they multiply the unpacked weights in fp32.
+// float32. More rows: blocks of w dequantized to fp32 and multiplied by cblas_sgemm. x_bits 16 or 8 (x86
+// with AVX2): the decode rows are rounded to int16 or int8 per block of 32 and multiplied in integer dot
+// products (8: llama.cpp's scheme); 32, or elsewhere, they multiply the unpacked weights in fp32.
 mx::array quant_linear(const mx::array& x, const mx::array& w, const mx::array& scales, const mx::array& biases,
-                       int group_size, int bits, int max_rows, bool quantize_x = true, mx::StreamOrDevice s = {});
+                       int group_size, int bits, int max_rows, int x_bits = 16, mx::StreamOrDevice s = {});
 
 class QuantLinear : public mx::Primitive {
  public:
-  QuantLinear(mx::Stream stream, int group_size, int bits, int max_rows, bool quantize_x)
-      : mx::Primitive(stream), group_size_(group_size), bits_(bits), max_rows_(max_rows), quantize_x_(quantize_x) {}
+  QuantLinear(mx::Stream stream, int group_size, int bits, int max_rows, int x_bits)
+      : mx::Primitive(stream), group_size_(group_size), bits_(bits), max_rows_(max_rows), x_bits_(x_bits) {}
   void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override;
   void eval_gpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override;
   const char* name() const override {
@@ -164,14 +164,14 @@ class QuantLinear : public mx::Primitive {
   bool is_equivalent(const mx::Primitive& other) const override {
     const auto& o = static_cast<const QuantLinear&>(other);
     return group_size_ == o.group_size_ && bits_ == o.bits_ && max_rows_ == o.max_rows_ &&
-           quantize_x_ == o.quantize_x_;
+           x_bits_ == o.x_bits_;
   }
 
  private:
   int group_size_;
   int bits_;
   int max_rows_;
-  bool quantize_x_;
+  int x_bits_;
 };
 
 class RMSNorm : public mx::Primitive {

@@ -9,14 +9,15 @@
 // Nothing is written back but y: the weights are streamed from memory once per call at 4.5-9 bits per
 // element instead of fp32's 32.
 //
-// Decode rows on x86 (AVX2 and up; quantize_x, the default): llama.cpp's scheme instead. Each row of x is
-// quantized once per call to int8 per block of 32 (d = max|x| / 127), and every weight block of 32 meets it
-// in an int8 dot product: 32 products summed into 8 int32 lanes (AVX-512 VNNI's vpdpbusd, or AVX2's
-// vpmaddubsw + vpmaddwd), one int -> float conversion and one FMA by d_x * scale per block instead of an
-// unpack to float and FMAs per element, which kept the fp32 path compute-bound on the unpack. The bias term,
-// bias * sum of x over the group, takes the rounded x's sums (llama.cpp's Q8_1), so y is exactly
-// dequantize(w) . round(x): x's rounding error meets w itself, not the larger scale * q (x's exact sums
-// made the error ~3x larger). The fp32 path above stays as the exact one.
+// Decode rows on x86 (AVX2 and up; x_bits 16, the default, or 8): integer dot products instead. Each row
+// of x is rounded once per call to int16 (or int8, llama.cpp's Q8_0 activations) per block of 32 (d = max|x|
+// / 32767 or / 127), and every weight block of 32 meets it in integer dot products: 32 products summed
+// into 8 int32 lanes (vpmaddwd, or vpdpwssd with AVX-512 VNNI; int8: vpmaddubsw + vpmaddwd, or vpdpbusd),
+// one int -> float conversion and one FMA by d_x * scale per block instead of an unpack to float and an
+// FMA per element, which kept the fp32 path compute-bound on the unpack. The bias term, bias * sum of x
+// over the group, takes the rounded x's sums (llama.cpp's Q8_1), so y is exactly dequantize(w) . round(x):
+// x's rounding meets w itself, not the larger scale * q. int16's rounding is ~1e-5 of |x| (greedy decode
+// stays the fp32 path's); int8's, ~0.3%, moves SmolLM2-135M's greedy tokens. x_bits 32: the fp32 path.
 //
 // Many rows (prefill): compute, not memory, bounds the matmul, and BLAS's packed sgemm is far ahead of
 // any unpack-in-registers tile. Blocks of weight rows are dequantized to an fp32 scratch (~4 MB, split
@@ -26,6 +27,7 @@
 #include <atomic>
 #include <cstring>
 #include <stdexcept>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -280,12 +282,12 @@ void prefill_impl(const QArgs<S>& a) {
 }
 
 #if defined(TRILLM_Q8_DOT)
-// ------------------------------------------------------------ decode rows in int8 (llama.cpp's scheme)
+// ------------------------------------------------------------ decode rows in integer dot products
 
 constexpr int QB = 32;  // elements per activation block
 
 struct XQ {
-  const int8_t* q;  // [M, K], each block in the order the weights' blocks unpack to
+  const void* q;  // [M, K] int8 or int16, each block in the order the weights' blocks unpack to
   const float* d;  // [M, K / QB]
   const float* sum;  // [M, K / G]: sums of the rounded x
 };
@@ -297,44 +299,65 @@ inline float hsum8(__m256 v) {
   return _mm_cvtss_f32(s);
 }
 
+inline int hsum8i(__m256i t) {
+  __m128i h = _mm_add_epi32(_mm256_castsi256_si128(t), _mm256_extracti128_si256(t, 1));
+  h = _mm_add_epi32(h, _mm_shuffle_epi32(h, 0x4E));
+  h = _mm_add_epi32(h, _mm_shuffle_epi32(h, 0xB1));
+  return _mm_cvtsi128_si32(h);
+}
+
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+#define TRILLM_VNNI 1
+#endif
+
 // 8 int32 lanes, each the sum of 4 products of unsigned u and signed s bytes (u * s pairs fit int16: u <= 15
 // at 4 bits, or |u| <= 128 against |s| <= 127 at 8).
 inline __m256i dot_us(__m256i u, __m256i s) {
-#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+#if defined(TRILLM_VNNI)
   return _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, s);
 #else
   return _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1));
 #endif
 }
 
-// One weight block of 32, loaded as it is stored. 4 bits: byte i holds elements 2i (low nibble) and 2i + 1,
-// so the block unpacks to its even elements, then its odd ones (x's blocks are stored in that order).
-template <int BITS>
+// acc + the sums of pairs of int16 products (vpdpwssd with VNNI).
+inline __m256i dot16(__m256i acc, __m256i a, __m256i b) {
+#if defined(TRILLM_VNNI)
+  return _mm256_dpwssd_epi32(acc, a, b);
+#else
+  return _mm256_add_epi32(acc, _mm256_madd_epi16(a, b));
+#endif
+}
+
+// One weight block of 32 against one block of x (XB bits), loaded as it is stored. 4 bits: byte i holds
+// elements 2i (low nibble) and 2i + 1, so the block unpacks to its even elements, then its odd ones (x's
+// blocks are stored in that order).
+template <int BITS, int XB>
 struct WBlock;
 
 template <>
-struct WBlock<4> {
+struct WBlock<4, 8> {
   static constexpr float kShift = 0.0f;
   __m256i u;
   void load(const uint8_t* p) {
     const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p)), m = _mm_set1_epi8(0x0F);
     u = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(b, 4), m), _mm_and_si128(b, m));
   }
-  __m256i dot(__m256i x) const {
-    return dot_us(u, x);
+  __m256i dot(const __m256i* x) const {
+    return dot_us(u, x[0]);
   }
 };
 
 template <>
-struct WBlock<8> {
-#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+struct WBlock<8, 8> {
+#if defined(TRILLM_VNNI)
   static constexpr float kShift = 0.0f;
   __m256i u;
   void load(const uint8_t* p) {
     u = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
   }
-  __m256i dot(__m256i x) const {
-    return dot_us(u, x);
+  __m256i dot(const __m256i* x) const {
+    return dot_us(u, x[0]);
   }
 #else
   // vpmaddubsw on q up to 255 would saturate its int16 pairs: q - 128 instead (bias + 128 * scale), as
@@ -345,16 +368,48 @@ struct WBlock<8> {
     s = _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)), _mm256_set1_epi8(-128));
     a = _mm256_abs_epi8(s);
   }
-  __m256i dot(__m256i x) const {
-    return dot_us(a, _mm256_sign_epi8(x, s));
+  __m256i dot(const __m256i* x) const {
+    return dot_us(a, _mm256_sign_epi8(x[0], s));
   }
 #endif
 };
 
-// Rows of x -> int8 blocks q (4 bits: each block's even elements, then its odd ones), their d, and the
-// rounded x's sums per weight group.
-template <int BITS>
-void quantize_rows(const float* x, int M, int K, int G, int8_t* q, float* d, float* sum) {
+// int16 x: the weights widened to int16 (q <= 255 times |x| <= 32767: pairs fit int32).
+template <>
+struct WBlock<4, 16> {
+  static constexpr float kShift = 0.0f;
+  __m256i e, o;  // even elements, odd elements
+  void load(const uint8_t* p) {
+    const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p)), m = _mm_set1_epi8(0x0F);
+    e = _mm256_cvtepu8_epi16(_mm_and_si128(b, m));
+    o = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(b, 4), m));
+  }
+  __m256i dot(const __m256i* x) const {
+    return dot16(dot16(_mm256_setzero_si256(), e, x[0]), o, x[1]);
+  }
+};
+
+template <>
+struct WBlock<8, 16> {
+  static constexpr float kShift = 0.0f;
+  __m256i lo, hi;  // elements 0-15, 16-31
+  void load(const uint8_t* p) {
+    const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+    lo = _mm256_cvtepu8_epi16(_mm256_castsi256_si128(v));
+    hi = _mm256_cvtepu8_epi16(_mm256_extracti128_si256(v, 1));
+  }
+  __m256i dot(const __m256i* x) const {
+    return dot16(dot16(_mm256_setzero_si256(), lo, x[0]), hi, x[1]);
+  }
+};
+
+// Rows of x -> XB-bit blocks q (4-bit weights: each block's even elements, then its odd ones), their d, and
+// the rounded x's sums per weight group.
+template <int BITS, int XB>
+void quantize_rows(const float* x, int M, int K, int G, void* qv, float* d, float* sum) {
+  using Q = std::conditional_t<XB == 8, int8_t, int16_t>;
+  constexpr float kMax = XB == 8 ? 127.0f : 32767.0f;
+  Q* q = static_cast<Q*>(qv);
   const int nb = K / QB, ng = K / G;
   const __m256 sign = _mm256_set1_ps(-0.0f);
   const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);  // undoes the packs' lane interleave
@@ -364,7 +419,12 @@ void quantize_rows(const float* x, int M, int K, int G, int8_t* q, float* d, flo
   for (int m = 0; m < M; ++m) {
     const float* xr = x + static_cast<size_t>(m) * K;
     for (int b = 0; b < nb; ++b) {
+      float t[QB];  // 4-bit weights: the block's evens, then its odds
       const float* p = xr + b * QB;
+      if constexpr (BITS == 4 && XB == 16) {
+        for (int k = 0; k < QB / 2; ++k) t[k] = p[2 * k], t[QB / 2 + k] = p[2 * k + 1];
+        p = t;
+      }
       __m256 v[4];
       for (int i = 0; i < 4; ++i) v[i] = _mm256_loadu_ps(p + 8 * i);
       const __m256 a = _mm256_max_ps(_mm256_max_ps(_mm256_andnot_ps(sign, v[0]), _mm256_andnot_ps(sign, v[1])),
@@ -373,32 +433,39 @@ void quantize_rows(const float* x, int M, int K, int G, int8_t* q, float* d, flo
       h = _mm_max_ps(h, _mm_movehl_ps(h, h));
       h = _mm_max_ss(h, _mm_movehdup_ps(h));
       const float amax = _mm_cvtss_f32(h);
-      const float dq = amax / 127.0f;
+      const float dq = amax / kMax;
       d[static_cast<size_t>(m) * nb + b] = dq;
-      const __m256 inv = _mm256_set1_ps(amax > 0.0f ? 127.0f / amax : 0.0f);
+      const __m256 inv = _mm256_set1_ps(amax > 0.0f ? kMax / amax : 0.0f);
       __m256i i[4];
       for (int k = 0; k < 4; ++k) i[k] = _mm256_cvtps_epi32(_mm256_mul_ps(v[k], inv));  // to nearest, ties even
-      const __m256i t = _mm256_add_epi32(_mm256_add_epi32(i[0], i[1]), _mm256_add_epi32(i[2], i[3]));
-      __m128i h4 = _mm_add_epi32(_mm256_castsi256_si128(t), _mm256_extracti128_si256(t, 1));
-      h4 = _mm_add_epi32(h4, _mm_shuffle_epi32(h4, 0x4E));
-      h4 = _mm_add_epi32(h4, _mm_shuffle_epi32(h4, 0xB1));
-      sum[static_cast<size_t>(m) * ng + b * QB / G] += dq * static_cast<float>(_mm_cvtsi128_si32(h4));
-      __m256i out = _mm256_packs_epi16(_mm256_packs_epi32(i[0], i[1]), _mm256_packs_epi32(i[2], i[3]));
-      out = _mm256_permutevar8x32_epi32(out, order);
-      if constexpr (BITS == 4) {
-        // per 16-byte lane evens then odds; then the quadwords as (evens 0-14, evens 16-30, odds, odds)
-        out = _mm256_permute4x64_epi64(_mm256_shuffle_epi8(out, evens_odds), 0xD8);
+      const __m256i tot = _mm256_add_epi32(_mm256_add_epi32(i[0], i[1]), _mm256_add_epi32(i[2], i[3]));
+      sum[static_cast<size_t>(m) * ng + b * QB / G] += dq * static_cast<float>(hsum8i(tot));
+      Q* out = q + static_cast<size_t>(m) * K + b * QB;
+      if constexpr (XB == 8) {
+        __m256i o = _mm256_packs_epi16(_mm256_packs_epi32(i[0], i[1]), _mm256_packs_epi32(i[2], i[3]));
+        o = _mm256_permutevar8x32_epi32(o, order);
+        if constexpr (BITS == 4) {
+          // per 16-byte lane evens then odds; then the quadwords as (evens 0-14, evens 16-30, odds, odds)
+          o = _mm256_permute4x64_epi64(_mm256_shuffle_epi8(o, evens_odds), 0xD8);
+        }
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(out), o);
+      } else {
+        for (int k = 0; k < 2; ++k) {  // packs interleaves 128-bit lanes: quadwords 0, 2, 1, 3 restore the order
+          const __m256i o = _mm256_permute4x64_epi64(_mm256_packs_epi32(i[2 * k], i[2 * k + 1]), 0xD8);
+          _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + 16 * k), o);
+        }
       }
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + static_cast<size_t>(m) * K + b * QB), out);
     }
   }
 }
 
-// y[MT, NT] = x[MT] . dequantize(w rows n .. n + NT), x in int8 blocks.
-template <int BITS, int MT, int NT, typename S>
-inline void qtile8(const QArgs<S>& a, const XQ& xq, int m, int n) {
+// y[MT, NT] = x[MT] . dequantize(w rows n .. n + NT), x in XB-bit blocks.
+template <int BITS, int XB, int MT, int NT, typename S>
+inline void qtile_int(const QArgs<S>& a, const XQ& xq, int m, int n) {
+  using Q = std::conditional_t<XB == 8, int8_t, int16_t>;
   const int K = a.K, ng = K / a.G, nb = K / QB, per = a.G / QB;
   const size_t wrow = static_cast<size_t>(K) * BITS / 8;
+  const Q* xbase = static_cast<const Q*>(xq.q);
   __m256 acc[MT * NT];
   float bias[MT * NT] = {};
   for (int i = 0; i < MT * NT; ++i) acc[i] = _mm256_setzero_ps();
@@ -406,15 +473,16 @@ inline void qtile8(const QArgs<S>& a, const XQ& xq, int m, int n) {
     float s[NT];
     for (int j = 0; j < NT; ++j) {
       s[j] = to_f32(a.scales[static_cast<size_t>(n + j) * ng + g]);
-      const float b = to_f32(a.biases[static_cast<size_t>(n + j) * ng + g]) + WBlock<BITS>::kShift * s[j];
+      const float b = to_f32(a.biases[static_cast<size_t>(n + j) * ng + g]) + WBlock<BITS, XB>::kShift * s[j];
       for (int i = 0; i < MT; ++i) bias[i * NT + j] += b * xq.sum[static_cast<size_t>(m + i) * ng + g];
     }
     for (int blk = g * per; blk < (g + 1) * per; ++blk) {
-      WBlock<BITS> wb[NT];
+      WBlock<BITS, XB> wb[NT];
       for (int j = 0; j < NT; ++j) wb[j].load(a.w + (n + j) * wrow + static_cast<size_t>(blk) * QB * BITS / 8);
       for (int i = 0; i < MT; ++i) {
-        const int8_t* xp = xq.q + static_cast<size_t>(m + i) * K + static_cast<size_t>(blk) * QB;
-        const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xp));
+        const Q* xp = xbase + static_cast<size_t>(m + i) * K + static_cast<size_t>(blk) * QB;
+        __m256i xv[XB / 8];
+        for (int h = 0; h < XB / 8; ++h) xv[h] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xp) + h);
         const float dx = xq.d[static_cast<size_t>(m + i) * nb + blk];
         for (int j = 0; j < NT; ++j) {
           acc[i * NT + j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(wb[j].dot(xv)), _mm256_set1_ps(dx * s[j]), acc[i * NT + j]);
@@ -431,56 +499,60 @@ inline void qtile8(const QArgs<S>& a, const XQ& xq, int m, int n) {
 // Tiles: up to 4 rows of x by NT weight rows, one 256-bit accumulator each (32 registers with AVX-512 VL
 // hold 4 x 4 and their weight blocks; AVX2's 16 hold 4 x 2, one row by 4).
 #if defined(__AVX512F__)
-constexpr int kNT8 = 4;
+constexpr int kNTi = 4;
 #else
-constexpr int kNT8 = 2;
+constexpr int kNTi = 2;
 #endif
 
 // Every row of x against weight rows n .. n + NT: the weight tile stays in L1 while x's rows pass.
-template <int BITS, int NT, typename S>
-inline void cols8(const QArgs<S>& a, const XQ& xq, int n) {
+template <int BITS, int XB, int NT, typename S>
+inline void cols_int(const QArgs<S>& a, const XQ& xq, int n) {
   int m = 0;
-  for (; m + 4 <= a.M; m += 4) qtile8<BITS, 4, NT>(a, xq, m, n);
-  for (; m + 2 <= a.M; m += 2) qtile8<BITS, 2, NT>(a, xq, m, n);
-  for (; m < a.M; ++m) qtile8<BITS, 1, NT>(a, xq, m, n);
+  for (; m + 4 <= a.M; m += 4) qtile_int<BITS, XB, 4, NT>(a, xq, m, n);
+  for (; m + 2 <= a.M; m += 2) qtile_int<BITS, XB, 2, NT>(a, xq, m, n);
+  for (; m < a.M; ++m) qtile_int<BITS, XB, 1, NT>(a, xq, m, n);
 }
 
-template <int BITS, int NT, typename S>
-void band8_(const QArgs<S>& a, const XQ& xq, int n0, int n1) {
+template <int BITS, int XB, int NT, typename S>
+void band_int(const QArgs<S>& a, const XQ& xq, int n0, int n1) {
   int n = n0;
-  for (; n + NT <= n1; n += NT) cols8<BITS, NT>(a, xq, n);
-  for (; n < n1; ++n) cols8<BITS, 1>(a, xq, n);
+  for (; n + NT <= n1; n += NT) cols_int<BITS, XB, NT>(a, xq, n);
+  for (; n < n1; ++n) cols_int<BITS, XB, 1>(a, xq, n);
 }
 
-template <int BITS, typename S>
-void decode_q8(const QArgs<S>& a) {
+template <int BITS, int XB, typename S>
+void decode_int(const QArgs<S>& a) {
   auto& pool = ThreadPool::get();
-  thread_local std::vector<int8_t> q;  // MLX runs a stream's primitives one at a time on its thread
+  thread_local std::vector<int16_t> q;  // MLX runs a stream's primitives one at a time on its thread
   thread_local std::vector<float> d, sum;
   q.resize(static_cast<size_t>(a.M) * a.K);
   d.resize(static_cast<size_t>(a.M) * (a.K / QB));
   sum.resize(static_cast<size_t>(a.M) * (a.K / a.G));
-  quantize_rows<BITS>(a.x, a.M, a.K, a.G, q.data(), d.data(), sum.data());
+  quantize_rows<BITS, XB>(a.x, a.M, a.K, a.G, q.data(), d.data(), sum.data());
   const XQ xq{q.data(), d.data(), sum.data()};
   const int rows = std::max(16, (a.N / (8 * pool.size())) / 16 * 16);
   const int bands = (a.N + rows - 1) / rows;
   pool.parallel_for(bands, [&](int i) {
     const int n0 = i * rows, n1 = std::min(a.N, n0 + rows);
-    a.M == 1 ? band8_<BITS, 4>(a, xq, n0, n1) : band8_<BITS, kNT8>(a, xq, n0, n1);
+    a.M == 1 ? band_int<BITS, XB, 4>(a, xq, n0, n1) : band_int<BITS, XB, kNTi>(a, xq, n0, n1);
   });
 }
 #endif
 
 template <typename S>
-void run(const QArgs<S>& a, int max_rows, bool quantize_x) {
+void run(const QArgs<S>& a, int max_rows, int x_bits) {
   const bool decode = a.M <= max_rows;
 #if defined(TRILLM_Q8_DOT)
-  if (decode && quantize_x && a.G % QB == 0) {
-    a.bits == 4 ? decode_q8<4>(a) : decode_q8<8>(a);
+  if (decode && (x_bits == 8 || x_bits == 16) && a.G % QB == 0) {
+    if (x_bits == 16) {
+      a.bits == 4 ? decode_int<4, 16>(a) : decode_int<8, 16>(a);
+    } else {
+      a.bits == 4 ? decode_int<4, 8>(a) : decode_int<8, 8>(a);
+    }
     return;
   }
 #else
-  (void)quantize_x;
+  (void)x_bits;
 #endif
   if (a.bits == 4) {
     decode ? decode_impl<4>(a) : prefill_impl<4>(a);
@@ -492,7 +564,7 @@ void run(const QArgs<S>& a, int max_rows, bool quantize_x) {
 }  // namespace
 
 mx::array quant_linear(const mx::array& x, const mx::array& w, const mx::array& scales, const mx::array& biases,
-                       int group_size, int bits, int max_rows, bool quantize_x, mx::StreamOrDevice s) {
+                       int group_size, int bits, int max_rows, int x_bits, mx::StreamOrDevice s) {
   if (x.dtype() != mx::float32) throw std::invalid_argument("[trillm quant_linear] x must be float32");
   if (bits != 4 && bits != 8) throw std::invalid_argument("[trillm quant_linear] bits must be 4 or 8");
   if (w.dtype() != mx::uint32 || w.ndim() != 2 || scales.ndim() != 2 || biases.shape() != scales.shape()) {
@@ -510,7 +582,7 @@ mx::array quant_linear(const mx::array& x, const mx::array& w, const mx::array& 
   auto stream = mx::to_stream(s);
   auto shape = x.shape();
   shape.back() = w.shape(0);
-  return mx::array(shape, mx::float32, std::make_shared<QuantLinear>(stream, group_size, bits, max_rows, quantize_x),
+  return mx::array(shape, mx::float32, std::make_shared<QuantLinear>(stream, group_size, bits, max_rows, x_bits),
                    {mx::contiguous(x, false, stream), mx::contiguous(w, false, stream),
                     mx::contiguous(scales, false, stream), mx::contiguous(biases, false, stream)});
 }
@@ -524,13 +596,13 @@ void QuantLinear::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx:
   enc.set_output_array(out);
   const int N = w.shape(0), K = x.shape(-1), M = static_cast<int>(x.size() / K);
   const int G = group_size_, bits = bits_, max_rows = max_rows_;
-  const bool quantize_x = quantize_x_;
+  const int x_bits = x_bits_;
   if (M == 0 || N == 0) return;
   auto launch = [&](auto tag) {
     using S = decltype(tag);
     QArgs<S> a{x.data<float>(), w.data<uint8_t>(), scales.data<S>(), biases.data<S>(), out.data<float>(),
                M, N, K, G, bits};
-    enc.dispatch([a, max_rows, quantize_x] { run(a, max_rows, quantize_x); });
+    enc.dispatch([a, max_rows, x_bits] { run(a, max_rows, x_bits); });
   };
   if (scales.dtype() == mx::float32) {
     launch(float{});
