@@ -179,6 +179,8 @@ def main(argv: list[str] | None = None) -> int:
                                            args.rounds, args.kv_cache_dir_gb)
     if len(result) == 3:
         raise SystemExit("bench kv-disk measured nothing (both parts skipped)")
+    result["load_end"] = os.getloadavg()[0]  # a shared machine's load moves during a run: both ends recorded
+    print(f"load at the end {result['load_end']:.2f}")
     out = Path(args.results)
     out.mkdir(parents=True, exist_ok=True)
     path = out / f"kv-disk-{time.strftime('%Y%m%d-%H%M%S')}.json"
