@@ -438,6 +438,7 @@ class LLMEngine:
         return launch
 
     def _step(self, check_abort: Callable[[], None] | None) -> list[RequestOutput]:
+        t0 = time.perf_counter()
         launch, self._inflight = self._inflight, None
         if launch is not None and not any(s.status is SequenceStatus.RUNNING for s in launch.seqs):
             self.runner.collect(launch)  # everything it computed was aborted meanwhile
@@ -458,6 +459,8 @@ class LLMEngine:
         sampled = self.runner.collect(launch)
         if self.speculator is not None:
             self.speculator.commit(launch.batch, sampled)  # accepted tokens' KV kept, the rest given back
+            seconds = launch.virtual_seconds if launch.virtual_seconds is not None else time.perf_counter() - t0
+            self.speculator.observe(launch.batch, seconds, len(sampled))
         scored = self.runner.collect_prompt_logprobs(launch)
         self.last_step = StepInfo(launch.batch, launch.virtual_seconds)
         outputs = self._outputs(launch.batch, sampled, scored)

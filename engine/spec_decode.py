@@ -71,6 +71,41 @@ class SpecCounters:
     num_verifies: int = 0  # row-steps that verified a proposal
 
 
+class StepRates:
+    """Tokens per second of decode-only steps that verified proposals and of those that did not (moving
+    averages): where a verify forward costs more than its accepted tokens bring (a multi-position forward that
+    costs nearly L one-position ones, as with some quantized kernels), speculation holds off for `hold` steps,
+    doubling up to MAX_HOLD while it keeps losing, then measures again."""
+
+    ALPHA = 0.2
+    MIN_SAMPLES = 8
+    MARGIN = 0.75  # held only when clearly losing: step times are noisy, and a hold costs the gains it skips
+    FIRST_HOLD = 64
+    MAX_HOLD = 2048
+
+    def __init__(self) -> None:
+        self.rate = {True: 0.0, False: 0.0}
+        self.samples = {True: 0, False: 0}
+        self.hold = 0  # steps left before speculation may resume
+        self.next_hold = self.FIRST_HOLD
+        self.num_holds = 0
+
+    def observe(self, spec: bool, tokens_per_s: float) -> None:
+        n = self.samples[spec] = self.samples[spec] + 1
+        self.rate[spec] = tokens_per_s if n == 1 else self.rate[spec] + self.ALPHA * (tokens_per_s - self.rate[spec])
+        if self.hold:
+            self.hold -= 1
+            return
+        if min(self.samples.values()) < self.MIN_SAMPLES or not spec:
+            return
+        if self.rate[True] < self.MARGIN * self.rate[False]:
+            self.hold, self.next_hold = self.next_hold, min(self.MAX_HOLD, 2 * self.next_hold)
+            self.samples[True] = 0  # measured afresh after the hold
+            self.num_holds += 1
+        else:
+            self.next_hold = self.FIRST_HOLD
+
+
 class Speculator:
     def __init__(self, block_manager: BlockManager, max_model_len: int, num_tokens: int, *, max_batch: int = 4,
                  max_batched_tokens: int | None = None, proposer: Proposer | None = None,
@@ -85,6 +120,7 @@ class Speculator:
         # Seeds for unseeded sampled requests, when the proposer samples with the target's noise (a draft model).
         self.seeds = np.random.default_rng(seed) if getattr(self.proposer, "shares_noise", False) else None
         self.counters = SpecCounters()
+        self.rates = StepRates()
 
     def track(self, seq: Sequence) -> None:
         """Let seq speculate, unless its request opted out or it is constrained by a grammar."""
@@ -96,7 +132,12 @@ class Speculator:
                 seq.params = dataclasses.replace(seq.params, seed=int(self.seeds.integers(0, 2**62)))
 
     def _may_speculate(self, batch: ScheduledBatch) -> bool:
-        return 0 < len(batch.decodes) <= self.max_batch
+        return 0 < len(batch.decodes) <= self.max_batch and self.rates.hold == 0
+
+    def observe(self, batch: ScheduledBatch, seconds: float, num_tokens: int) -> None:
+        """A decode-only step's duration and tokens: speculation stops while it pays less than plain decoding."""
+        if not batch.prefills and batch.decodes and seconds > 0:
+            self.rates.observe(bool(batch.drafts), num_tokens / seconds)
 
     def holds_pipeline(self, batch: ScheduledBatch) -> bool:
         """Whether the step after `batch` may speculate: then it is not launched ahead (its proposal needs the

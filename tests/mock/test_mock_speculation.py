@@ -71,3 +71,20 @@ def test_simulate_plans_with_speculation() -> None:
     # Fewer, longer steps: the output comes in fewer deltas, sooner.
     assert sum(len(r.chunk_times) for r in on.records) < sum(len(r.chunk_times) for r in off.records)
     assert sum(r.chunk_times[-1] for r in on.records) < sum(r.chunk_times[-1] for r in off.records)
+
+
+def test_speculation_holds_off_where_a_verify_costs_more_than_it_brings() -> None:
+    """A timing model whose extra positions cost a whole decode each (the verify of L positions ~ L decodes):
+    accepting half the proposals loses, so the speculator stops, and measures again later; where the extra
+    positions are cheap it keeps speculating."""
+    def run(per_token_s: float) -> LLMEngine:
+        perf = LinearCostModel(2e-3, 3e-4, 1e-9, 4e-3, per_token_s, 1e-12)
+        config = EngineConfig(num_kv_blocks=512, max_num_seqs=8, speculative="ngram", num_speculative_tokens=8)
+        eng = make_mock_engine(config, spec=SPEC, perf=perf, spec_acceptance=0.5)
+        eng.generate([[11] * 40], SamplingParams(max_tokens=600, temperature=0.0))
+        return eng
+
+    dear, cheap = run(2.5e-3), run(1e-5)
+    assert dear.speculator is not None and cheap.speculator is not None
+    assert dear.speculator.rates.num_holds >= 1 and cheap.speculator.rates.num_holds == 0
+    assert dear.statistics().spec_verifies < cheap.statistics().spec_verifies / 2
