@@ -96,8 +96,8 @@ class DraftProposer:
             elif prev is not None:  # lazy: the previous step's samples of the rows still proposing
                 at = {i: n for n, i in enumerate(prev[0])}
                 picked = [at[i] for i in live]
-                t = prev[1] if len(picked) == len(prev[0]) else prev[1][mx.array(picked)]
-                tokens = t.reshape(-1, 1).astype(mx.int32)
+                samples = prev[1] if len(picked) == len(prev[0]) else prev[1][mx.array(picked)]
+                tokens = samples.reshape(-1, 1).astype(mx.int32)
             else:
                 tokens = mx.array([[drafts[i][-1]] for i in live], mx.int32)
             logits = self.runner.forward(prepare_inputs(live_seqs, starts, [1] * len(live), bs, tokens))
@@ -109,12 +109,12 @@ class DraftProposer:
                 prev = (live, sampled.tokens)
                 steps.append(prev)
                 continue
-            for i, t in zip(live, self.runner.sampler.read(sampled).token_ids):
-                drafts[i].append(t)
+            for i, token in zip(live, self.runner.sampler.read(sampled).token_ids):
+                drafts[i].append(token)
         if steps:
-            mx.eval(*(t for _, t in steps))
-            for live, t in steps:
-                for i, token in zip(live, cast("list[int]", t.tolist())):
+            mx.eval(*(a for _, a in steps))
+            for live, a in steps:
+                for i, token in zip(live, cast("list[int]", a.tolist())):
                     drafts[i].append(token)
         for s, k in zip(seqs, ks):
             assert s.spec is not None
