@@ -30,7 +30,7 @@ aside like a failure that raised (cached for FAILURE_TTL_S). Only ops that pass 
 compiles them here) and timed in this process. On CPU the check stays in-process: the CPU primitives cannot
 fault a device. TRILLM_KERNEL_ISOLATE=1 / 0 (or `isolate=`) forces the child on or off.
 
-    python -m trillm.kernels.selfcheck [--preset NAME ...] [--dtype ...] [--json FILE] [--no-isolate]
+    python -m trillm.kernels.selfcheck [--preset NAME ...] [--dtype ...] [--kv-dtype ...] [--json FILE] [--no-isolate]
 """
 
 from __future__ import annotations
@@ -665,6 +665,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m trillm.kernels.selfcheck", description=__doc__.split("\n")[0])
     parser.add_argument("--preset", action="append", choices=sorted(PRESETS), help="default: all")
     parser.add_argument("--dtype", action="append", choices=["float32", "float16", "bfloat16"], help="default: all")
+    parser.add_argument("--kv-dtype", choices=["float32", "float16", "bfloat16", "int8"], default=None,
+                        help="the KV pool's dtype (--kv-cache-dtype; default: each --dtype's own)")
     parser.add_argument("--max-batch", type=int, default=64)
     parser.add_argument("--chunk", type=int, default=512)
     parser.add_argument("--mode", choices=MODES, default="auto")
@@ -682,7 +684,9 @@ def main(argv: list[str] | None = None) -> int:
     out = []
     for name in args.preset or sorted(PRESETS):
         for dtype in args.dtype or ["float32", "float16", "bfloat16"]:
-            shapes = replace(PRESETS[name], dtype=getattr(mx, dtype), max_batch=args.max_batch, chunk=args.chunk)
+            kv = None if args.kv_dtype in (None, dtype) else args.kv_dtype
+            shapes = replace(PRESETS[name], dtype=getattr(mx, dtype), max_batch=args.max_batch, chunk=args.chunk,
+                             kv_dtype=kv)
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore", KernelFallbackWarning)  # the report below says it
                 report = select_kernels(shapes, args.mode, isolate=args.isolate).report
