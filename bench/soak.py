@@ -4,8 +4,9 @@ Clients loop for --duration seconds, each request one of: an SSE stream, a plain
 websocket with one to three generations; n in {1, 2, 3}, half with stop strings, chat or completion. A
 --disconnect fraction of them goes away mid-request (closes the stream, cancels the request, closes or
 cancels on the socket). At the end, once the server has settled: nothing may be live, running or waiting and
-no KV block held (GET /stats); the server's RSS growth after --warmup is reported, as are the 5xx, resets and
-the p50/p99 latency of the well-behaved clients (those that did not disconnect).
+no KV block held (GET /stats); the server's RSS growth after --warmup net of its KV pool's growth is the leak
+figure (the pool grows with the load by design, engine/kv_slabs.py; both growths are reported), and the 5xx,
+resets and the p50/p99 latency of the well-behaved clients (those that did not disconnect) are reported.
 
 With --hostile N the run has two measured phases after a short warm-up: --duration seconds of
 the well-behaved load alone, then the same load (same seed) for --duration more beside N hostile clients
@@ -15,9 +16,11 @@ between one choice's SSE chunks) in each phase and their ratio (target under --m
 measured no TTFT or ITL fails the run (exit 2).
 
 With no --url it starts `trillm serve` itself (the default model, --model PATH, or --mock) and samples that
-process's RSS; with --url give --server-pid so its RSS can be sampled. Exit 1 when a target is missed
-(any 5xx, reset, error event, leaked block or live request; RSS growth over --max-rss-growth-mb), 2 when it
-measured nothing.
+process's RSS; with --url give --server-pid so its RSS can be sampled. A server the soak starts allocates its
+whole KV pool at start (--kv-pool full: a --kv-slab-mb as large as the pool, which then neither grows nor
+shrinks), so no phase pays for the pool's growth and the hostile ratio compares like with like; --kv-pool grow
+keeps the server's default growing pool. Exit 1 when a target is missed (any 5xx, reset, error event, leaked
+block or live request; RSS growth net of the pool's over --max-rss-growth-mb), 2 when it measured nothing.
 
     flock /tmp/trillm-bench.lock trillm bench soak --mock --duration 1800 --clients 96 --disconnect 0.3
     flock /tmp/trillm-bench.lock trillm bench soak --duration 120 --warmup 20 --clients 8 --hostile 2
@@ -70,6 +73,9 @@ def percentile(values: list[float], q: float) -> float | None:
         return None
     s = sorted(values)
     return s[min(len(s) - 1, int(q * len(s)))]
+
+
+FULL_POOL_SLAB_MB = 1 << 20  # --kv-pool full: one slab larger than any pool (capped at the pool's size)
 
 
 def rss_mb(pid: int) -> float | None:
@@ -301,15 +307,15 @@ async def run(url: str, pid: int, args: argparse.Namespace) -> dict[str, Any]:
     tally = Tally()
     current = [tally]  # what the progress line counts: the running phase's tally under --hostile
     mixed: dict[str, Any] | None = None
-    samples: list[tuple[float, float]] = []  # (seconds since start, RSS MB)
+    samples: list[tuple[float, float, float]] = []  # (seconds since start, RSS MB, KV pool MB)
     occupancy: list[tuple[int, int]] = []  # (running, waiting) once a second: how full the batch was
     t0 = trio.current_time()
 
     async def sampler() -> None:
         while True:
-            if (mb := rss_mb(pid)) is not None:
-                samples.append((trio.current_time() - t0, mb))
             engine = (await control.get("/stats")).json()["models"][0]["engine"] or {}
+            if (mb := rss_mb(pid)) is not None:
+                samples.append((trio.current_time() - t0, mb, engine.get("kv_pool_bytes", 0) / 2**20))
             occupancy.append((engine.get("running", 0), engine.get("waiting", 0)))
             await trio.sleep(1.0)
 
@@ -327,12 +333,10 @@ async def run(url: str, pid: int, args: argparse.Namespace) -> dict[str, Any]:
             await trio.sleep(1.1)  # one more RSS sample, settled
             nursery.cancel_scope.cancel()
     engine = model["engine"] or {}
-    warm = [mb for t, mb in samples if t >= args.warmup]
-    after_warmup = warm[0] if warm else None
-    final = samples[-1][1] if samples else None
     fivexx = sum(n for code, n in tally.statuses.items() if code >= 500)
     return {
-        "url": url, "duration_s": elapsed, "clients": args.clients, "disconnect_fraction": args.disconnect,
+        "url": url, "kv_pool": args.kv_pool, "duration_s": elapsed, "clients": args.clients,
+        "disconnect_fraction": args.disconnect,
         "requests": tally.requests, "completed": tally.completed, "disconnects": tally.disconnects,
         "by_kind": dict(tally.by_kind), "statuses": dict(tally.statuses), "5xx": fivexx,
         "transport_errors": dict(tally.transport_errors), "error_events": dict(tally.error_events),
@@ -345,20 +349,38 @@ async def run(url: str, pid: int, args: argparse.Namespace) -> dict[str, Any]:
         "after": {"live_requests": model["live_requests"], "running": engine.get("running"),
                   "waiting": engine.get("waiting"), "kv_blocks_used": engine.get("kv_blocks_used"),
                   "restarts": model["restarts"] - before["restarts"], "outcomes": model["requests"]},
-        "rss_mb": {"start": samples[0][1] if samples else None, "after_warmup": after_warmup,
-                   "max": max((mb for _, mb in samples), default=None), "final": final,
-                   "growth_after_warmup": None if final is None or after_warmup is None else final - after_warmup,
-                   "samples": len(samples), "trend": trend(samples, 10)},
+        **memory_figures(samples, args.warmup),
     }
 
 
-def trend(samples: list[tuple[float, float]], points: int) -> list[tuple[int, float]]:
-    """RSS at `points` evenly spaced moments, (seconds, MB): is it still growing at the end, or flat?"""
+def growth(samples: list[tuple[float, float]], warmup: float) -> dict[str, Any]:
+    """One series of (seconds, MB) samples: where it started, stood after the warm-up, peaked and ended."""
+    warm = [mb for t, mb in samples if t >= warmup]
+    after_warmup = warm[0] if warm else None
+    final = samples[-1][1] if samples else None
+    return {"start": samples[0][1] if samples else None, "after_warmup": after_warmup,
+            "max": max((mb for _, mb in samples), default=None), "final": final,
+            "growth_after_warmup": None if final is None or after_warmup is None else final - after_warmup}
+
+
+def memory_figures(samples: list[tuple[float, float, float]], warmup: float) -> dict[str, Any]:
+    """The server's RSS and its KV pool's allocation after the warm-up, and the leak figure: RSS growth net of
+    the pool's, since the pool grows with the load (and shrinks when idle) by design; what else grows may leak."""
+    rss = growth([(t, mb) for t, mb, _ in samples], warmup)
+    pool = growth([(t, mb) for t, _, mb in samples], warmup)
+    leak = None if rss["growth_after_warmup"] is None else rss["growth_after_warmup"] - pool["growth_after_warmup"]
+    return {"rss_mb": {**rss, "samples": len(samples), "trend": trend(samples, 10)}, "kv_pool_mb": pool,
+            "leak_mb": leak}
+
+
+def trend(samples: list[tuple[float, float, float]], points: int) -> list[tuple[int, float, float]]:
+    """RSS and the KV pool at `points` evenly spaced moments, (seconds, RSS MB, pool MB): is RSS still
+    growing at the end, or flat, and how much of it is the pool?"""
     if not samples:
         return []
     step = max(1, len(samples) // points)
     picked = samples[::step] + ([samples[-1]] if (len(samples) - 1) % step else [])
-    return [(round(t), round(mb, 1)) for t, mb in picked]
+    return [(round(t), round(mb, 1), round(pool, 1)) for t, mb, pool in picked]
 
 
 async def progress(current: list[Tally], t0: float, duration: float) -> None:
@@ -375,7 +397,7 @@ def measured_nothing(res: dict[str, Any]) -> str | None:
         return "no request completed"
     if not res["well_behaved"]["n"]:
         return "no well-behaved request completed"
-    if res["rss_mb"]["growth_after_warmup"] is None:
+    if res["leak_mb"] is None:
         return "no RSS sample after the warm-up"
     if "hostile" in res:
         for name in ("baseline", "hostile"):
@@ -391,7 +413,7 @@ def measured_nothing(res: dict[str, Any]) -> str | None:
 def verdict(res: dict[str, Any], args: argparse.Namespace) -> list[str]:
     """The targets this run missed (empty: all met)."""
     missed = []
-    after, rss = res["after"], res["rss_mb"]
+    after, leak = res["after"], res["leak_mb"]
     if res["5xx"]:
         missed.append(f"{res['5xx']} responses were 5xx")
     if res["transport_errors"]:
@@ -404,8 +426,9 @@ def verdict(res: dict[str, Any], args: argparse.Namespace) -> list[str]:
         missed.append(f"{after['kv_blocks_used']} KV blocks still held")
     if after["restarts"]:
         missed.append(f"the engine restarted {after['restarts']} times")
-    if rss["growth_after_warmup"] is not None and rss["growth_after_warmup"] > args.max_rss_growth_mb:
-        missed.append(f"RSS grew {rss['growth_after_warmup']:.1f} MB after warm-up (> {args.max_rss_growth_mb})")
+    if leak is not None and leak > args.max_rss_growth_mb:
+        missed.append(f"RSS grew {leak:.1f} MB after warm-up net of the KV pool's growth "
+                      f"(> {args.max_rss_growth_mb})")
     if "hostile" in res:
         mixed = res["hostile"]
         missed += hostile_missed(mixed["hostile_requests"])
@@ -434,7 +457,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-tokens", default="8,32,128", help="max_tokens choices (comma-separated)")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds per request")
     p.add_argument("--settle-s", type=float, default=30.0, help="wait this long at most for the server to idle")
-    p.add_argument("--max-rss-growth-mb", type=float, default=50.0)
+    p.add_argument("--max-rss-growth-mb", type=float, default=50.0,
+                   help="target: RSS growth after --warmup net of the KV pool's growth")
+    p.add_argument("--kv-pool", choices=("full", "grow"), default=None,
+                   help="the started server's KV pool: full (default) allocated whole at start, so no phase pays "
+                        "for its growth; grow: the server's default, growing with the load")
     p.add_argument("--seed", type=int, default=0)
     h = p.add_argument_group("hostile mix", "with --hostile N: a warm-up, then --duration seconds of the "
                              "well-behaved load alone and --duration more beside N hostile clients")
@@ -458,15 +485,21 @@ def main(argv: list[str] | None = None) -> int:
         p.error("--hostile needs at least 2 clients (a fan-out and a flood run side by side)")
     if args.url is not None and args.server_pid is None:
         p.error("--url needs --server-pid (the soak measures the server's RSS)")
+    if args.url is not None and args.kv_pool is not None:
+        p.error("--kv-pool sets up a server the soak starts; a --url server's pool is its own")
+    if args.url is None and args.kv_pool is None:
+        args.kv_pool = "full"
 
     out = new_results_dir(args.results_dir)
     write_meta(out, "bench soak", sys.argv, vars(args))
     server: ServerProcess | None = None
     if args.url is None:
         port = free_port()
+        # Before --serve-arg: a --kv-slab-mb given there wins.
+        pool = ["--kv-slab-mb", str(FULL_POOL_SLAB_MB)] if args.kv_pool == "full" else []
         command = [sys.executable, "-m", "trillm.web.cli", "serve", "--host", "127.0.0.1", "--port", str(port),
                    "--log-level", "warning", *(["--mock"] if args.mock else []),
-                   *(["--model", args.model] if args.model else []), *args.serve_arg]
+                   *(["--model", args.model] if args.model else []), *pool, *args.serve_arg]
         server = ServerProcess("trillm", command, port, out / "server.log", env=blas_env())
         server.start()
         server.wait_ready()
@@ -493,6 +526,10 @@ def main(argv: list[str] | None = None) -> int:
                   ph["baseline"]["well_behaved"]["ttft_p99_s"] or 0, ph["hostile"]["well_behaved"]["ttft_p99_s"] or 0,
                   r["ttft_p99"] or 0, ph["baseline"]["well_behaved"]["itl_p99_s"] or 0,
                   ph["hostile"]["well_behaved"]["itl_p99_s"] or 0, r["itl_p99"] or 0))
+    rss, kv = res["rss_mb"], res["kv_pool_mb"]
+    print(f"soak: after warm-up RSS {rss['after_warmup']:.1f} -> {rss['final']:.1f} MB "
+          f"({rss['growth_after_warmup']:+.1f}), KV pool {kv['after_warmup']:.1f} -> {kv['final']:.1f} MB "
+          f"({kv['growth_after_warmup']:+.1f}); leak figure (RSS net of the pool) {res['leak_mb']:+.1f} MB")
     missed = verdict(res, args)
     for line in missed:
         print(f"soak: target missed: {line}", file=sys.stderr)
