@@ -41,6 +41,11 @@ inline void cpu_relax() {
 #endif
 }
 
+#ifndef TRILLM_POOL_PUBLISH_HOOK
+// tests/kernels/pool_race.cpp: stands in for the caller being descheduled while it publishes a call.
+#define TRILLM_POOL_PUBLISH_HOOK(n)
+#endif
+
 inline uint32_t generation_of(uint64_t work) {
   return static_cast<uint32_t>(work >> 32);
 }
@@ -72,13 +77,13 @@ ThreadPool::~ThreadPool() {
 }
 
 void ThreadPool::run_items(uint32_t generation) {
+  const uint64_t bound = bound_.load(std::memory_order_acquire);
+  if (generation_of(bound) != generation) return;  // a later call is being published: not this one's count
+  const uint64_t n = bound & 0xffffffffu;
   for (;;) {
     uint64_t w = work_.load(std::memory_order_acquire);
     for (;;) {
-      // n_ may already belong to a later call here, but then the generation check (or the exchange) fails.
-      if (generation_of(w) != generation || static_cast<int>(w & 0xffffffffu) >= n_.load(std::memory_order_relaxed)) {
-        return;
-      }
+      if (generation_of(w) != generation || (w & 0xffffffffu) >= n) return;
       if (work_.compare_exchange_weak(w, w + 1, std::memory_order_acq_rel, std::memory_order_acquire)) break;
     }
     // Claimed: the call cannot finish (so fn_ cannot change) until this item is counted done.
@@ -113,14 +118,16 @@ void ThreadPool::worker_loop() {
 
 void ThreadPool::parallel_for(int n, const std::function<void(int)>& fn) {
   if (n <= 0) return;
-  if (n == 1 || workers_.empty()) {
+  std::unique_lock<std::mutex> call(call_mu_, std::defer_lock);
+  if (n == 1 || workers_.empty() || !call.try_lock()) {
     for (int i = 0; i < n; ++i) fn(i);
     return;
   }
   const uint32_t generation = generation_of(work_.load(std::memory_order_relaxed)) + 1;
   fn_.store(&fn, std::memory_order_relaxed);
-  n_.store(n, std::memory_order_relaxed);
+  bound_.store((static_cast<uint64_t>(generation) << 32) | static_cast<uint32_t>(n), std::memory_order_relaxed);
   done_.store(0, std::memory_order_relaxed);
+  TRILLM_POOL_PUBLISH_HOOK(n);
   work_.store(static_cast<uint64_t>(generation) << 32, std::memory_order_release);
   bool wake;
   {

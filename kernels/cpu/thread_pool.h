@@ -30,7 +30,8 @@ class ThreadPool {
 
   // Run fn(i) for i in [0, n): items are claimed one at a time by the caller and whichever workers are
   // awake; returns when all are done, without waiting for a worker that never joined (a sleeping or
-  // descheduled worker costs the call nothing but its share). Not reentrant (the kernels never nest it).
+  // descheduled worker costs the call nothing but its share). A call made while another runs (a nested one,
+  // or one from a second thread: MLX gives each thread its own CPU stream) runs its items on its caller alone.
   void parallel_for(int n, const std::function<void(int)>& fn);
 
  private:
@@ -42,8 +43,13 @@ class ThreadPool {
   std::vector<std::thread> workers_;
   std::mutex mu_;
   std::condition_variable cv_;
+  std::mutex call_mu_;  // held by the call the workers serve
   std::atomic<const std::function<void(int)>*> fn_{nullptr};
-  std::atomic<int> n_{0};
+  // (generation << 32) | item count. The count carries its generation: a worker still in an earlier call
+  // must never read a later call's larger count as its own call's, or it claims items past that call's end
+  // (under the old generation, before the new one is published), runs them with the new call's fn_ and counts
+  // them done, so that call returns while one of its items still runs.
+  std::atomic<uint64_t> bound_{0};
   // (generation << 32) | next item: an item is claimed by a compare-exchange that also checks the
   // generation, so a worker that wakes late can never claim an item of a later call.
   std::atomic<uint64_t> work_{0};
