@@ -31,7 +31,9 @@ def truth(model: LoadedModel, ids: list[int]) -> np.ndarray:
     return logits - peak - np.log(np.exp(logits - peak).sum(axis=-1, keepdims=True))
 
 
-def assert_matches(model: LoadedModel, ids: list[int], got: tuple[TokenLogprob | None, ...] | None, k: int) -> None:
+def assert_matches(model: LoadedModel, ids: list[int], got: tuple[TokenLogprob | None, ...] | None, k: int,
+                   atol: float = ATOL) -> None:
+    ATOL = atol  # noqa: N806
     assert got is not None and len(got) == len(ids) and got[0] is None
     ref = truth(model, ids)
     for pos in range(1, len(ids)):
@@ -158,7 +160,10 @@ def test_default_model_prompt_logprobs_equal_mlx_lm(default_model: LoadedModel) 
     eng = LLMEngine(EngineConfig(num_kv_blocks=64, max_num_seqs=4, max_num_batched_tokens=32), loaded=default_model)
     out = eng.generate([ids], SamplingParams(max_tokens=0, prompt_logprobs=2))[0]
     assert len(ids) > 32  # at least one chunk boundary
-    assert_matches(default_model, ids, out.prompt_logprobs, 2)
+    # Its Q4_1 weights stay quantized on CPU, where quant_linear rounds x to int16 per block of 32 for rows of
+    # up to 32 (a chunk here): up to ~3e-3 of logprob against mlx-lm's float quantized matmul (an off-by-one
+    # position or a wrong top-k is off by whole units).
+    assert_matches(default_model, ids, out.prompt_logprobs, 2, atol=1e-2)
 
 
 @pytest.mark.parametrize("vocab", [512, 49152, 50001, 700])
