@@ -342,20 +342,14 @@ def install_fused_ops(model: nn.Module) -> list[str]:
             setattr(model, _PACKED, True)
             notes.append(f"weights packed: {advice.collapsed >> 20} of {advice.nbytes >> 20} MiB on huge pages"
                          + (f" ({advice.error})" if advice.error else ""))
-    for name in sorted({type(m).__module__ for _, m in model.named_modules()}):
-        mod = sys.modules.get(name)
-        fn = getattr(mod, _SWIGLU, None)
-        if fn is None or not callable(fn):
-            continue
-        if not hasattr(fn, "__trillm_original__"):
-            setattr(mod, _SWIGLU, _fused_swiglu(fn))
-        counts["swiglu"] = counts.get("swiglu", 0) + 1
-    for name in sorted({type(m).__module__ for _, m in model.named_modules()}):
-        mod = sys.modules.get(name)
-        fn = getattr(mod, _GATED_DELTA, None)
-        if fn is None or not callable(fn):
-            continue
-        if not hasattr(fn, "__trillm_original__"):
-            setattr(mod, _GATED_DELTA, _fused_gated_delta(fn))
-        counts["gated_delta"] = counts.get("gated_delta", 0) + 1
+    # The model's own module functions rebound once (the wrapper keeps the original as __trillm_original__).
+    for attr, wrap, label in ((_SWIGLU, _fused_swiglu, "swiglu"), (_GATED_DELTA, _fused_gated_delta, "gated_delta")):
+        for name in sorted({type(m).__module__ for _, m in model.named_modules()}):
+            mod = sys.modules.get(name)
+            fn = getattr(mod, attr, None)
+            if fn is None or not callable(fn):
+                continue
+            if not hasattr(fn, "__trillm_original__"):
+                setattr(mod, attr, wrap(fn))
+            counts[label] = counts.get(label, 0) + 1
     return [f"{name} x{n}" for name, n in sorted(counts.items())] + notes
