@@ -214,6 +214,15 @@ class LLMEngine:
                                * layout.state_bytes_per_sequence)
             runner_factory = partial(self._mlx_runner, lm)
         per_block = layout.bytes_per_block(bs, lm.dtype)
+        speculates_with_draft = (config.speculative_method == "draft" and self.kv_layout is not None
+                                 and self.state_slots is None)
+        if speculates_with_draft:
+            from trillm.engine.paged_model import kv_layout
+
+            assert isinstance(lm, LoadedModel)
+            draft = draft or self._load_draft(lm)
+            # The draft's pool holds the target's block ids: a block costs both models' bytes, in one budget.
+            per_block += with_kv_dtype(kv_layout(draft.model, draft.name), config, draft).bytes_per_block(bs, draft.dtype)
         if config.num_kv_blocks is not None:
             num_blocks = config.num_kv_blocks
         else:
@@ -256,8 +265,7 @@ class LLMEngine:
         self.draft: LoadedModel | None = None  # --speculative draft:PATH's model
         # A runner may bring its own proposer (the mock's stands in for any method with an acceptance rate).
         proposer: Proposer | None = getattr(self.runner, "proposer", None)
-        if (config.speculative_method == "draft" and self.kv_layout is not None and self.state_slots is None
-                and getattr(self.runner, "supports_speculation", False)):
+        if speculates_with_draft and draft is not None and getattr(self.runner, "supports_speculation", False):
             proposer = self._draft_proposer(lm, draft, num_blocks)
         self.speculator = make_speculator(config, self.block_manager, self.max_model_len, self.runner,
                                           hybrid=self.state_slots is not None, proposer=proposer)
@@ -349,18 +357,24 @@ class LLMEngine:
         # Padded embeddings (more logits than tokens) must never yield an id the tokenizer cannot decode.
         return ModelRunner(lm.model, pool, Sampler(self.config.seed, vocab_size=self.tokenizer.vocab_size))
 
-    def _draft_proposer(self, lm: ModelFacts, draft: LoadedModel | None, num_blocks: int) -> DraftProposer:
+    def _load_draft(self, lm: LoadedModel) -> LoadedModel:
+        """--speculative draft:PATH's model, refused unless it shares the target's vocabulary."""
+        from trillm.engine.loader import load_model
+        from trillm.engine.spec_draft import check_draft_vocabulary
+
+        assert self.config.draft_model is not None
+        draft = load_model(self.config.draft_model, dtype=self.config.dtype)
+        check_draft_vocabulary(lm, draft)
+        return draft
+
+    def _draft_proposer(self, lm: ModelFacts, draft: LoadedModel, num_blocks: int) -> DraftProposer:
         """The draft model's proposer over a pool of the target's block ids (engine/spec_draft.py)."""
         from trillm.engine.model_runner import ModelRunner
         from trillm.engine.sampler import Sampler
         from trillm.engine.spec_draft import DraftProposer, check_draft_vocabulary
 
-        assert isinstance(lm, LoadedModel) and self.config.draft_model is not None
-        if draft is None:
-            from trillm.engine.loader import load_model
-
-            draft = load_model(self.config.draft_model, dtype=self.config.dtype)
-        check_draft_vocabulary(lm, draft)
+        assert isinstance(lm, LoadedModel)
+        check_draft_vocabulary(lm, draft)  # a draft handed in is checked too
         cap = self.pool_capacity
         pool = make_kv_pool(draft, self.config, num_blocks if cap is None else cap.capacity, self.max_model_len)
         if cap is not None:  # the draft's pool follows the target's: same ids, same renames

@@ -159,3 +159,16 @@ def test_a_draft_of_another_tokenizer_is_refused(tiny_model: LoadedModel, draft_
     (other / "tokenizer.json").write_text(json.dumps(tok))
     with pytest.raises(ModelLoadError, match="not the tokenizer of"):
         draft_engine(tiny_model, other)
+
+
+def test_the_drafts_pool_comes_out_of_the_kv_memory_budget(tiny_model: LoadedModel, tiny_model_path: Path) -> None:
+    """--kv-cache-memory-gb bounds both pools: a block id holds the target's KV and the draft's, so an equal draft
+    halves the blocks the same budget buys."""
+    budget = dict(num_kv_blocks=None, kv_cache_memory_gb=0.002, max_model_len=2048)
+    plain = engine(tiny_model, **budget)
+    with_draft = draft_engine(tiny_model, tiny_model_path, **budget)
+    per_block = plain.kv_layout.bytes_per_block(8, tiny_model.dtype) if plain.kv_layout else 0
+    assert plain.block_manager.num_blocks == 2_000_000 // per_block
+    assert with_draft.block_manager.num_blocks == 2_000_000 // (2 * per_block)
+    ps = prompts(tiny_model)
+    assert [o.new_token_ids for o in run(with_draft, ps, GREEDY)] == [o.new_token_ids for o in run(plain, ps, GREEDY)]
