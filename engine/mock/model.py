@@ -113,12 +113,14 @@ def make_mock_engine(
     sleep: Callable[[float], None] | None = None,
     tokenizer: TokenizerLike | None = None,
     spec_acceptance: float = 0.7,
+    spec_draft_cost: float = 0.0,
 ) -> LLMEngine:
     """An LLMEngine whose runner is a MockRunner (perf defaults to the spec's roofline model).
 
     sleep=None: each step's duration only travels with its results (an inline driver awaits it);
     sleep=time.sleep: collecting a step blocks until its duration has passed (real time on an engine thread).
     spec_acceptance: with --speculative (any method), the chance that each proposed token is accepted.
+    spec_draft_cost: a draft model's forward as a fraction of the target's (0: proposals are free, as n-gram's).
     """
     from trillm.engine.llm_engine import LLMEngine
 
@@ -127,7 +129,8 @@ def make_mock_engine(
 
     def factory(num_blocks: int) -> MockRunner:
         return MockRunner(model, vocab_size=vocab, num_blocks=num_blocks, seed=seed, speedup=speedup,
-                          recording=recording, sleep=sleep, spec_acceptance=spec_acceptance)
+                          recording=recording, sleep=sleep, spec_acceptance=spec_acceptance,
+                          spec_draft_cost=spec_draft_cost)
 
     return LLMEngine(config or EngineConfig(), loaded=MockModelFacts.of(spec, tokenizer), runner_factory=factory)
 
@@ -145,6 +148,9 @@ def add_mock_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--spec-acceptance", type=float, default=0.7,
                    help="with --speculative (any method): the chance that each proposed token is accepted; a "
                         "speculating row's verify costs its proposed tokens at the prefill's per-token rate")
+    g.add_argument("--spec-draft-cost", type=float, default=0.0,
+                   help="with --speculative: a draft model's decode step as a fraction of the target's; proposing k "
+                        "tokens costs k such steps of the speculating rows (0: free proposals, as prompt lookup)")
 
 
 def perf_from_args(args: argparse.Namespace, spec: MockModelSpec) -> PerfModel:
@@ -165,6 +171,7 @@ def mock_engine_factory(args: argparse.Namespace, config: EngineConfig, *, speed
 
     def factory() -> LLMEngine:
         return make_mock_engine(config, spec=spec, perf=perf, seed=args.mock_seed, speedup=speedup,
-                                recording=recording, spec_acceptance=args.spec_acceptance)
+                                recording=recording, spec_acceptance=args.spec_acceptance,
+                                spec_draft_cost=args.spec_draft_cost)
 
     return factory

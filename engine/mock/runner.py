@@ -121,9 +121,12 @@ class MockRunner:
         recording: Recording | None = None,
         sleep: Callable[[float], None] | None = None,
         spec_acceptance: float = 0.7,
+        spec_draft_cost: float = 0.0,
     ) -> None:
         if speedup <= 0:
             raise ValueError(f"speedup must be > 0, got {speedup}")
+        if spec_draft_cost < 0:
+            raise ValueError(f"the draft's cost must be >= 0, got {spec_draft_cost}")
         self.perf = perf
         self.vocab_size = vocab_size
         self.num_blocks = num_blocks
@@ -135,6 +138,7 @@ class MockRunner:
         self.num_steps = 0
         self._streams: OrderedDict[str, tuple[int, list[int] | None]] = OrderedDict()
         self.proposer = MockProposer(self, spec_acceptance)  # what the engine's speculator proposes with
+        self.spec_draft_cost = spec_draft_cost  # a draft model's decode step, as a fraction of the target's
 
     def _stream(self, seq: Sequence) -> tuple[int, list[int] | None]:
         # Keyed by prompt (and seed), so a request's tokens do not depend on what it was batched with.
@@ -177,7 +181,7 @@ class MockRunner:
         for _ in batch.prefills:
             if check_abort is not None:
                 check_abort()
-        duration = self.perf.step_seconds(StepShape.of(batch, self.num_blocks)) / self.speedup
+        duration = (self.perf.step_seconds(StepShape.of(batch, self.num_blocks)) + self._draft_seconds(batch)) / self.speedup
         self.total_step_s += duration
         self.num_steps += 1
         sampled = []
@@ -194,6 +198,15 @@ class MockRunner:
                 sampled.append(s)
         scored = [self._scores(c.seq, *span) for c in batch.prefills if (span := scored_span(c)) is not None]
         return Launch(batch, sampled, _Pending(tokens, t0 + duration), duration, prompt_logprobs=scored or None)
+
+    def _draft_seconds(self, batch: ScheduledBatch) -> float:
+        """A draft model's proposals: its j-th forward decodes every row proposing more than j tokens, at
+        `spec_draft_cost` of what the target's decode of those rows costs."""
+        if not self.spec_draft_cost or not batch.drafts:
+            return 0.0
+        rows = [(len(d), s.num_computed_tokens) for s in batch.decodes if (d := batch.drafts.get(s.request_id))]
+        steps = (StepShape(decode_contexts=tuple(ctx + j for k, ctx in rows if k > j)) for j in range(max(k for k, _ in rows)))
+        return self.spec_draft_cost * sum(self.perf.step_seconds(shape) for shape in steps)
 
     def _scores(self, seq: Sequence, a: int, b: int) -> ScoredSpan:
         # Made-up but well-formed, like the sampled tokens' logprobs below.

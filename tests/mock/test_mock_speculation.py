@@ -58,6 +58,23 @@ def test_a_verify_step_costs_a_decode_plus_its_proposed_tokens_at_the_prefill_ra
     assert MODEL.verify_seconds([(4, 100)]) == pytest.approx(4e-4 + 1e-9 * 4 * 102.5)
 
 
+def test_a_draft_models_proposals_cost_k_of_its_decode_steps() -> None:
+    """--spec-draft-cost F: before each verify the draft decodes the row k times, each at F of the target's
+    decode of that context; n-gram's proposals (F = 0) stay free."""
+    config = EngineConfig(num_kv_blocks=256, max_num_seqs=8, speculative_max_batch=8, speculative="ngram",
+                          num_speculative_tokens=4)
+    eng = make_mock_engine(config, spec=SPEC, perf=MODEL, spec_acceptance=1.0, spec_draft_cost=0.25)
+    generate(eng, n=1, max_tokens=41)
+    free = mock(1.0, speculative="ngram", num_speculative_tokens=4)
+    generate(free, n=1, max_tokens=41)
+    runner, free_runner = eng.runner, free.runner
+    assert isinstance(runner, MockRunner) and isinstance(free_runner, MockRunner)
+    draft = sum(MODEL.step_seconds(StepShape(decode_contexts=(51 + 5 * i + j,))) for i in range(8) for j in range(4))
+    assert runner.total_step_s == pytest.approx(free_runner.total_step_s + 0.25 * draft, rel=1e-9)
+    with pytest.raises(ValueError, match="draft's cost"):
+        MockRunner(MODEL, vocab_size=1000, num_blocks=8, spec_draft_cost=-1.0)
+
+
 def test_simulate_plans_with_speculation() -> None:
     trace = [TraceRequest(i * 50, 200, 64) for i in range(6)]
 
