@@ -8,9 +8,11 @@ from pathlib import Path
 
 import pytest
 
+import background_builds
 from tiny_model import build_tiny_model
 from trillm.engine.errors import ModelNotFound
 from trillm.engine.loader import LoadedModel, default_model_path, load_model
+from trillm.kernels import cpu_ext
 from trillm.kernels.selfcheck import CACHE_ENV
 
 
@@ -46,3 +48,14 @@ def default_model() -> Iterator[LoadedModel]:
     except ModelNotFound as exc:
         pytest.skip(f"default model unavailable: {exc}")
     yield load_model(path)
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """Start, at low priority, the builds the collected tests will wait for (tests/background_builds.py)."""
+    wider = cpu_ext.native_isa() == "avx512"  # elsewhere the AVX2 build is the native one, or none runs
+    if wider and any(item.name == "test_avx2_build_matches_the_references_on_a_wider_cpu" for item in session.items):
+        background_builds.start(background_builds.AVX2_EXTENSION)
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    background_builds.stop_all()
