@@ -22,7 +22,7 @@ setup_os() {
   command -v cmake >/dev/null 2>&1 || want+=(cmake)
   # An aarch64 cross compiler and qemu-user: the NEON kernels built and run here (tests/kernels/test_neon_cross.py).
   command -v aarch64-linux-gnu-g++ >/dev/null 2>&1 || [ "$(uname -m)" = aarch64 ] || want+=(g++-aarch64-linux-gnu)
-  command -v qemu-aarch64 >/dev/null 2>&1 || want+=(qemu-user)
+  command -v qemu-aarch64 >/dev/null 2>&1 || command -v qemu-aarch64-static >/dev/null 2>&1 || want+=(qemu-user)
   if [ ${#want[@]} -gt 0 ]; then
     local SUDO=""; [ "$(id -u)" = 0 ] || SUDO=sudo
     $SUDO apt-get update -qq || true
