@@ -20,6 +20,9 @@ setup_os() {
   # A C++ compiler and CMake build trillm's CPU kernels (an MLX extension) against the installed mlx.
   command -v c++ >/dev/null 2>&1 || want+=(g++)
   command -v cmake >/dev/null 2>&1 || want+=(cmake)
+  # An aarch64 cross compiler and qemu-user: the NEON kernels built and run here (tests/kernels/test_neon_cross.py).
+  command -v aarch64-linux-gnu-g++ >/dev/null 2>&1 || [ "$(uname -m)" = aarch64 ] || want+=(g++-aarch64-linux-gnu)
+  command -v qemu-aarch64 >/dev/null 2>&1 || command -v qemu-aarch64-static >/dev/null 2>&1 || want+=(qemu-user)
   if [ ${#want[@]} -gt 0 ]; then
     local SUDO=""; [ "$(id -u)" = 0 ] || SUDO=sudo
     $SUDO apt-get update -qq || true

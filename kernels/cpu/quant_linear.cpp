@@ -36,8 +36,10 @@
 #define TRILLM_Q8_DOT 1
 #endif
 
+#ifndef TRILLM_KERNEL_BODIES_ONLY  // tests/kernels/cpu_bodies.cpp compiles the kernel bodies alone, without mlx
 #include "mlx/allocator.h"
 #include "mlx/backend/cpu/encoder.h"
+#endif
 #include "ops.h"
 #include "simd.h"
 #include "thread_pool.h"
@@ -56,13 +58,16 @@ inline float to_f32(float v) {
   return v;
 }
 inline float to_f32(mx::float16_t v) {
-#if defined(__FLT16_MAX__)
-  _Float16 h;  // one vcvtph2ps with F16C (MLX's float16_t converts in software on x86)
+#if defined(__ARM_FP16_FORMAT_IEEE)
+  using half = __fp16;  // aarch64: one fcvt (GCC 12's C++ has no _Float16 there)
+#elif defined(__FLT16_MAX__)
+  using half = _Float16;  // one vcvtph2ps with F16C (MLX's float16_t converts in software on x86)
+#else
+  using half = mx::float16_t;
+#endif
+  half h;
   std::memcpy(&h, &v, sizeof h);
   return static_cast<float>(h);
-#else
-  return static_cast<float>(v);
-#endif
 }
 inline float to_f32(mx::bfloat16_t v) {
   uint16_t bits;
@@ -563,6 +568,7 @@ void run(const QArgs<S>& a, int max_rows, int x_bits) {
 
 }  // namespace
 
+#ifndef TRILLM_KERNEL_BODIES_ONLY
 mx::array quant_linear(const mx::array& x, const mx::array& w, const mx::array& scales, const mx::array& biases,
                        int group_size, int bits, int max_rows, int x_bits, mx::StreamOrDevice s) {
   if (x.dtype() != mx::float32) throw std::invalid_argument("[trillm quant_linear] x must be float32");
@@ -616,5 +622,6 @@ void QuantLinear::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx:
 void QuantLinear::eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) {
   throw std::runtime_error("[trillm quant_linear] the CPU primitive has no GPU implementation");
 }
+#endif  // TRILLM_KERNEL_BODIES_ONLY
 
 }  // namespace trillm_cpu

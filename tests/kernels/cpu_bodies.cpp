@@ -1,20 +1,48 @@
-// The CPU kernels' bodies alone (no mlx), checked against scalar references: built for any ISA by
-// tests/kernels/test_cpu_isa.py (natively for AVX2, cross-compiled for aarch64 and run under qemu-user for
-// NEON), so each ISA's vector width and register tiles are checked where no such CPU is at hand.
-// Prints one line per check; exits 1 on the first mismatch.
+// The CPU kernels' bodies alone (no mlx), checked against scalar references: built for every x86 ISA the CPU
+// runs by tests/kernels/test_cpu_isa.py, and cross-compiled for aarch64 and run under qemu-user for NEON by
+// tests/kernels/test_neon_cross.py, so each ISA's vector width and register tiles are checked where no such
+// CPU is at hand.
+// Prints one line per check; exits 1 if any failed.
 #define TRILLM_KERNEL_BODIES_ONLY 1
 
 #include <cmath>
+#include <cstdint>
 #include <cstdio>
+#include <cstring>
 #include <cstdlib>
 #include <memory>
 #include <random>
 #include <string>
+#include <type_traits>
 #include <vector>
+
+// The compiler's IEEE half: __fp16 on aarch64 (GCC 12's C++ has no _Float16 there), else _Float16.
+#if defined(__ARM_FP16_FORMAT_IEEE)
+using half_t = __fp16;
+#else
+using half_t = _Float16;
+#endif
+
+// Stand-ins for MLX's 16-bit float types (their bits only), for quant_linear's fp16/bf16 scales.
+namespace mlx::core {
+struct float16_t {
+  uint16_t bits;
+  explicit operator float() const {
+    half_t h;
+    std::memcpy(&h, &bits, sizeof h);
+    return static_cast<float>(h);
+  }
+};
+struct bfloat16_t {
+  uint16_t bits;
+};
+}  // namespace mlx::core
+namespace mx = mlx::core;
 
 #include "gated_delta.cpp"
 #include "linear.cpp"
 #include "paged_attention.cpp"
+#include "quant_linear.cpp"
 #include "rms_norm.cpp"
 #include "rope.cpp"
 #include "silu_mul.cpp"
@@ -154,11 +182,113 @@ void check_rope(bool traditional) {
   expect_close(traditional ? "rope traditional" : "rope", y, want, 1e-4, 1e-4);
 }
 
+// quant_linear's prefill rows hand a dequantized block to BLAS: row-major C = A . B^T, the one call it makes.
+extern "C" void cblas_sgemm(int order, int trans_a, int trans_b, int m, int n, int k, float alpha, const float* a,
+                            int lda, const float* b, int ldb, float beta, float* c, int ldc) {
+  if (order != 101 || trans_a != 111 || trans_b != 112) std::abort();
+  for (int i = 0; i < m; ++i) {
+    for (int j = 0; j < n; ++j) {
+      double acc = 0.0;
+      for (int e = 0; e < k; ++e) acc += static_cast<double>(a[i * lda + e]) * b[j * ldb + e];
+      c[i * ldc + j] = static_cast<float>(alpha * acc + (beta == 0.0f ? 0.0 : beta * c[i * ldc + j]));
+    }
+  }
+}
+
+// A float rounded into a scale dtype, and (scale_value, not the kernel's own conversion) its value.
+template <typename S>
+S to_scale(float f) {
+  if constexpr (std::is_same_v<S, mx::float16_t>) {
+    const half_t h = static_cast<half_t>(f);
+    S s;
+    std::memcpy(&s.bits, &h, sizeof h);
+    return s;
+  } else if constexpr (std::is_same_v<S, mx::bfloat16_t>) {
+    uint32_t u;
+    std::memcpy(&u, &f, sizeof u);
+    return S{static_cast<uint16_t>(u >> 16)};
+  } else {
+    return f;
+  }
+}
+template <typename S>
+double scale_value(S s) {
+  if constexpr (std::is_same_v<S, mx::bfloat16_t>) {
+    const uint32_t u = static_cast<uint32_t>(s.bits) << 16;
+    float f;
+    std::memcpy(&f, &u, sizeof f);
+    return f;
+  } else {
+    return static_cast<float>(s);
+  }
+}
+
+// y = x . dequantize(w).T through quant_linear's fp32 paths (x_bits 32: the path every ISA runs), MLX's
+// packing (q little-endian in uint32 words along K), against the dequantized weights in double.
+// M <= max_rows: register tiles (M <= the tile's rows) or fp32 tiles over dequantized bands; else the
+// dequantize-then-sgemm rows.
+template <typename S>
+void check_quant_linear(int M, int N, int K, int G, int bits, int max_rows, const char* sname) {
+  std::uniform_int_distribution<uint32_t> qd(0, (1u << bits) - 1);
+  std::vector<uint32_t> packed(static_cast<size_t>(N) * K * bits / 32, 0);
+  std::vector<uint32_t> q(static_cast<size_t>(N) * K);
+  for (int n = 0; n < N; ++n) {
+    for (int k = 0; k < K; ++k) {
+      const uint32_t v = q[static_cast<size_t>(n) * K + k] = qd(rng);
+      const size_t bit = (static_cast<size_t>(n) * K + k) * bits;
+      packed[bit / 32] |= v << (bit % 32);
+    }
+  }
+  const size_t ng = static_cast<size_t>(N) * (K / G);
+  auto sraw = randn(ng, 0.02f), braw = randn(ng, 0.1f);
+  std::vector<S> sc(ng), bi(ng);
+  for (size_t i = 0; i < ng; ++i) sc[i] = to_scale<S>(sraw[i]), bi[i] = to_scale<S>(braw[i]);
+  auto x = randn(static_cast<size_t>(M) * K);
+  std::vector<float> y(static_cast<size_t>(M) * N);
+  const QArgs<S> a{x.data(), reinterpret_cast<const uint8_t*>(packed.data()), sc.data(), bi.data(), y.data(),
+                   M, N, K, G, bits};
+  run(a, max_rows, 32);
+  std::vector<double> want(y.size());
+  for (int n = 0; n < N; ++n) {
+    for (int k = 0; k < K; ++k) {
+      const size_t g = static_cast<size_t>(n) * (K / G) + k / G;
+      const double w = scale_value(sc[g]) * q[static_cast<size_t>(n) * K + k] + scale_value(bi[g]);
+      for (int m = 0; m < M; ++m) want[static_cast<size_t>(m) * N + n] += w * x[static_cast<size_t>(m) * K + k];
+    }
+  }
+  char what[112];
+  std::snprintf(what, sizeof what, "quant_linear %d-bit M=%d N=%d K=%d G=%d max_rows=%d %s scales", bits, M, N, K, G,
+                max_rows, sname);
+  expect_close(what, y, want, 1e-4, 1e-4);
+}
+
 // Paged attention with shuffled blocks against a dense softmax per (row, head, query).
-void check_attention(int B, int HQ, int HKV, int D, int L, int ctx, int window) {
+// TKV: the pools' dtype: float, half_t (float16 under float32 queries) or int8 with a float32 scale per
+// token and KV head (the reference reads the values the kernel reads). Optionally sinks and soft-capping.
+template <typename TKV = float>
+void check_attention(int B, int HQ, int HKV, int D, int L, int ctx, int window, bool sinks = false,
+                     float softcap = 0.0f) {
   const int BS = 16, MB = (ctx + BS - 1) / BS, NBLK = B * MB + 1;
   auto q = randn(static_cast<size_t>(B) * HQ * L * D);
-  auto k = randn(static_cast<size_t>(NBLK) * BS * HKV * D), v = randn(k.size());
+  std::vector<float> k = randn(static_cast<size_t>(NBLK) * BS * HKV * D), v = randn(k.size());
+  std::vector<TKV> kp(k.size()), vp(v.size());
+  std::vector<float> ks, vs, sk = randn(HQ);
+  if constexpr (std::is_same_v<TKV, int8_t>) {
+    ks = randn(static_cast<size_t>(NBLK) * BS * HKV), vs = randn(ks.size());
+    std::uniform_int_distribution<int> qd(-127, 127);
+    for (auto* s : {&ks, &vs}) {
+      for (auto& e : *s) e = 0.01f + std::fabs(e) / 64.0f;
+    }
+    for (size_t i = 0; i < k.size(); ++i) {
+      kp[i] = static_cast<int8_t>(qd(rng)), vp[i] = static_cast<int8_t>(qd(rng));
+      k[i] = kp[i] * ks[i / D], v[i] = vp[i] * vs[i / D];  // one scale per (slot, head): D values
+    }
+  } else {
+    for (size_t i = 0; i < k.size(); ++i) {
+      kp[i] = static_cast<TKV>(k[i]), vp[i] = static_cast<TKV>(v[i]);
+      k[i] = static_cast<float>(kp[i]), v[i] = static_cast<float>(vp[i]);
+    }
+  }
   std::vector<int32_t> tables(static_cast<size_t>(B) * MB), lens(B, ctx);
   for (size_t i = 0; i < tables.size(); ++i) tables[i] = static_cast<int32_t>((i * 7 + 1) % (NBLK - 1) + 1);
   AttnArgs a{};
@@ -170,10 +300,14 @@ void check_attention(int B, int HQ, int HKV, int D, int L, int ctx, int window) 
   a.num_qtiles = (L + a.qt - 1) / a.qt;
   a.scale = 1.0f / std::sqrt(static_cast<float>(D));
   a.window = window;
+  a.softcap = softcap;
   a.tables = tables.data();
   a.lens = lens.data();
+  a.sinks = sinks ? sk.data() : nullptr;
+  a.kscale = ks.empty() ? nullptr : ks.data();
+  a.vscale = vs.empty() ? nullptr : vs.data();
   std::vector<float> out(q.size());
-  run_attention<float>(a, q.data(), k.data(), v.data(), out.data());
+  run_attention<float, TKV>(a, q.data(), kp.data(), vp.data(), out.data());
   std::vector<double> want(out.size());
   for (int b = 0; b < B; ++b) {
     for (int h = 0; h < HQ; ++h) {
@@ -188,9 +322,11 @@ void check_attention(int B, int HQ, int HKV, int D, int L, int ctx, int window) 
           double d = 0.0;
           for (int e = 0; e < D; ++e) d += static_cast<double>(qr[e]) * k[at(t) + e];
           s[t] = d * a.scale;
+          if (softcap > 0.0f) s[t] = softcap * std::tanh(s[t] / softcap);
           mx = std::max(mx, s[t]);
         }
-        double denom = 0.0;
+        if (sinks) mx = std::max(mx, static_cast<double>(sk[h]));
+        double denom = sinks ? std::exp(sk[h] - mx) : 0.0;
         for (int t = lo; t <= pos; ++t) denom += std::exp(s[t] - mx);
         double* o = want.data() + ((static_cast<size_t>(b) * HQ + h) * L + i) * D;
         for (int t = lo; t <= pos; ++t) {
@@ -200,9 +336,11 @@ void check_attention(int B, int HQ, int HKV, int D, int L, int ctx, int window) 
       }
     }
   }
-  char what[112];
-  std::snprintf(what, sizeof what, "paged_attention B=%d Hq=%d Hkv=%d D=%d L=%d ctx=%d window=%d", B, HQ, HKV, D,
-                L, ctx, window);
+  const char* pool = std::is_same_v<TKV, int8_t> ? "int8" : std::is_same_v<TKV, float> ? "fp32" : "fp16";
+  char what[160];
+  std::snprintf(what, sizeof what, "paged_attention %s KV B=%d Hq=%d Hkv=%d D=%d L=%d ctx=%d window=%d%s%s "
+                "hpi=%d", pool, B, HQ, HKV, D, L, ctx, window, sinks ? " sinks" : "",
+                softcap > 0.0f ? " softcap" : "", a.hpi);
   expect_close(what, out, want, 1e-4, 1e-4);
 }
 
@@ -265,6 +403,21 @@ int main() {
   check_attention(3, 8, 2, 128, 1, 600, 0);   // decode across two partitions
   check_attention(1, 4, 4, 64, 21, 50, 0);    // a prefill chunk over a cached prefix
   check_attention(2, 4, 2, 80, 5, 40, 16);    // D not a power of two, a sliding window
+  check_attention(8, 8, 2, 64, 1, 40, 0);     // decode items over both KV heads (a batch to fill the cores)
+  check_attention<int8_t>(2, 9, 3, 64, 1, 37, 0);    // the int8 cache: decode
+  check_attention<int8_t>(8, 8, 2, 64, 1, 40, 0);    // each KV head's scales in an item over both
+  check_attention<int8_t>(3, 8, 2, 128, 1, 600, 0);  // across two partitions
+  check_attention<int8_t>(1, 4, 2, 80, 7, 45, 0);    // a prefill chunk, D off the tiles
+  check_attention<half_t>(2, 8, 2, 128, 3, 70, 0);  // a float16 cache under float32 queries
+  check_attention(2, 8, 2, 64, 1, 600, 0, true, 30.0f);  // sinks (through the partition merge), soft-capping
+  check_attention(1, 4, 4, 64, 6, 50, 20, true, 0.0f);   // sinks with one partition
+  for (int bits : {4, 8}) {
+    for (int M : {1, 2, 3, 5, 9}) check_quant_linear<float>(M, 37, 256, 64, bits, 16, "fp32");
+    check_quant_linear<float>(20, 37, 256, 64, bits, 16, "fp32");  // past max_rows: dequantize + sgemm
+    check_quant_linear<mx::float16_t>(1, 70, 512, 32, bits, 16, "fp16");
+    check_quant_linear<mx::bfloat16_t>(4, 33, 384, 128, bits, 16, "bf16");
+  }
+  check_quant_linear<mx::float16_t>(6, 48, 2048, 32, 4, 16, "fp16");  // several K chunks per dequantized band
   check_gated_delta(2, 1, 2, 4, 128, 64, false);  // decode, GQA 2, Qwen3.5's Dk
   check_gated_delta(3, 9, 1, 2, 64, 16, true);    // a scan, a per-channel gate
   check_gated_delta(1, 5, 2, 2, 24, 8, false);    // Dk off every ISA's lanes: the scalar rows
