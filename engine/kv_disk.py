@@ -29,6 +29,7 @@ import os
 import queue
 import struct
 import threading
+import time
 from collections import OrderedDict
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -77,6 +78,7 @@ class DiskTier:
         self._pending: dict[bytes, bytes] = {}  # queued writes, readable before they land
         self._events: list[tuple[str, bytes]] = []  # ("stored" | "removed", hash) since take_events
         self.num_written = self.num_loaded = self.num_corrupt = self.num_dropped = self.num_evicted = 0
+        self.read_seconds = self.write_seconds = 0.0  # in file reads (with their check) and writes, all threads
         self._scan()
         self._queue: queue.Queue[tuple[bytes, bytes] | None] = queue.Queue()
         self._writer = threading.Thread(target=self._write_loop, name="trillm-kv-disk-write", daemon=True)
@@ -170,12 +172,15 @@ class DiskTier:
             return pending
         name = h.hex()
         path = self._path(name)
+        t0 = time.perf_counter()
         try:
             data = path.read_bytes()
         except FileNotFoundError:  # evicted meanwhile
             self._forget(name, removed=False)
             return None
         payload = self._verify(data, name)
+        with self._lock:
+            self.read_seconds += time.perf_counter() - t0
         if payload is None:
             log.warning("%s: a bad KV block file (truncated, altered or of another layout); deleted, recomputed", path)
             with self._lock:
@@ -236,6 +241,7 @@ class DiskTier:
         self._queue.task_done()
 
     def _write(self, h: bytes, payload: bytes) -> None:
+        t0 = time.perf_counter()
         name = h.hex()
         header = json.dumps({"identity": self.config.identity, "hash": name, "size": len(payload),
                              "blake2b": hashlib.blake2b(payload, digest_size=16).hexdigest()},
@@ -258,6 +264,7 @@ class DiskTier:
             self._index.move_to_end(name)
             self._events.append(("stored", h))
             self.num_written += 1
+            self.write_seconds += time.perf_counter() - t0
         self._evict_over_cap()
 
     def _evict_over_cap(self) -> None:

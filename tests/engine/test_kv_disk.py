@@ -46,6 +46,8 @@ def test_a_restart_loads_the_blocks_instead_of_computing_them(tiny_model: Loaded
     first = engine(tiny_model, kv_cache_dir=str(tmp_path))
     assert first.generate([p], GREEDY)[0].new_token_ids == want
     assert first.statistics().kv_disk_writes == 0  # nothing evicted yet: the blocks are still in memory
+    full = (len(p) - 1) // 16  # the blocks admission may take from a cache
+    assert first.statistics().kv_disk_miss_blocks == full and first.statistics().kv_disk_hit_blocks == 0
     first.close()  # the hot blocks go to disk
     assert len(files(tmp_path)) == (len(p) + GREEDY.max_tokens - 1) // 16
 
@@ -54,7 +56,8 @@ def test_a_restart_loads_the_blocks_instead_of_computing_them(tiny_model: Loaded
     out = second.generate([p], GREEDY)[0]
     assert out.new_token_ids == want
     stats = second.statistics()
-    assert out.usage.cached_tokens == stats.kv_disk_hit_tokens == (len(p) - 1) // 16 * 16
+    assert out.usage.cached_tokens == stats.kv_disk_hit_tokens == full * 16
+    assert stats.kv_disk_hit_blocks == full and stats.kv_disk_miss_blocks == 0 and stats.kv_disk_read_seconds > 0
     assert stats.num_prompt_tokens == len(p) - out.usage.cached_tokens  # only the tail was prefilled
     stored = [e for e in log.take() if e.kind == "stored"]
     assert {e.medium for e in stored} == {"memory"} and len(stored) >= len(p) // 16  # loaded blocks are published
@@ -101,6 +104,7 @@ def test_a_bad_file_is_recomputed_never_loaded(tiny_model: LoadedModel, tmp_path
     assert out.new_token_ids == want
     stats = second.statistics()
     assert stats.kv_disk_corrupt_blocks == 1 and stats.kv_disk_hit_tokens == 0
+    assert stats.kv_disk_miss_blocks == (len(p) - 1) // 16  # the chain breaks at its first block
     assert stats.num_prompt_tokens == len(p)  # all recomputed
     assert not bad.exists()  # deleted, not tried again
     second.close()
