@@ -216,3 +216,31 @@ def test_the_idle_shrink_writes_what_it_drops(tiny_model: LoadedModel, tmp_path:
     assert out.new_token_ids == want and eng.statistics().kv_disk_hit_tokens > 0
     eng.block_manager.check_invariants([])
     eng.close()
+
+
+def test_the_folder_is_fsynced_after_the_renames(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A file's fsync does not make its new name durable: the folder's own fsync after os.replace does."""
+    import stat
+
+    calls: list[str] = []
+    real_fsync, real_replace = os.fsync, os.replace
+
+    def fsync(fd: int) -> None:
+        calls.append("fsync folder" if stat.S_ISDIR(os.fstat(fd).st_mode) else "fsync file")
+        real_fsync(fd)
+
+    def replace(src: str | os.PathLike[str], dst: str | os.PathLike[str]) -> None:
+        calls.append("replace")
+        real_replace(src, dst)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    monkeypatch.setattr(os, "replace", replace)
+    tier = _tier(tmp_path, 8)
+    tier.put(_h(1), _payload(1))
+    tier.flush()  # returns once the rename is durable
+    assert calls == ["fsync file", "replace", "fsync folder"]
+    for i in range(2, 5):
+        tier.put(_h(i), _payload(i))
+    tier.close()  # the last rename is synced before the writer stops, however the burst was grouped
+    assert calls[-1] == "fsync folder" and calls.count("replace") == 4
+    assert all(calls[i - 1] == "fsync file" for i, c in enumerate(calls) if c == "replace")
