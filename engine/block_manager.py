@@ -96,6 +96,7 @@ class BlockManager:
         self.num_queried_tokens = 0
         self.num_hit_tokens = 0
         self.num_lower_hit_tokens = 0  # of the hits, tokens loaded from the lower tier
+        self.num_lower_queried_blocks = 0  # blocks past the memory hits that admission looked up in the lower tier
         # Optional KV-event hook for a KV-aware router: ("stored", hash, parent hash or None, "memory") when a
         # full block enters the prefix cache, ("removed", hash, None, "memory") when it is evicted; the lower
         # tier's own stores and removals with medium "disk" (`lower_events`). Called on the engine's thread.
@@ -246,6 +247,8 @@ class BlockManager:
         self.num_queried_tokens += seq.num_tokens
         self.num_hit_tokens += seq.num_computed_tokens
         self.num_lower_hit_tokens += loaded * self.block_size
+        if self.lower is not None and self._looks_up(seq):
+            self.num_lower_queried_blocks += (seq.num_tokens - 1) // self.block_size - len(hits)
 
     def _load_lower(self, seq: Sequence, start: int) -> int:
         """Load seq's blocks past its memory hits that the lower tier holds into the free blocks just taken for

@@ -3,8 +3,9 @@
 A shell (web/service.py: on a dedicated thread for the real engine, or inline in a trio task for the mock on
 a real or virtual clock) only moves work in and results out: each `run_once(work)` applies the submissions
 and aborts, runs one engine step if anything is live, and returns everything the outside needs from that
-step: the per-request deltas, the requests refused while being added, the engine's statistics, the step's
-KV events and load, and how long the step took. The driver never blocks and never sleeps.
+step: the per-request deltas, the requests added and those refused while being added (a verdict the web
+layer waits for before a stream's headers), the engine's statistics, the step's KV events and load, and how
+long the step took. The driver never blocks and never sleeps.
 
 Concurrency: confined to the thread that created the engine (MLX streams are per thread).
 """
@@ -59,6 +60,7 @@ class StepResult:
     step_s: float  # how long the step takes: the mock's simulated duration, or the measured wall time
     ran: bool  # whether the engine ran a step (False: idle, or a step that scheduled nothing)
     prefilling: tuple[str, ...] = ()  # request ids with a prefill chunk in the step (a request's first: its queue ended)
+    added: tuple[str, ...] = ()  # request ids the engine took in this call (the others of `work` are in `rejected`)
 
 
 class EngineDriver:
@@ -79,7 +81,7 @@ class EngineDriver:
 
     def run_once(self, work: Sequence[Work], *, check_abort: Callable[[], None] | None = None) -> StepResult:
         """Apply `work`, then one engine step if anything is live. check_abort may raise to stop mid-step."""
-        rejected = self._apply(work)
+        added, rejected = self._apply(work)
         if not work and self.engine.idle_release_in == 0.0:
             self.engine.release_idle_memory()
         outputs: list[RequestOutput] = []
@@ -101,9 +103,10 @@ class EngineDriver:
             load = StepLoad(self.num_steps, self._wall_clock(), stats.num_running, stats.num_waiting,
                             stats.num_blocks_used, stats.num_blocks_total, step_s)
             report = StepReport(load, self._events.take())
-        return StepResult(outputs, rejected, stats, report, step_s, ran, prefilling)
+        return StepResult(outputs, rejected, stats, report, step_s, ran, prefilling, added)
 
-    def _apply(self, work: Sequence[Work]) -> list[Rejected]:
+    def _apply(self, work: Sequence[Work]) -> tuple[tuple[str, ...], list[Rejected]]:
+        added: list[str] = []
         rejected = []
         for item in work:
             if isinstance(item, Abort):
@@ -115,9 +118,10 @@ class EngineDriver:
             try:
                 self.engine.add_request(item.request_id, item.prompt_token_ids, item.params, priority=item.priority,
                                         group=item.group)
+                added.append(item.request_id)
             except EngineError as exc:
                 rejected.append(Rejected(item.request_id, exc))
             except Exception as exc:  # a bug in setting up one request must not take the others down
                 log.exception("adding request %s failed", item.request_id)
                 rejected.append(Rejected(item.request_id, exc))
-        return rejected
+        return tuple(added), rejected

@@ -6,7 +6,8 @@ fingerprint, the block size and the pool's per-block shapes and dtypes, so a cha
 dtype never reads another layout's bytes; the cache salt is already in the chained hash). A file is a header
 (magic, version, identity, hash, payload size, blake2b of the payload) and the block's bytes, every pool array's
 block in pool order. Writes go to a temporary file, fsynced, then `os.replace`d into place: a crash leaves the
-old name or the whole new file, never a part; leftovers of a crash are removed at start. A read checks
+old name or the whole new file, never a part; leftovers of a crash are removed at start. The folder is fsynced
+after the renames (once the queue is empty: a burst of writes shares one), so a power loss keeps them too. A read checks
 everything in the header against what it expects and the checksum over the payload; a file that fails is
 deleted and counted (`num_corrupt`), and the block is recomputed.
 
@@ -29,6 +30,7 @@ import os
 import queue
 import struct
 import threading
+import time
 from collections import OrderedDict
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -77,6 +79,7 @@ class DiskTier:
         self._pending: dict[bytes, bytes] = {}  # queued writes, readable before they land
         self._events: list[tuple[str, bytes]] = []  # ("stored" | "removed", hash) since take_events
         self.num_written = self.num_loaded = self.num_corrupt = self.num_dropped = self.num_evicted = 0
+        self.read_seconds = self.write_seconds = 0.0  # in file reads (with their check) and writes, all threads
         self._scan()
         self._queue: queue.Queue[tuple[bytes, bytes] | None] = queue.Queue()
         self._writer = threading.Thread(target=self._write_loop, name="trillm-kv-disk-write", daemon=True)
@@ -170,12 +173,15 @@ class DiskTier:
             return pending
         name = h.hex()
         path = self._path(name)
+        t0 = time.perf_counter()
         try:
             data = path.read_bytes()
         except FileNotFoundError:  # evicted meanwhile
             self._forget(name, removed=False)
             return None
         payload = self._verify(data, name)
+        with self._lock:
+            self.read_seconds += time.perf_counter() - t0
         if payload is None:
             log.warning("%s: a bad KV block file (truncated, altered or of another layout); deleted, recomputed", path)
             with self._lock:
@@ -224,18 +230,38 @@ class DiskTier:
                     self._events.append(("removed", bytes.fromhex(name)))
 
     def _write_loop(self) -> None:
+        renamed = False  # a rename the folder's fsync has not covered yet
         while (item := self._queue.get()) is not None:
             try:
                 self._write(*item)
+                renamed = True
+                if self._queue.empty():  # before task_done: a flush returns with the renames durable
+                    renamed = False
+                    self._sync_folder()
             except OSError:  # a full or failing disk costs the block, never the engine
                 log.exception("writing a KV block to %s failed", self.folder)
                 with self._lock:
                     self._pending.pop(item[0], None)
             finally:
                 self._queue.task_done()
-        self._queue.task_done()
+        try:
+            if renamed:  # the last write was followed by the close
+                self._sync_folder()
+        except OSError:
+            log.exception("syncing %s failed", self.folder)
+        finally:
+            self._queue.task_done()
+
+    def _sync_folder(self) -> None:
+        """fsync the folder: a file's own fsync makes its bytes durable, not the name `os.replace` gave it."""
+        fd = os.open(self.folder, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
 
     def _write(self, h: bytes, payload: bytes) -> None:
+        t0 = time.perf_counter()
         name = h.hex()
         header = json.dumps({"identity": self.config.identity, "hash": name, "size": len(payload),
                              "blake2b": hashlib.blake2b(payload, digest_size=16).hexdigest()},
@@ -258,6 +284,7 @@ class DiskTier:
             self._index.move_to_end(name)
             self._events.append(("stored", h))
             self.num_written += 1
+            self.write_seconds += time.perf_counter() - t0
         self._evict_over_cap()
 
     def _evict_over_cap(self) -> None:

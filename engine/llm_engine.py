@@ -10,7 +10,7 @@ from collections.abc import Callable, Iterable
 from collections.abc import Sequence as Sequence_
 from dataclasses import dataclass
 from functools import partial
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypedDict
 
 import numpy as np
 
@@ -58,6 +58,21 @@ def _both(first: ResizeHook | None, second: ResizeHook) -> ResizeHook:
         second(num_blocks, kept)
 
     return resize
+
+
+class _DiskStatistics(TypedDict, total=False):
+    """The disk tier's fields of EngineStatistics (none without one)."""
+
+    kv_disk_hit_tokens: int
+    kv_disk_hit_blocks: int
+    kv_disk_miss_blocks: int
+    kv_disk_blocks: int
+    kv_disk_bytes: int
+    kv_disk_writes: int
+    kv_disk_dropped_writes: int
+    kv_disk_corrupt_blocks: int
+    kv_disk_read_seconds: float
+    kv_disk_write_seconds: float
 
 
 @dataclass(slots=True)
@@ -341,7 +356,7 @@ class LLMEngine:
         self._recent: deque[tuple[float, int, int]] = deque()  # (time, prompt tokens, generated tokens)
         self._recent_sums = [0, 0]  # running sums over _recent, so statistics() is O(1)
         self.block_manager.num_queried_tokens = self.block_manager.num_hit_tokens = 0
-        self.block_manager.num_lower_hit_tokens = 0
+        self.block_manager.num_lower_hit_tokens = self.block_manager.num_lower_queried_blocks = 0
         if self.speculator is not None:
             self.speculator.counters = SpecCounters()
 
@@ -668,13 +683,16 @@ class LLMEngine:
             **memory_statistics(self.memory, bm, self._bytes_per_block),
         )
 
-    def _disk_statistics(self) -> dict[str, int]:
+    def _disk_statistics(self) -> _DiskStatistics:
         if self.kv_disk is None:
             return {}
-        disk = self.kv_disk.disk
-        return {"kv_disk_hit_tokens": self.block_manager.num_lower_hit_tokens, "kv_disk_blocks": disk.num_blocks,
+        disk, bm = self.kv_disk.disk, self.block_manager
+        hit_blocks = bm.num_lower_hit_tokens // bm.block_size
+        return {"kv_disk_hit_tokens": bm.num_lower_hit_tokens, "kv_disk_hit_blocks": hit_blocks,
+                "kv_disk_miss_blocks": bm.num_lower_queried_blocks - hit_blocks, "kv_disk_blocks": disk.num_blocks,
                 "kv_disk_bytes": disk.nbytes, "kv_disk_writes": disk.num_written,
-                "kv_disk_dropped_writes": disk.num_dropped, "kv_disk_corrupt_blocks": disk.num_corrupt}
+                "kv_disk_dropped_writes": disk.num_dropped, "kv_disk_corrupt_blocks": disk.num_corrupt,
+                "kv_disk_read_seconds": disk.read_seconds, "kv_disk_write_seconds": disk.write_seconds}
 
     @property
     def _spec_counters(self) -> SpecCounters:

@@ -100,14 +100,20 @@ class EngineStatistics:
     memory_limit_bytes: int = 0
     kv_pool_bytes: int = 0
     kv_pool_used_bytes: int = 0
-    # The prefix cache's disk tier (engine/kv_disk.py): prompt tokens loaded from it (also in prefix_cache_hits),
-    # the blocks and bytes it holds, blocks written, writes dropped (its queue was full) and bad files found.
+    # The prefix cache's disk tier (engine/kv_disk.py): prompt tokens loaded from it (also in prefix_cache_hits);
+    # of the blocks past its memory hits that admission looked up there, those loaded and those not; the blocks
+    # and bytes it holds, blocks written, writes dropped (its queue was full), bad files found (deleted, their
+    # blocks recomputed), and the seconds its threads spent reading (with the check) and writing files.
     kv_disk_hit_tokens: int = 0
+    kv_disk_hit_blocks: int = 0
+    kv_disk_miss_blocks: int = 0
     kv_disk_blocks: int = 0
     kv_disk_bytes: int = 0
     kv_disk_writes: int = 0
     kv_disk_dropped_writes: int = 0
     kv_disk_corrupt_blocks: int = 0
+    kv_disk_read_seconds: float = 0.0
+    kv_disk_write_seconds: float = 0.0
 
     @property
     def prefix_cache_hit_rate(self) -> float:

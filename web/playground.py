@@ -40,9 +40,11 @@ def engine_stats_json(stats: EngineStatistics | None) -> dict[str, Any] | None:
         "memory_rss_bytes": stats.memory_rss_bytes, "memory_peak_bytes": stats.memory_peak_bytes,
         "memory_limit_bytes": stats.memory_limit_bytes, "kv_pool_bytes": stats.kv_pool_bytes,
         "kv_pool_used_bytes": stats.kv_pool_used_bytes,
-        "kv_disk_hit_tokens": stats.kv_disk_hit_tokens, "kv_disk_blocks": stats.kv_disk_blocks,
+        "kv_disk_hit_tokens": stats.kv_disk_hit_tokens, "kv_disk_hit_blocks": stats.kv_disk_hit_blocks,
+        "kv_disk_miss_blocks": stats.kv_disk_miss_blocks, "kv_disk_blocks": stats.kv_disk_blocks,
         "kv_disk_bytes": stats.kv_disk_bytes, "kv_disk_writes": stats.kv_disk_writes,
         "kv_disk_dropped_writes": stats.kv_disk_dropped_writes, "kv_disk_corrupt_blocks": stats.kv_disk_corrupt_blocks,
+        "kv_disk_read_seconds": stats.kv_disk_read_seconds, "kv_disk_write_seconds": stats.kv_disk_write_seconds,
     }
 
 

@@ -46,6 +46,8 @@ def test_a_restart_loads_the_blocks_instead_of_computing_them(tiny_model: Loaded
     first = engine(tiny_model, kv_cache_dir=str(tmp_path))
     assert first.generate([p], GREEDY)[0].new_token_ids == want
     assert first.statistics().kv_disk_writes == 0  # nothing evicted yet: the blocks are still in memory
+    full = (len(p) - 1) // 16  # the blocks admission may take from a cache
+    assert first.statistics().kv_disk_miss_blocks == full and first.statistics().kv_disk_hit_blocks == 0
     first.close()  # the hot blocks go to disk
     assert len(files(tmp_path)) == (len(p) + GREEDY.max_tokens - 1) // 16
 
@@ -54,7 +56,8 @@ def test_a_restart_loads_the_blocks_instead_of_computing_them(tiny_model: Loaded
     out = second.generate([p], GREEDY)[0]
     assert out.new_token_ids == want
     stats = second.statistics()
-    assert out.usage.cached_tokens == stats.kv_disk_hit_tokens == (len(p) - 1) // 16 * 16
+    assert out.usage.cached_tokens == stats.kv_disk_hit_tokens == full * 16
+    assert stats.kv_disk_hit_blocks == full and stats.kv_disk_miss_blocks == 0 and stats.kv_disk_read_seconds > 0
     assert stats.num_prompt_tokens == len(p) - out.usage.cached_tokens  # only the tail was prefilled
     stored = [e for e in log.take() if e.kind == "stored"]
     assert {e.medium for e in stored} == {"memory"} and len(stored) >= len(p) // 16  # loaded blocks are published
@@ -101,6 +104,7 @@ def test_a_bad_file_is_recomputed_never_loaded(tiny_model: LoadedModel, tmp_path
     assert out.new_token_ids == want
     stats = second.statistics()
     assert stats.kv_disk_corrupt_blocks == 1 and stats.kv_disk_hit_tokens == 0
+    assert stats.kv_disk_miss_blocks == (len(p) - 1) // 16  # the chain breaks at its first block
     assert stats.num_prompt_tokens == len(p)  # all recomputed
     assert not bad.exists()  # deleted, not tried again
     second.close()
@@ -212,3 +216,31 @@ def test_the_idle_shrink_writes_what_it_drops(tiny_model: LoadedModel, tmp_path:
     assert out.new_token_ids == want and eng.statistics().kv_disk_hit_tokens > 0
     eng.block_manager.check_invariants([])
     eng.close()
+
+
+def test_the_folder_is_fsynced_after_the_renames(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A file's fsync does not make its new name durable: the folder's own fsync after os.replace does."""
+    import stat
+
+    calls: list[str] = []
+    real_fsync, real_replace = os.fsync, os.replace
+
+    def fsync(fd: int) -> None:
+        calls.append("fsync folder" if stat.S_ISDIR(os.fstat(fd).st_mode) else "fsync file")
+        real_fsync(fd)
+
+    def replace(src: str | os.PathLike[str], dst: str | os.PathLike[str]) -> None:
+        calls.append("replace")
+        real_replace(src, dst)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    monkeypatch.setattr(os, "replace", replace)
+    tier = _tier(tmp_path, 8)
+    tier.put(_h(1), _payload(1))
+    tier.flush()  # returns once the rename is durable
+    assert calls == ["fsync file", "replace", "fsync folder"]
+    for i in range(2, 5):
+        tier.put(_h(i), _payload(i))
+    tier.close()  # the last rename is synced before the writer stops, however the burst was grouped
+    assert calls[-1] == "fsync folder" and calls.count("replace") == 4
+    assert all(calls[i - 1] == "fsync file" for i, c in enumerate(calls) if c == "replace")

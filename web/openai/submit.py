@@ -78,9 +78,9 @@ async def start_generation(
     service: EngineService, body: ChatCompletionRequest | CompletionRequest, config: ServerConfig, *,
     adjust: Callable[[GenerationRequest], GenerationRequest] | None = None, large: bool = False,
 ) -> tuple[GenerationRequest, GenerationHandle, TokenizerLike]:
-    """Parse and submit; typed errors (admission included) become 4xx/5xx before any byte is sent. The
-    request's deadline (see `request_deadline`) covers loading and parsing too: past it before the submission,
-    504."""
+    """Parse, submit and wait for the engine to take the request; typed errors (admission, the engine's own
+    included) become 4xx/5xx before any byte is sent. The request's deadline (see `request_deadline`) covers
+    loading and parsing too: past it before the submission, 504."""
     headers = request.headers if has_request_context() else None
     deadline = request_deadline(config, headers)
     trace = tracing.start_request(
@@ -103,5 +103,13 @@ async def start_generation(
             trace.end()
         if isinstance(exc, (InvalidRequest, Overloaded, EngineUnavailable)):
             service.metrics.on_outcome("rejected")
+        raise
+    try:
+        # The engine's verdict (its memory check runs on the engine thread): a refusal raises here, an HTTP
+        # error before a stream's headers; what fails after it (a preempted request that cannot resume) is an
+        # error in the stream.
+        await handle.admitted()
+    except BaseException:
+        handle.close()
         raise
     return req, handle, tokenizer

@@ -539,6 +539,10 @@ class EngineService:
             self._reports.append(result.report)
         if result.ran:
             self._num_steps += 1
+        for rid in result.added:
+            handle = self._live.get(rid)
+            if handle is not None:
+                handle.on_added(rid)
         for rejected in result.rejected:
             handle = self._forget(rejected.request_id)
             if handle is not None:

@@ -209,6 +209,29 @@ def render_metrics(
         for model, (_, stats, _) in models.items():
             if stats is not None:
                 lines.append(f'{name}{{model="{escape_label(model)}"}} {float(getattr(stats, attr))}')
+    # The prefix cache's disk tier (--kv-cache-dir; all 0 without one): what it holds, and its counters.
+    disk: tuple[tuple[str, str, str, str], ...] = (
+        ("trillm_kv_disk_blocks", "gauge", "kv_disk_blocks", "Disk tier: KV blocks in the folder."),
+        ("trillm_kv_disk_bytes", "gauge", "kv_disk_bytes", "Disk tier: bytes of the KV block files."),
+        ("trillm_kv_disk_hit_blocks_total", "counter", "kv_disk_hit_blocks",
+         "Disk tier: blocks past the memory hits that admission loaded from disk."),
+        ("trillm_kv_disk_miss_blocks_total", "counter", "kv_disk_miss_blocks",
+         "Disk tier: blocks past the memory hits that admission looked up and did not load (computed)."),
+        ("trillm_kv_disk_writes_total", "counter", "kv_disk_writes", "Disk tier: blocks written."),
+        ("trillm_kv_disk_dropped_writes_total", "counter", "kv_disk_dropped_writes",
+         "Disk tier: evicted blocks not written because the write queue was full."),
+        ("trillm_kv_disk_load_failures_total", "counter", "kv_disk_corrupt_blocks",
+         "Disk tier: block files that failed their check on load (deleted; the block is computed)."),
+        ("trillm_kv_disk_read_seconds_total", "counter", "kv_disk_read_seconds",
+         "Disk tier: seconds spent reading and checking block files."),
+        ("trillm_kv_disk_write_seconds_total", "counter", "kv_disk_write_seconds",
+         "Disk tier: seconds spent writing block files."),
+    )
+    for name, kind, attr, help_text in disk:
+        family(name, kind, help_text)
+        for model, (_, stats, _) in models.items():
+            if stats is not None:
+                lines.append(f'{name}{{model="{escape_label(model)}"}} {float(getattr(stats, attr))}')
     family("trillm_model_healthy", "gauge", "1 when the model's engine is loaded and healthy.")
     for model, (_, _, healthy) in models.items():
         lines.append(f'trillm_model_healthy{{model="{escape_label(model)}"}} {int(healthy)}')

@@ -45,6 +45,9 @@ class GenerationHandle:
     requests are aborted; a single delta over that size is delivered when nothing else is unread. A failure (the engine refused a request
     while adding it, the engine failed, the client lagged) is raised by the next `receive`.
 
+    `admitted` waits for the engine's verdict on adding the requests (the memory check runs on the engine
+    thread), so a route can turn a refusal into an HTTP error before it sends a stream's headers.
+
     `deadline` (trio time): once it passes, the next `receive` ends every unfinished request with
     FinishReason.TIMEOUT (after what was already buffered) and aborts it, which frees its KV blocks.
     """
@@ -74,6 +77,8 @@ class GenerationHandle:
         self._buffered_bytes = 0
         self._exempt_bytes = 0  # an oversized delta admitted into an empty buffer (see feed)
         self._unfinished = set(request_ids)
+        self._unadded = set(request_ids)  # not yet taken by the engine
+        self._verdict = trio.Event()  # all taken, or the handle ended (a refusal fails it)
         self._failure: BaseException | None = None
         self._closed = False
         self._t_submit = time.perf_counter()
@@ -118,6 +123,12 @@ class GenerationHandle:
         if not self._unfinished:
             self._send.close()
 
+    def on_added(self, request_id: str) -> None:
+        """The engine took one of the requests (it may still fail later: that is an error in the stream)."""
+        self._unadded.discard(request_id)
+        if not self._unadded:
+            self._verdict.set()
+
     def on_rejected(self, request_id: str, error: BaseException) -> None:
         """The engine refused one of the requests while adding it: the whole submission fails with `error`."""
         self._unfinished.discard(request_id)
@@ -140,6 +151,16 @@ class GenerationHandle:
             self.trace.on_prefill()
 
     # ---- client side ----
+
+    async def admitted(self) -> None:
+        """Wait until the engine took every request (or the deadline passed, or the handle ended); raise a
+        refusal that ended the handle before then (an EngineError: Overloaded by the memory check, a drain's
+        EngineUnavailable). Other failures (the engine failed in the step that took the request) are left to
+        `receive`, after a stream's start."""
+        with trio.move_on_at(math.inf if self.deadline is None else self.deadline):
+            await self._verdict.wait()
+        if self._unadded and isinstance(self._failure, EngineError):
+            raise self._failure
 
     def _time_out(self) -> None:
         """The deadline passed: end each unfinished request with TIMEOUT, behind its unread deltas, and abort it."""
@@ -233,6 +254,7 @@ class GenerationHandle:
         if self._closed:
             return
         self._closed = True
+        self._verdict.set()
         if self.trace is not None:
             self.trace.end()
         if self._unfinished and self._failure is None and self._metrics is not None:
