@@ -16,7 +16,9 @@ SCHEDULING_POLICIES = ("fcfs", "priority")
 SPECULATIVE_METHODS = ("off", "ngram", "draft")
 # --kv-cache-dtype -> the pool's dtype by name (auto: the model's; int8: int8 values beside float32 scales per
 # token and KV head, trillm.kernels.layout)
-KV_CACHE_DTYPES = {"auto": None, "fp32": "float32", "fp16": "float16", "bf16": "bfloat16", "int8": "int8"}
+# int4: two 4-bit values a byte beside a float32 (scale, min) per group of 32 along head_dim
+KV_CACHE_DTYPES = {"auto": None, "fp32": "float32", "fp16": "float16", "bf16": "bfloat16", "int8": "int8",
+                   "int4": "int4"}
 
 
 @dataclass(frozen=True, slots=True)
@@ -165,7 +167,9 @@ _FLAGS: dict[str, tuple[str, str]] = {
     "kv_cache_dtype": ("--kv-cache-dtype", "the KV cache's dtype: auto (the model's; float32 on CPU), fp32, fp16, "
                                            "bf16, or int8 (8-bit keys and values with a float32 scale per token "
                                            "and head: ~3.8x float32's tokens in the same memory at head_dim 64; "
-                                           "CPU only for now)"),
+                                           "CPU only for now), or int4 (4-bit, a float32 scale and minimum per "
+                                           "32 values: ~5.3x float32's tokens; CPU only, through the reference "
+                                           "attention for now, and lossy: see docs/performance.md)"),
     "kv_cache_dir": ("--kv-cache-dir", "a folder for the prefix cache's disk tier: evicted blocks (and at shutdown "
                                        "the cached ones) are written there and loaded by later requests, also "
                                        "after a restart (default: none, no disk tier)"),

@@ -32,7 +32,7 @@ import mlx.nn as nn
 from trillm.engine.state_pool import CacheNode, LayerState, StatePool, StateRows, StateSlots, bytes_per_slot
 from trillm.kernels import kv_write
 from trillm.kernels.kv_gather import kv_gather_ref
-from trillm.kernels.kv_write import kv_write_int8
+from trillm.kernels.kv_write import dequantize_int4, int4_groups, kv_write_int4, kv_write_int8
 from trillm.kernels.selfcheck import KernelSelection, unchecked
 
 
@@ -104,11 +104,19 @@ class KVLayout:
             return elements * dtype.size
         if self.kv_dtype == "int8":
             return elements + block_size * sum(2 * layer.num_kv_heads for layer in self.layers) * 4
+        if self.kv_dtype == "int4":  # half a byte a value, a float32 (scale, min) per group, K and V
+            groups = sum(layer.num_kv_heads * (int4_groups(layer.k_dim) + int4_groups(layer.v_dim))
+                         for layer in self.layers)
+            return elements // 2 + block_size * groups * 8
         return elements * {"float32": 4, "float16": 2, "bfloat16": 2}[self.kv_dtype]
 
     @property
     def int8(self) -> bool:
         return self.kv_dtype == "int8"
+
+    @property
+    def int4(self) -> bool:
+        return self.kv_dtype == "int4"
 
     @property
     def state_bytes_per_sequence(self) -> int:
@@ -131,12 +139,25 @@ class KVPool:
         # have their own.
         self.kernels = kernels or unchecked()
         self.layer_kernels = layer_kernels or [self.kernels] * len(layout.layers)
-        kv_dtype = getattr(mx, layout.kv_dtype) if layout.kv_dtype is not None else dtype
-        self.keys = [mx.zeros((num_blocks, block_size, lay.num_kv_heads, lay.k_dim), kv_dtype) for lay in layout.layers]
-        self.values = [mx.zeros((num_blocks, block_size, lay.num_kv_heads, lay.v_dim), kv_dtype) for lay in layout.layers]
-        scales = layout.layers if layout.int8 else ()
-        self.key_scales = [mx.zeros((num_blocks, block_size, lay.num_kv_heads), mx.float32) for lay in scales]
-        self.value_scales = [mx.zeros((num_blocks, block_size, lay.num_kv_heads), mx.float32) for lay in scales]
+        if layout.int4:  # two values a byte, (scale, min) per group of 32 (trillm.kernels.kv_write)
+            def zeros(lay: LayerKV, dim: int) -> mx.array:
+                return mx.zeros((num_blocks, block_size, lay.num_kv_heads, dim // 2), mx.uint8)
+
+            def scale_zeros(lay: LayerKV, dim: int) -> mx.array:
+                return mx.zeros((num_blocks, block_size, lay.num_kv_heads, int4_groups(dim), 2), mx.float32)
+        else:
+            kv_dtype = getattr(mx, layout.kv_dtype) if layout.kv_dtype is not None else dtype
+
+            def zeros(lay: LayerKV, dim: int) -> mx.array:
+                return mx.zeros((num_blocks, block_size, lay.num_kv_heads, dim), kv_dtype)
+
+            def scale_zeros(lay: LayerKV, dim: int) -> mx.array:
+                return mx.zeros((num_blocks, block_size, lay.num_kv_heads), mx.float32)
+        self.keys = [zeros(lay, lay.k_dim) for lay in layout.layers]
+        self.values = [zeros(lay, lay.v_dim) for lay in layout.layers]
+        scales = layout.layers if layout.int8 or layout.int4 else ()
+        self.key_scales = [scale_zeros(lay, lay.k_dim) for lay in scales]
+        self.value_scales = [scale_zeros(lay, lay.v_dim) for lay in scales]
         mx.eval(self.keys, self.values, self.key_scales, self.value_scales)
         # The recurrent layers' states, one slot per running sequence (state_slots: the block manager's).
         self.states: StatePool | None = None
@@ -229,18 +250,27 @@ class PagedKVCache:
             flat_k = keys.transpose(0, 2, 1, 3).reshape(B * L, H, D)
             flat_v = values.transpose(0, 2, 1, 3).reshape(B * L, H, Dv)
         pool, i = self.pool, self.layer
-        if pool.key_scales:  # int8: quantized per token and head on the write
-            pool.keys[i], pool.values[i], pool.key_scales[i], pool.value_scales[i] = kv_write_int8(
+        if pool.key_scales:  # int8 / int4: quantized per token and head (int4: per group) on the write
+            write = kv_write_int4 if pool.keys[i].dtype == mx.uint8 else kv_write_int8
+            pool.keys[i], pool.values[i], pool.key_scales[i], pool.value_scales[i] = write(
                 pool.keys[i], pool.values[i], pool.key_scales[i], pool.value_scales[i], flat_k, flat_v,
                 lay.slot_mapping)
         else:
             pool.keys[i], pool.values[i] = kv_write(pool.keys[i], pool.values[i], flat_k, flat_v, lay.slot_mapping)
         # Dense view for calls that leave the paged path (in the model's dtype); lazy, so free when unused.
         max_len = self._padded_len()
-        gather = pool.layer_kernels[i].kv_gather
+        # int4's packed bytes through the reference (the gather kernels serve the float and int8 pools)
+        gather = kv_gather_ref if pool.keys[i].dtype == mx.uint8 else pool.layer_kernels[i].kv_gather
         dense_k = gather(pool.keys[i], lay.block_tables, max_len)
         dense_v = gather(pool.values[i], lay.block_tables, max_len)
-        if pool.key_scales:
+        if pool.key_scales and pool.keys[i].dtype == mx.uint8:
+            def groups(s: mx.array) -> mx.array:  # [num_blocks, bs, Hkv, G, 2] -> [B, Hkv, max_len, G, 2]
+                flat = kv_gather_ref(s.reshape(*s.shape[:3], -1), lay.block_tables, max_len)
+                return flat.reshape(*flat.shape[:3], *s.shape[3:])
+
+            dense_k = dequantize_int4(dense_k, groups(pool.key_scales[i]), keys.dtype)
+            dense_v = dequantize_int4(dense_v, groups(pool.value_scales[i]), values.dtype)
+        elif pool.key_scales:
             def scales(s: mx.array) -> mx.array:  # [num_blocks, bs, Hkv] -> [B, Hkv, max_len, 1]
                 return kv_gather_ref(s[..., None], lay.block_tables, max_len)
 

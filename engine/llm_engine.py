@@ -106,12 +106,14 @@ def with_kv_dtype(layout: KVLayout, config: EngineConfig, lm: LoadedModel) -> KV
     from trillm.kernels.backend import kernel_backend
 
     kv_dtype = KV_CACHE_DTYPES[config.kv_cache_dtype] or str(lm.dtype).rsplit(".", 1)[-1]
-    if kv_dtype == "int8":
+    if kv_dtype in ("int8", "int4"):
         if (backend := kernel_backend()) != "cpu":
-            raise ModelLoadError(f"--kv-cache-dtype int8 runs on CPU only for now: the {backend} attention kernels "
-                                 f"have no int8 variant yet (use fp16, bf16 or auto)")
+            raise ModelLoadError(f"--kv-cache-dtype {kv_dtype} runs on CPU only for now: the {backend} attention "
+                                 f"kernels have no {kv_dtype} variant yet (use fp16, bf16 or auto)")
         if any(layer.k_dim != layer.v_dim for layer in layout.layers):
-            raise ModelLoadError(f"{lm.name}: --kv-cache-dtype int8 does not cover MLA's latent caches yet")
+            raise ModelLoadError(f"{lm.name}: --kv-cache-dtype {kv_dtype} does not cover MLA's latent caches yet")
+        if kv_dtype == "int4" and any(layer.k_dim % 2 for layer in layout.layers):
+            raise ModelLoadError(f"{lm.name}: --kv-cache-dtype int4 needs an even head_dim")
     return dataclasses.replace(layout, kv_dtype=kv_dtype)
 
 

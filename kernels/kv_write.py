@@ -78,3 +78,61 @@ def kv_write_int8_ref(
 
 
 kv_write_int8 = kv_write_int8_ref  # MLX's scatter on every back-end, as kv_write
+
+
+# ---------------------------------------------------------------- the int4 cache
+# `--kv-cache-dtype int4`: the pools hold two 4-bit values per byte, uint8 [num_blocks, block_size, Hkv, D / 2]
+# (element 2i in the low nibble of byte i, 2i + 1 in the high one), and beside each a float32 scale pool
+#     k_scale, v_scale: [num_blocks, block_size, num_kv_heads, D / INT4_GROUP, 2]
+# holding (scale, minimum) per group of INT4_GROUP values along head_dim: asymmetric, value = q * scale + min,
+# q in 0..15. Per token as int8 (known at the write, read with the row); per group of 32 and with a zero
+# point because 16 levels over a whole head's range lose too much (docs/performance.md: SmolLM2's K rows
+# carry outlier channels that a per-head scale spends most levels on).
+INT4_GROUP = 32
+INT4_LEVELS = 15.0
+
+
+def int4_groups(head_dim: int) -> int:
+    """Scale groups per head: head_dim / INT4_GROUP, or one group when head_dim is smaller."""
+    return max(1, head_dim // INT4_GROUP)
+
+
+def quantize_int4(x: mx.array) -> tuple[mx.array, mx.array]:
+    """Asymmetric 4-bit per group over the last axis: x [..., D] -> (uint8 [..., D / 2] packed, float32
+    [..., G, 2] (scale, min)), x ~ q * scale + min. A constant group gets scale 0 (its values come back
+    exactly as the min)."""
+    *lead, d = x.shape
+    g = int4_groups(d)
+    xf = (x if x.dtype == mx.float32 else x.astype(mx.float32)).reshape(*lead, g, d // g)
+    lo, hi = mx.min(xf, axis=-1), mx.max(xf, axis=-1)
+    scale = (hi - lo) * (1.0 / INT4_LEVELS)
+    q = mx.round((xf - lo[..., None]) * (INT4_LEVELS / mx.maximum(hi - lo, 1e-30))[..., None])
+    q = mx.clip(q, 0, INT4_LEVELS).astype(mx.uint8).reshape(*lead, d // 2, 2)
+    packed = q[..., 0] | (q[..., 1] << 4)
+    return packed, mx.stack([scale, lo], axis=-1)
+
+
+def dequantize_int4(packed: mx.array, scale: mx.array, dtype: mx.Dtype = mx.float32) -> mx.array:
+    """packed uint8 [..., D / 2] with (scale, min) [..., G, 2] -> [..., D] in `dtype` (computed in float32)."""
+    *lead, half = packed.shape
+    g = scale.shape[-2]
+    q = mx.stack([packed & 15, packed >> 4], axis=-1).astype(mx.float32).reshape(*lead, g, 2 * half // g)
+    return (q * scale[..., 0:1] + scale[..., 1:2]).reshape(*lead, 2 * half).astype(dtype)
+
+
+def kv_write_int4_ref(
+    k_pool: mx.array, v_pool: mx.array, k_scale: mx.array, v_scale: mx.array, keys: mx.array, values: mx.array,
+    slot_mapping: mx.array,
+) -> tuple[mx.array, mx.array, mx.array, mx.array]:  # fmt: skip
+    """Quantize new K/V to 4 bits per group, scatter them and their (scale, min); returns the four pools.
+
+    Shapes: k_pool, v_pool uint8 [num_blocks, block_size, Hkv, D / 2]; k_scale, v_scale float32
+    [num_blocks, block_size, Hkv, G, 2]; keys, values [T, Hkv, D]; slot_mapping int32 [T]. In place as kv_write.
+    """
+    qk, sk = quantize_int4(keys)
+    qv, sv = quantize_int4(values)
+    return (_scatter(k_pool, qk, slot_mapping), _scatter(v_pool, qv, slot_mapping),
+            _scatter(k_scale, sk, slot_mapping), _scatter(v_scale, sv, slot_mapping))
+
+
+kv_write_int4 = kv_write_int4_ref  # MLX's scatter on every back-end, as kv_write

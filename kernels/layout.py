@@ -44,7 +44,9 @@ the start-up self-check builds its cases from):
 
 The int8 cache (`--kv-cache-dtype int8`; `ModelShapes.kv_dtype`): K and V pools of int8, each with a float32
 scale pool [num_blocks, block_size, num_kv_heads], one scale per token and KV head (trillm.kernels.kv_write:
-written by `kv_write_int8`; value = q * scale). Attention takes them as `k_scale=` / `v_scale=`. A float cache
+written by `kv_write_int8`; value = q * scale). The int4 cache (`kv_dtype="int4"`, reference only so far):
+uint8 pools [num_blocks, block_size, num_kv_heads, head_dim / 2], two values a byte, with float32
+(scale, min) pools [num_blocks, block_size, num_kv_heads, head_dim / 32, 2] (`kv_write_int4`). Attention takes them as `k_scale=` / `v_scale=`. A float cache
 of another dtype than the queries' (float16 K/V for float32 queries) needs no scales.
 
 MLA layers (DeepSeek V2/V3 and kin; `trillm.kernels.mla_attention`) keep the same two pools per layer with
@@ -63,10 +65,10 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 
-from trillm.kernels.kv_write import quantize_int8
+from trillm.kernels.kv_write import quantize_int4, quantize_int8
 
 RESERVED_BLOCK = 0  # padding target for block tables; never allocated to a sequence
-KV_DTYPES = (None, "float32", "float16", "bfloat16", "int8")  # ModelShapes.kv_dtype
+KV_DTYPES = (None, "float32", "float16", "bfloat16", "int8", "int4")  # ModelShapes.kv_dtype
 
 
 @dataclass(frozen=True, slots=True)
@@ -203,6 +205,8 @@ def random_batch(shapes: ModelShapes, lens: list[int], num_queries: int, seed: i
     k_scale = v_scale = None
     if shapes.int8_kv:
         (k_pool, k_scale), (v_pool, v_scale) = quantize_int8(k_pool), quantize_int8(v_pool)
+    elif shapes.kv_dtype == "int4":
+        (k_pool, k_scale), (v_pool, v_scale) = quantize_int4(k_pool), quantize_int4(v_pool)
     else:
         kv_dtype = getattr(mx, shapes.kv_dtype) if shapes.kv_dtype else shapes.dtype
         k_pool, v_pool = k_pool.astype(kv_dtype), v_pool.astype(kv_dtype)

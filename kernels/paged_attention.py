@@ -42,7 +42,7 @@ from trillm.kernels.backend import (
 )  # fmt: skip
 from trillm.kernels import cpu_ext
 from trillm.kernels.kv_gather import kv_gather_ref
-from trillm.kernels.kv_write import dequantize_int8
+from trillm.kernels.kv_write import dequantize_int4, dequantize_int8, int4_groups
 from trillm.kernels.layout import KV_DTYPES, ModelShapes, random_batch
 
 NUM_SIMDGROUPS = 4  # NW: 128 threads per threadgroup
@@ -327,7 +327,7 @@ def gpu_supports(shapes: ModelShapes) -> str | None:
         return f"head_dim {shapes.head_dim} is not a multiple of 32 up to {MAX_ROWS_X_D}"
     if shapes.dtype not in GPU_DTYPES:
         return f"dtype {shapes.dtype} is not float32/float16/bfloat16"
-    if shapes.kv_dtype is not None and getattr(mx, shapes.kv_dtype) != shapes.dtype:
+    if shapes.kv_dtype in ("int8", "int4") or (shapes.kv_dtype is not None and getattr(mx, shapes.kv_dtype) != shapes.dtype):
         return f"a {shapes.kv_dtype} KV cache for {shapes.dtype} queries (no Metal/CUDA variant yet)"
     return None
 
@@ -341,8 +341,9 @@ def check_shapes(q: mx.array, k_pool: mx.array, v_pool: mx.array, block_tables: 
         raise ValueError(f"q must be [B, Hq, L, D] and the pools [num_blocks, bs, Hkv, D], got {q.shape} and {k_pool.shape}")
     if v_pool.shape != k_pool.shape:
         raise ValueError(f"v_pool {v_pool.shape} must have k_pool's shape {k_pool.shape}")
-    if q.shape[3] != k_pool.shape[3]:
-        raise ValueError(f"q's head dim {q.shape[3]} differs from the pool's {k_pool.shape[3]}")
+    pool_d = k_pool.shape[3] * (2 if k_pool.dtype == mx.uint8 else 1)  # int4: two values a byte
+    if q.shape[3] != pool_d:
+        raise ValueError(f"q's head dim {q.shape[3]} differs from the pool's {pool_d}")
     if q.shape[1] % k_pool.shape[2]:
         raise ValueError(f"q's {q.shape[1]} heads are not a multiple of the pool's {k_pool.shape[2]} KV heads")
     if block_tables.ndim != 2 or block_tables.shape[0] != q.shape[0] or context_lens.shape != (q.shape[0],):
@@ -351,17 +352,22 @@ def check_shapes(q: mx.array, k_pool: mx.array, v_pool: mx.array, block_tables: 
 
 
 def check_scales(k_pool: mx.array, v_pool: mx.array, k_scale: mx.array | None, v_scale: mx.array | None) -> None:
-    """ValueError unless an int8 pool comes with both float32 scale pools [num_blocks, bs, Hkv] and a float
+    """ValueError unless an int8 pool comes with both float32 scale pools [num_blocks, bs, Hkv], an int4 pool
+    (uint8, two values a byte) with both float32 (scale, min) pools [num_blocks, bs, Hkv, G, 2], and a float
     pool with none."""
     if k_pool.dtype != v_pool.dtype:
         raise ValueError(f"k_pool {k_pool.dtype} and v_pool {v_pool.dtype} must share a dtype")
-    if k_pool.dtype == mx.int8:
+    if k_pool.dtype in (mx.int8, mx.uint8):
+        want = k_pool.shape[:3]
+        if k_pool.dtype == mx.uint8:
+            want = (*want, int4_groups(2 * k_pool.shape[3]), 2)
+        kind = "int8" if k_pool.dtype == mx.int8 else "int4"
         for name, sc in (("k_scale", k_scale), ("v_scale", v_scale)):
-            if sc is None or sc.shape != k_pool.shape[:3] or sc.dtype != mx.float32:
+            if sc is None or sc.shape != want or sc.dtype != mx.float32:
                 got = "none" if sc is None else f"{sc.shape} {sc.dtype}"
-                raise ValueError(f"an int8 KV pool needs {name} float32 {k_pool.shape[:3]}, got {got}")
+                raise ValueError(f"an {kind} KV pool needs {name} float32 {want}, got {got}")
     elif k_scale is not None or v_scale is not None:
-        raise ValueError(f"k_scale/v_scale go with an int8 pool, not {k_pool.dtype}")
+        raise ValueError(f"k_scale/v_scale go with an int8 pool or an int4 pool, not {k_pool.dtype}")
 
 
 def paged_attention_kernel(
@@ -386,8 +392,9 @@ def paged_attention_kernel(
     _, bs, hkv, _ = k_pool.shape
     max_blocks = block_tables.shape[1]
     _check_variant(window, softcap, chunk)
-    if k_scale is not None or v_scale is not None or k_pool.dtype == mx.int8:
-        raise NotImplementedError(f"the {backend} paged attention kernel has no int8 KV cache variant yet")
+    if k_scale is not None or v_scale is not None or k_pool.dtype in (mx.int8, mx.uint8):
+        kind = "int4" if k_pool.dtype == mx.uint8 else "int8"
+        raise NotImplementedError(f"the {backend} paged attention kernel has no {kind} KV cache variant yet")
     if k_pool.dtype != q.dtype or v_pool.dtype != q.dtype:
         raise ValueError(f"q {q.dtype} and the pools {k_pool.dtype}/{v_pool.dtype} must share a dtype")
     plan = launch_plan(backend, b, hq, hkv, length, d, max_blocks * bs)
@@ -500,12 +507,15 @@ def _rows_in(dtype: mx.Dtype, k_pool: mx.array, v_pool: mx.array, k_scale: mx.ar
     with its own tables: the reference then reads them as any pool of the queries' dtype."""
     b, n = block_tables.shape
     kb, vb = k_pool[block_tables], v_pool[block_tables]  # [B, n, bs, Hkv, D]
-    if k_scale is not None and v_scale is not None:
+    if k_scale is not None and v_scale is not None and k_pool.dtype == mx.uint8:  # int4: two values a byte
+        kb = dequantize_int4(kb, k_scale[block_tables], dtype)
+        vb = dequantize_int4(vb, v_scale[block_tables], dtype)
+    elif k_scale is not None and v_scale is not None:
         kb = dequantize_int8(kb, k_scale[block_tables], dtype)
         vb = dequantize_int8(vb, v_scale[block_tables], dtype)
     else:
         kb, vb = kb.astype(dtype), vb.astype(dtype)
-    shape = (b * n, *k_pool.shape[1:])
+    shape = (b * n, *kb.shape[2:])
     return kb.reshape(shape), vb.reshape(shape), mx.arange(b * n, dtype=mx.int32).reshape(b, n)
 
 
@@ -643,6 +653,8 @@ def cpu_supports(shapes: ModelShapes) -> str | None:
     """Why the CPU primitive cannot run these shapes (or None). Asking loads, or first builds, the extension."""
     if shapes.head_dim % 16:
         return f"head_dim {shapes.head_dim} is not a multiple of 16 (the primitive's vector width)"
+    if shapes.kv_dtype == "int4":
+        return "the CPU primitive has no int4 KV cache variant yet (the reference dequantizes)"
     return cpu_ext.supports(shapes, GPU_DTYPES)
 
 
@@ -691,6 +703,7 @@ def paged_attention(
     check_shapes(q, k_pool, v_pool, block_tables, context_lens)
     kernel = None
     kv_dtype = None if k_pool.dtype == q.dtype else str(k_pool.dtype).rsplit(".", 1)[-1]
+    kv_dtype = "int4" if kv_dtype == "uint8" else kv_dtype
     if kv_dtype in KV_DTYPES:
         shapes = ModelShapes(q.shape[1], k_pool.shape[2], q.shape[3], k_pool.shape[1], q.dtype, window,
                              sinks is not None, softcap=softcap, attention_chunk=chunk, kv_dtype=kv_dtype)  # fmt: skip

@@ -665,7 +665,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m trillm.kernels.selfcheck", description=__doc__.split("\n")[0])
     parser.add_argument("--preset", action="append", choices=sorted(PRESETS), help="default: all")
     parser.add_argument("--dtype", action="append", choices=["float32", "float16", "bfloat16"], help="default: all")
-    parser.add_argument("--kv-dtype", choices=["float32", "float16", "bfloat16", "int8"], default=None,
+    parser.add_argument("--kv-dtype", choices=["float32", "float16", "bfloat16", "int8", "int4"], default=None,
                         help="the KV pool's dtype (--kv-cache-dtype; default: each --dtype's own)")
     parser.add_argument("--max-batch", type=int, default=64)
     parser.add_argument("--chunk", type=int, default=512)

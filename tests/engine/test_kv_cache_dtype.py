@@ -47,12 +47,13 @@ def test_block_bytes_are_the_pools_bytes(tiny_model: LoadedModel, kv: str) -> No
     pool: KVPool = eng.runner.pool  # type: ignore[attr-defined]
     layout = eng.kv_layout
     assert layout is not None and layout.kv_dtype == (KV_CACHE_DTYPES[kv] or "float32")
-    assert pool.keys[0].dtype == getattr(mx, layout.kv_dtype)
+    assert pool.keys[0].dtype == (mx.uint8 if kv == "int4" else getattr(mx, layout.kv_dtype))
     blocks = pool.keys[0].shape[0]
     assert pool.nbytes == blocks * eng._bytes_per_block == blocks * layout.bytes_per_block(16, tiny_model.dtype)
     lay = layout.layers[0]
     per_token_head = {"auto": 8 * lay.k_dim, "fp32": 8 * lay.k_dim, "fp16": 4 * lay.k_dim, "bf16": 4 * lay.k_dim,
-                      "int8": 2 * lay.k_dim + 8}[kv]  # K + V; int8: one float32 scale each
+                      "int8": 2 * lay.k_dim + 8,  # K + V; int8: one float32 scale each
+                      "int4": lay.k_dim + 2 * 8 * max(1, lay.k_dim // 32)}[kv]  # int4: (scale, min) per group
     assert eng._bytes_per_block == 16 * len(layout.layers) * lay.num_kv_heads * per_token_head
     assert eng.statistics().kv_pool_bytes == pool.nbytes
 
@@ -72,6 +73,38 @@ def test_int8_cache_generates_close_to_float32(tiny_model: LoadedModel) -> None:
     assert same >= 0.75 * sum(map(len, want)), (same, want, got)
 
 
+def test_int4_cache_generates_what_the_reference_quantization_does(tiny_model: LoadedModel) -> None:
+    """The engine over an int4 pool against attention written out by hand over the same quantization: the
+    model's forward with every cached K/V rounded by quantize_int4 / dequantize_int4 (mlx-lm's own cache)."""
+    from mlx_lm.models.cache import KVCache
+
+    from trillm.kernels.kv_write import dequantize_int4, quantize_int4
+
+    class RoundedCache(KVCache):
+        def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+            def rt(x: mx.array) -> mx.array:
+                return dequantize_int4(*quantize_int4(x), x.dtype)
+
+            return super().update_and_fetch(rt(keys), rt(values))  # type: ignore[no-any-return]
+
+    ps = prompts(tiny_model)
+    q4 = engine(tiny_model, "int4")
+    assert q4.kernel_report is not None and q4.kernel_report.implementation("paged_attention") == "reference"
+    got = [o.new_token_ids for o in q4.generate(ps, GREEDY)]
+    for p, g in zip(ps, got):
+        cache = [RoundedCache() for _ in tiny_model.model.layers]
+        ids, want = list(p), []
+        logits = tiny_model.model(mx.array([ids]), cache=cache)
+        for _ in range(len(g)):
+            nxt = int(mx.argmax(logits[0, -1]))
+            want.append(nxt)
+            logits = tiny_model.model(mx.array([[nxt]]), cache=cache)
+        assert list(g) == want
+    ref = engine(tiny_model, "fp32")
+    deltas = np.concatenate([np.abs(a - b) for a, b in zip(prompt_logprobs(ref, ps), prompt_logprobs(q4, ps))])
+    assert float(deltas.max()) > 0 and float(deltas.mean()) < 0.5, (deltas.mean(), deltas.max())
+
+
 def test_fp16_cache_generates_close_to_float32(tiny_model: LoadedModel) -> None:
     ps = prompts(tiny_model)
     deltas = np.concatenate([np.abs(a - b) for a, b in zip(prompt_logprobs(engine(tiny_model, "fp32"), ps),
@@ -79,9 +112,11 @@ def test_fp16_cache_generates_close_to_float32(tiny_model: LoadedModel) -> None:
     assert float(deltas.max()) < 0.05, deltas.max()
 
 
-def test_an_int8_pool_grown_across_slabs_generates_what_one_big_pool_does(tiny_model: LoadedModel) -> None:
-    big = engine(tiny_model, "int8", num_kv_blocks=256, kv_slab_mb=1024)
-    small = engine(tiny_model, "int8", num_kv_blocks=256, kv_slab_mb=0.0625)
+@pytest.mark.parametrize("kv", ["int8", "int4"])
+def test_a_quantized_pool_grown_across_slabs_generates_what_one_big_pool_does(tiny_model: LoadedModel,
+                                                                              kv: str) -> None:
+    big = engine(tiny_model, kv, num_kv_blocks=256, kv_slab_mb=1024)
+    small = engine(tiny_model, kv, num_kv_blocks=256, kv_slab_mb=0.0625)
     cap = small.pool_capacity
     assert cap is not None and cap.capacity == cap.slab_blocks < 256
     want = [o.new_token_ids for o in big.generate(prompts(tiny_model), GREEDY)]
@@ -98,12 +133,14 @@ def test_an_int8_pool_grown_across_slabs_generates_what_one_big_pool_does(tiny_m
 
 def test_int8_is_refused_where_no_kernel_serves_it(tiny_model: LoadedModel, monkeypatch: pytest.MonkeyPatch) -> None:
     with pytest.raises(InvalidRequest, match="kv_cache_dtype"):
-        EngineConfig(kv_cache_dtype="int4")
+        EngineConfig(kv_cache_dtype="int2")
     import trillm.kernels.backend as backend
 
     monkeypatch.setattr(backend, "kernel_backend", lambda: "metal")
     with pytest.raises(ModelLoadError, match="int8 runs on CPU only"):
         engine(tiny_model, "int8")
+    with pytest.raises(ModelLoadError, match="int4 runs on CPU only"):
+        engine(tiny_model, "int4")
 
 
 def test_layout_sizes_each_kv_dtype() -> None:
@@ -111,6 +148,8 @@ def test_layout_sizes_each_kv_dtype() -> None:
     assert layout.bytes_per_block(16, mx.float32) == 16 * 2 * 4 * 128 * 4
     assert KVLayout(layout.layers, kv_dtype="float16").bytes_per_block(16, mx.float32) == 16 * 2 * 4 * 128 * 2
     assert KVLayout(layout.layers, kv_dtype="int8").bytes_per_block(16, mx.float32) == 16 * 2 * 4 * (128 + 8)
+    # int4: 64 bytes of K and V values per head, (scale, min) float32 for each of 2 groups of 32, K and V
+    assert KVLayout(layout.layers, kv_dtype="int4").bytes_per_block(16, mx.float32) == 16 * 2 * 4 * (64 + 32)
 
 
 def test_the_mock_sizes_its_blocks_by_the_flag() -> None:

@@ -185,18 +185,20 @@ def test_a_hybrid_model_gets_no_disk_tier(tmp_path_factory: pytest.TempPathFacto
     eng.close()
 
 
-def test_an_int8_cache_round_trips_and_never_reads_float_blocks(tiny_model: LoadedModel, tmp_path: Path) -> None:
+@pytest.mark.parametrize("kv", ["int8", "int4"])
+def test_a_quantized_cache_round_trips_and_never_reads_float_blocks(tiny_model: LoadedModel, tmp_path: Path,
+                                                                  kv: str) -> None:
     p = prompt(tiny_model)
     fp = engine(tiny_model, kv_cache_dir=str(tmp_path))
     fp.generate([p], GREEDY)
     fp.close()
-    want = engine(tiny_model, kv_cache_dtype="int8", enable_prefix_caching=False).generate([p], GREEDY)[0]
-    first = engine(tiny_model, kv_cache_dir=str(tmp_path), kv_cache_dtype="int8")
+    want = engine(tiny_model, kv_cache_dtype=kv, enable_prefix_caching=False).generate([p], GREEDY)[0]
+    first = engine(tiny_model, kv_cache_dir=str(tmp_path), kv_cache_dtype=kv)
     assert first.generate([p], GREEDY)[0].new_token_ids == want.new_token_ids
     assert first.statistics().kv_disk_hit_tokens == 0  # the float32 blocks are another identity's
     first.close()
     assert len({f.parent for f in files(tmp_path)}) == 2
-    second = engine(tiny_model, kv_cache_dir=str(tmp_path), kv_cache_dtype="int8")
+    second = engine(tiny_model, kv_cache_dir=str(tmp_path), kv_cache_dtype=kv)
     out = second.generate([p], GREEDY)[0]
     assert out.new_token_ids == want.new_token_ids and second.statistics().kv_disk_hit_tokens > 0  # scales too
     second.close()
