@@ -10,7 +10,8 @@ them (finish, abort, preemption).
 For one forward, `RecurrentStateCache` stands in for the layer's `ArraysCache`, driven unmodified by the model's
 own code: it gathers the batch rows' states by slot (zeros for a row whose first forward this is: position 0,
 so a preempted sequence's recompute starts from a zero state whatever its slot held), collects what the layer
-writes back, and `StatePool.commit` scatters the new states into the rows' slots. Ragged rows are right-padded
+writes back, and `StatePool.commit` keeps the new states as the rows' slots (one array per slot:
+see `StatePool`). Ragged rows are right-padded
 (model_runner.prepare_inputs); the cache's `lengths` (each row's real token count, as mlx-lm's own batched path
 sets them with right padding) make `make_mask` mask the padding, so padding never advances the recurrence and
 each row's conv window is read at its last real token.
@@ -169,7 +170,8 @@ class StatePool:
     pool is still referenced (the step's gather, a launched-ahead step, a checkpoint), which in the engine is
     always. A commit keeps each row's new state as a view of the layer's output (no copy); the next forward over
     the same rows in the same order reads that output back whole (no gather), any other batch concatenates its
-    rows' slots (a copy of the batch's rows only)."""
+    rows' slots (a copy of the batch's rows only). A live sequence left out of later batches keeps its view, and
+    with it that batch's output, alive until its next commit or its release."""
 
     def __init__(self, layers: tuple[LayerState, ...], slots: StateSlots) -> None:
         self.layers = layers
