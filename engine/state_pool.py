@@ -10,7 +10,8 @@ them (finish, abort, preemption).
 For one forward, `RecurrentStateCache` stands in for the layer's `ArraysCache`, driven unmodified by the model's
 own code: it gathers the batch rows' states by slot (zeros for a row whose first forward this is: position 0,
 so a preempted sequence's recompute starts from a zero state whatever its slot held), collects what the layer
-writes back, and `StatePool.commit` scatters the new states into the rows' slots. Ragged rows are right-padded
+writes back, and `StatePool.commit` keeps the new states as the rows' slots (one array per slot:
+see `StatePool`). Ragged rows are right-padded
 (model_runner.prepare_inputs); the cache's `lengths` (each row's real token count, as mlx-lm's own batched path
 sets them with right padding) make `make_mask` mask the padding, so padding never advances the recurrence and
 each row's conv window is read at its last real token.
@@ -28,6 +29,7 @@ block boundaries and writes a hit's checkpoint into the sequence's slot before i
 from __future__ import annotations
 
 from dataclasses import dataclass
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import mlx.core as mx
@@ -100,6 +102,7 @@ class StateSlots:
         self._free = list(range(num_slots - 1, -1, -1))  # popped from the end: slot 0 first
         self._of: dict[Sequence, int] = {}  # identity-keyed: Sequence defines no __eq__
         self._holder: dict[int, Sequence] = {}
+        self.on_release: Callable[[int], None] | None = None  # the pool's: drop the freed slot's state
 
     @property
     def num_free(self) -> int:
@@ -120,6 +123,8 @@ class StateSlots:
         if slot is not None:
             self._free.append(slot)
             del self._holder[slot]
+            if self.on_release is not None:
+                self.on_release(slot)
         if self.checkpoints is not None:
             self.checkpoints.forget(seq)
 
@@ -158,23 +163,53 @@ def state_rows(slots: list[int], starts: list[int], lengths: list[int]) -> State
 
 
 class StatePool:
-    """One [num_slots, *entry shape] array per recurrent layer and entry."""
+    """Each recurrent layer's entries, one [1, *entry shape] array per slot.
+
+    Per-slot arrays, not one [num_slots, ...] array per entry, so that a step costs what its rows hold, not what
+    the pool holds: MLX scatters out of place, and `pool[slots] = new` copies the whole pool whenever the old
+    pool is still referenced (the step's gather, a launched-ahead step, a checkpoint), which in the engine is
+    always. A commit keeps each row's new state as a view of the layer's output (no copy); the next forward over
+    the same rows in the same order reads that output back whole (no gather), any other batch concatenates its
+    rows' slots (a copy of the batch's rows only). A live sequence left out of later batches keeps its view, and
+    with it that batch's output, alive until its next commit or its release."""
 
     def __init__(self, layers: tuple[LayerState, ...], slots: StateSlots) -> None:
         self.layers = layers
         self.slots = slots
-        self.arrays_by_layer = [[mx.zeros((slots.num_slots, *e.shape), e.dtype) for e in layer.entries]
-                                for layer in layers]
-        mx.eval(self.arrays())
+        # [layer][entry] -> the zero state every free slot shares (never written: a commit replaces arrays)
+        self._zeros = [[mx.zeros((1, *e.shape), e.dtype) for e in layer.entries] for layer in layers]
+        mx.eval(self._zeros)
+        self.by_slot: list[list[list[mx.array]]] = [[[z] * slots.num_slots for z in zs] for zs in self._zeros]
+        # [layer][entry] -> (the slots, in row order, whose states are rows of `array`; that array)
+        self._last: list[list[tuple[tuple[int, ...], mx.array] | None]] = [[None for _ in layer.entries]
+                                                                           for layer in layers]
         self.rows: StateRows | None = None
         self._caches = [RecurrentStateCache(self, j) for j in range(len(layers))]
+        slots.on_release = self.free
 
     @property
     def nbytes(self) -> int:
-        return sum(a.nbytes for a in self.arrays())
+        """What the pool holds at most: every slot's state (free slots share one zero state until written)."""
+        return self.slots.num_slots * bytes_per_slot(self.layers)
+
+    @property
+    def arrays_by_layer(self) -> list[list[mx.array]]:
+        """[layer][entry] -> [num_slots, *entry shape], stacked (a copy: for inspection, not for the step)."""
+        return [[mx.concatenate(per_slot, axis=0) for per_slot in layer] for layer in self.by_slot]
+
+    def set_states(self, layer: int, entry: int, states: mx.array) -> None:
+        """Write [num_slots, *entry shape] into every slot of one entry (tests, tools)."""
+        self.by_slot[layer][entry] = [states[i : i + 1] for i in range(self.slots.num_slots)]
+        self._last[layer][entry] = None
 
     def arrays(self) -> list[mx.array]:
-        return [a for layer in self.arrays_by_layer for a in layer]
+        """Every slot's arrays, for evaluating the pool (each distinct pending array once)."""
+        seen: dict[int, mx.array] = {}
+        for layer in self.by_slot:
+            for per_slot in layer:
+                for a in per_slot:
+                    seen.setdefault(id(a), a)
+        return list(seen.values())
 
     def caches(self) -> list[RecurrentStateCache]:
         return self._caches
@@ -187,35 +222,60 @@ class StatePool:
         for c in self._caches:
             c.begin(rows)
 
+    def gather(self, layer: int, entry: int, rows: StateRows) -> mx.array:
+        """[B, *entry shape]: the rows' states, by slot."""
+        per_slot = self.by_slot[layer][entry]
+        last = self._last[layer][entry]
+        if last is not None and last[0] == rows.host_slots:
+            return last[1]  # the previous commit's output, rows in this order: nothing to gather
+        if len(rows.host_slots) == 1:
+            return per_slot[rows.host_slots[0]]
+        return mx.concatenate([per_slot[s] for s in rows.host_slots], axis=0)
+
     def commit(self) -> None:
-        """Scatter the states the layers wrote this forward into the rows' slots."""
+        """Keep the states the layers wrote this forward as their rows' slots."""
         rows = self.rows
         assert rows is not None
-        B = rows.slots.shape[0]
         for j, c in enumerate(self._caches):
             for e, new in c.written.items():
-                pool = self.arrays_by_layer[j][e]
-                index = rows.slots.reshape(B, *([1] * (pool.ndim - 1)))
-                self.arrays_by_layer[j][e] = mx.put_along_axis(pool, index, new.astype(pool.dtype), axis=0)
+                new = new.astype(self._zeros[j][e].dtype)
+                per_slot = self.by_slot[j][e]
+                for i, slot in enumerate(rows.host_slots):
+                    per_slot[slot] = new[i : i + 1]
+                self._last[j][e] = (rows.host_slots, new)
         ck = self.slots.checkpoints
         if ck is not None:
             for slot, end in zip(rows.host_slots, rows.ends):
                 if ck.is_boundary(end):
-                    # A gather copies (a slice would be a view keeping the whole pool alive).
-                    payload = tuple(a[mx.array([slot])] for a in self.arrays())
+                    payload = self._copy(slot)
                     mx.async_eval(*payload)
                     ck.save(self.slots.holder(slot), end, payload)
 
+    def _copy(self, slot: int) -> tuple[mx.array, ...]:
+        # A gather copies (a slice would be a view keeping the whole batch's output alive).
+        index = mx.array([0])
+        return tuple(per_slot[slot][index] for layer in self.by_slot for per_slot in layer)
+
+    def free(self, slot: int) -> None:
+        """Drop a freed slot's state (its view would keep a batch's output alive)."""
+        for j, layer in enumerate(self.by_slot):
+            for e, per_slot in enumerate(layer):
+                per_slot[slot] = self._zeros[j][e]
+                last = self._last[j][e]
+                if last is not None and slot in last[0]:
+                    self._last[j][e] = None
+
     def _restore(self, restores: dict[Sequence, tuple[mx.array, ...]]) -> None:
         """Write checkpoints into their sequences' slots (prefix-cache hits admitted this step)."""
-        seqs = list(restores)
-        index = mx.array([self.slots.slot(s) for s in seqs], mx.int32)
-        flat = self.arrays()
-        for k, pool in enumerate(flat):
-            new = mx.concatenate([restores[s][k] for s in seqs], axis=0)
-            flat[k] = mx.put_along_axis(pool, index.reshape(-1, *([1] * (pool.ndim - 1))), new, axis=0)
-        it = iter(flat)
-        self.arrays_by_layer = [[next(it) for _ in layer] for layer in self.arrays_by_layer]
+        for seq, payload in restores.items():
+            slot = self.slots.slot(seq)
+            it = iter(payload)
+            for j, layer in enumerate(self.by_slot):
+                for e, per_slot in enumerate(layer):
+                    per_slot[slot] = next(it)  # checkpoints are never written: sharing one is safe
+                    last = self._last[j][e]
+                    if last is not None and slot in last[0]:
+                        self._last[j][e] = None
         restores.clear()
 
     def end(self) -> None:
@@ -254,14 +314,14 @@ class RecurrentStateCache:
         if idx not in self._read:
             rows = self._rows
             assert rows is not None, "begin the forward first"
-            pool = self.pool.arrays_by_layer[self.layer][idx]
+            zero = self.pool._zeros[self.layer][idx]
             B = rows.slots.shape[0]
             if rows.all_fresh:
-                state = mx.zeros((B, *pool.shape[1:]), pool.dtype)
+                state = mx.zeros((B, *zero.shape[1:]), zero.dtype)
             else:
-                state = pool[rows.slots]
+                state = self.pool.gather(self.layer, idx, rows)
                 if rows.fresh is not None:
-                    state = mx.where(rows.fresh.reshape(B, *([1] * (pool.ndim - 1))), mx.zeros_like(state), state)
+                    state = mx.where(rows.fresh.reshape(B, *([1] * (zero.ndim - 1))), mx.zeros_like(state), state)
             self._read[idx] = state
         return self._read[idx]
 
@@ -295,4 +355,4 @@ class RecurrentStateCache:
 
     @property
     def nbytes(self) -> int:
-        return sum(a.nbytes for a in self.pool.arrays_by_layer[self.layer])
+        return self.pool.slots.num_slots * self.pool.layers[self.layer].nbytes

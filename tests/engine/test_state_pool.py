@@ -77,7 +77,7 @@ def test_a_forward_reads_its_rows_slots_and_writes_back_only_those() -> None:
     layers = (LayerState((StateEntry((3, 2), mx.float32), StateEntry((2,), mx.float32))),)
     pool = StatePool(layers, StateSlots(4))
     conv = mx.arange(4 * 6, dtype=mx.float32).reshape(4, 3, 2) + 1
-    pool.arrays_by_layer[0][0] = conv
+    pool.set_states(0, 0, conv)
     cache = pool.caches()[0]
     # row 0: a new sequence (position 0) on slot 2; row 1: slot 0, already 5 tokens in; ragged (3 and 1 tokens)
     pool.begin(state_rows([2, 0], [0, 5], [3, 1]))
@@ -158,3 +158,31 @@ def test_a_model_that_does_not_mask_padding_never_sees_a_padded_row(tmp_path: Pa
     monkeypatch.setattr("trillm.engine.model_runner.pads_safely", lambda model: True)
     unguarded = LLMEngine(config, loaded=lm)
     assert worst(unguarded) > 0.1
+
+
+def test_a_commit_touches_only_its_rows_slots() -> None:
+    # A step's state update leaves every slot outside its batch the very array it was (no copy of the pool, no
+    # rewrite of other rows), and the next forward over the same rows reads back exactly what was written.
+    layers = (LayerState((StateEntry((3, 2), mx.float32),)),)
+    slots = StateSlots(6)
+    pool = StatePool(layers, slots)
+    init = mx.arange(6 * 6, dtype=mx.float32).reshape(6, 3, 2)
+    pool.set_states(0, 0, init)
+    before = list(pool.by_slot[0][0])
+    cache = pool.caches()[0]
+    for step in range(3):
+        pool.begin(state_rows([4, 1], [5 + step, 7 + step], [1, 1]))
+        new = cache[0] + 1.0
+        cache[0] = new
+        pool.commit()
+        pool.end()
+    after = pool.by_slot[0][0]
+    assert all(after[s] is before[s] for s in (0, 2, 3, 5))
+    stacked = pool.arrays_by_layer[0][0]
+    expect = mx.concatenate([init[:1], init[1:2] + 3, init[2:4], init[4:5] + 3, init[5:]], axis=0)
+    assert mx.array_equal(stacked, expect).item()
+    # a freed slot drops its state: a sequence given it next reads zeros even without the fresh flag
+    seq = _seq(0)
+    assert slots.take(seq) == 0
+    slots.release(seq)
+    assert mx.array_equal(pool.by_slot[0][0][0], mx.zeros((1, 3, 2))).item()
