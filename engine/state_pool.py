@@ -172,7 +172,9 @@ class StatePool:
     always. A commit keeps each row's new state as a view of the layer's output (no copy); the next forward over
     the same rows in the same order reads that output back whole (no gather), any other batch concatenates its
     rows' slots (a copy of the batch's rows only). A live sequence left out of later batches keeps its view, and
-    with it that batch's output, alive until its next commit or its release."""
+    with it that batch's output, alive until its next commit or its release; a multi-token forward's states are
+    copied out first (a gather of the batch's states), since there the output can be a view of the layer's whole
+    input (see `commit`)."""
 
     def __init__(self, layers: tuple[LayerState, ...], slots: StateSlots) -> None:
         self.layers = layers
