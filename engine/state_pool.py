@@ -153,13 +153,14 @@ class StateRows:
     lengths: mx.array | None  # int32 [B]: real tokens per row, when rows are ragged (right padding); else None
     host_slots: tuple[int, ...] = ()
     ends: tuple[int, ...] = ()  # each row's computed tokens after this forward (where checkpoints are taken)
+    width: int = 1  # tokens per row in this forward (the longest row's)
 
 
 def state_rows(slots: list[int], starts: list[int], lengths: list[int]) -> StateRows:
     fresh = [st == 0 for st in starts]
     return StateRows(mx.array(slots, mx.int32), mx.array(fresh) if any(fresh) else None, all(fresh),
                      mx.array(lengths, mx.int32) if len(set(lengths)) > 1 else None, tuple(slots),
-                     tuple(st + n for st, n in zip(starts, lengths)))
+                     tuple(st + n for st, n in zip(starts, lengths)), max(lengths, default=1))
 
 
 class StatePool:
@@ -171,7 +172,9 @@ class StatePool:
     always. A commit keeps each row's new state as a view of the layer's output (no copy); the next forward over
     the same rows in the same order reads that output back whole (no gather), any other batch concatenates its
     rows' slots (a copy of the batch's rows only). A live sequence left out of later batches keeps its view, and
-    with it that batch's output, alive until its next commit or its release."""
+    with it that batch's output, alive until its next commit or its release; a multi-token forward's states are
+    copied out first (a gather of the batch's states), since there the output can be a view of the layer's whole
+    input (see `commit`)."""
 
     def __init__(self, layers: tuple[LayerState, ...], slots: StateSlots) -> None:
         self.layers = layers
@@ -239,6 +242,11 @@ class StatePool:
         for j, c in enumerate(self._caches):
             for e, new in c.written.items():
                 new = new.astype(self._zeros[j][e].dtype)
+                if rows.width > 1:
+                    # A multi-token forward's state may be a view of the layer's whole input (mlx-lm's Mamba-2
+                    # keeps its conv window as a slice of it): a gather copies out just the state, or each slot
+                    # would keep that input alive until its next forward. A decode's views are about the state's size.
+                    new = new[mx.arange(new.shape[0])]
                 per_slot = self.by_slot[j][e]
                 for i, slot in enumerate(rows.host_slots):
                     per_slot[slot] = new[i : i + 1]
