@@ -4,7 +4,8 @@ activation, through trillm.kernels.
 `install_fused_ops(model)` swaps the model's `nn.Linear`, `nn.Embedding`, `nn.RMSNorm` and `nn.RoPE` modules
 for subclasses (same parameters, same attributes; quantized linear layers and embeddings, kept quantized,
 run `quant_linear`) and rebinds `swiglu`, `gated_delta_update` (the delta-net layers' recurrence: Qwen3-Next,
-Qwen3.5) and `ssm_update` (Mamba-2 mixers: Mamba-2, Nemotron-H, Falcon-H1), once, at load, in the model's own mlx-lm modules, the way `install_paged_attention` rebinds attention.
+Qwen3.5) and `ssm_update` (Mamba-2 mixers: Mamba-2, Nemotron-H, Falcon-H1), once, at load, in the model's own
+mlx-lm modules, the way `install_paged_attention` rebinds attention.
 They run trillm's ops only inside `fused_ops(kernels)`, which ModelRunner.forward enters with the implementations the engine's start-up
 self-check chose (`trillm.kernels.selfcheck`; without a selection, the per-call dispatchers): anything else
 that runs the same model object or module (mlx-lm's own generate, a benchmark's peer) keeps mlx-lm's
@@ -267,8 +268,8 @@ def _fused_ssm_update(original: Callable[..., tuple[mx.array, mx.array]]) -> Cal
         x, state = p["hidden_states"], p.get("state")
         if not isinstance(x, mx.array) or x.shape[1] != 1 or not isinstance(state, mx.array):
             return original(*args, **kwargs)
-        return run(x, p["A_log"], p["B"], p["C"], p["D"], p["dt"], p["dt_bias"], state,  # type: ignore[arg-type]
-                   p["time_step_limit"], p.get("mask"), p.get("lengths"))  # type: ignore[arg-type]
+        return run(x, p["A_log"], p["B"], p["C"], p["D"], p["dt"], p["dt_bias"], state,
+                   p["time_step_limit"], p.get("mask"), p.get("lengths"))
 
     ssm_update.__trillm_original__ = original  # type: ignore[attr-defined]
     return ssm_update

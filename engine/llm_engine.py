@@ -152,9 +152,9 @@ def make_kv_pool(lm: LoadedModel, config: EngineConfig, num_blocks: int, max_mod
                       and all(hasattr(m, a) for a in ("num_k_heads", "num_v_heads", "head_k_dim", "head_v_dim"))),
                      ())  # fmt: skip
     # Mamba-2 mixers (Mamba-2, Nemotron-H, Falcon-H1): their heads and state, for the decode step's kernel.
-    ssm = next(((int(m.num_heads), int(m.n_groups), int(m.head_dim), int(m.ssm_state_size))
-                for _, m in lm.model.named_modules() if "Mamba" in type(m).__name__ or type(m).__name__.endswith("Mixer")
-                if all(hasattr(m, a) for a in ("num_heads", "n_groups", "head_dim", "ssm_state_size"))), ())  # fmt: skip
+    mixers = (m for _, m in lm.model.named_modules()
+              if all(hasattr(m, a) for a in ("num_heads", "n_groups", "head_dim", "ssm_state_size")))
+    ssm = next(((int(m.num_heads), int(m.n_groups), int(m.head_dim), int(m.ssm_state_size)) for m in mixers), ())
     selections: dict[tuple[int, int, int | None, int | None], KernelSelection] = {}
     primary: KernelSelection | None = None
     per_layer = []

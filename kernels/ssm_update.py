@@ -38,7 +38,8 @@ TIME_STEP_LIMIT = (0.001, 100.0)  # mlx-lm's default
 class SsmUpdateFn(Protocol):
     def __call__(self, x: mx.array, A_log: mx.array, B: mx.array, C: mx.array, D: mx.array, dt: mx.array,
                  dt_bias: mx.array, state: mx.array, time_step_limit: tuple[float, float] = TIME_STEP_LIMIT,
-                 mask: mx.array | None = None, lengths: mx.array | None = None) -> tuple[mx.array, mx.array]: ...  # fmt: skip
+                 mask: mx.array | None = None,
+                 lengths: mx.array | None = None) -> tuple[mx.array, mx.array]: ...  # fmt: skip
 
 
 def ssm_update_ref(x: mx.array, A_log: mx.array, B: mx.array, C: mx.array, D: mx.array, dt: mx.array,

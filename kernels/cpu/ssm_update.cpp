@@ -170,7 +170,9 @@ void SsmUpdate::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::a
                   yp = y.data<mx::float16_t>()] { ssm_update_run(a, xp, bp, cp, yp); });
   } else {
     enc.dispatch([a, xp = x.data<mx::bfloat16_t>(), bp = Bm.data<mx::bfloat16_t>(),
-                  cp = Cm.data<mx::bfloat16_t>(), yp = y.data<mx::bfloat16_t>()] { ssm_update_run(a, xp, bp, cp, yp); });
+                  cp = Cm.data<mx::bfloat16_t>(), yp = y.data<mx::bfloat16_t>()] {
+      ssm_update_run(a, xp, bp, cp, yp);
+    });
   }
 }
 
