@@ -201,9 +201,12 @@ def engine_step_s(lm: LoadedModel, batch: int, iters: int, kernels: str = "auto"
 def ssm_profile(model: nn.Module, lm: LoadedModel, batch: int, iters: int = 10,
                 kernels: str = "auto") -> tuple[StepProfile, dict[str, float]]:
     """A Mamba-2 family's decode step at `batch` rows: the engine's whole step, and its parts timed alone over
-    their layers with trillm's ops on (after the engine installed them), in ms: the state-space update as the
-    engine runs it (mlx-lm's `ssm_update`), the in/out projections, the conv window (concat + depthwise conv1d +
+    their layers with trillm's ops on (after the engine installed them), in ms: the state-space update, mlx-lm's
+    `ssm_update` and the one the engine runs (its rebound module function: trillm's kernel where the self-check
+    chose it), the in/out projections, the conv window (concat + depthwise conv1d +
     SiLU), the gated RMSNorm, the MLP blocks, the LM head. `kernels`: the engine's self-check mode."""
+    import sys
+
     from mlx_lm.models.ssm import ssm_update
 
     from trillm.engine.fused_ops import fused_ops
@@ -213,6 +216,7 @@ def ssm_profile(model: nn.Module, lm: LoadedModel, batch: int, iters: int = 10,
     mixers = [b.mixer for b in blocks if hasattr(b.mixer, "A_log")]
     mlps = [b for b in blocks if getattr(b, "block_type", "") == "-"]
     m = mixers[0]
+    engine_ssm = getattr(sys.modules[type(m).__module__], "ssm_update")  # rebound by install_fused_ops
     H, P, N, G, K = m.num_heads, m.head_dim, m.ssm_state_size, m.n_groups, m.conv_kernel_size
     hidden = m.hidden_size
     x = mx.random.normal((batch, 1, hidden))
@@ -246,7 +250,9 @@ def ssm_profile(model: nn.Module, lm: LoadedModel, batch: int, iters: int = 10,
     mx.eval(h)
     with fused_ops():
         parts = {
-            "ssm_update": timed(lambda: [t for mx_, st in zip(mixers, states) for t in ssm_update(
+            "ssm_update (mlx-lm)": timed(lambda: [t for mx_, st in zip(mixers, states) for t in ssm_update(
+                xs, mx_.A_log, Bm, Cm, mx_.D, dt, mx_.dt_bias, st, mx_.time_step_limit)]),
+            "ssm_update (engine)": timed(lambda: [t for mx_, st in zip(mixers, states) for t in engine_ssm(
                 xs, mx_.A_log, Bm, Cm, mx_.D, dt, mx_.dt_bias, st, mx_.time_step_limit)]),
             "in_proj": timed(lambda: [mixer.in_proj(x) for mixer in mixers]),
             "conv1d": timed(conv),
@@ -254,8 +260,8 @@ def ssm_profile(model: nn.Module, lm: LoadedModel, batch: int, iters: int = 10,
             "mlps": timed(lambda: [b.mixer(b.norm(x)) for b in mlps]) if mlps else 0.0,
             "lm_head": timed(lambda: head(h)),
         }
-    alone = parts["ssm_update"] / 1e3
-    return StepProfile(alone, alone, step, "mlx-lm ssm_update"), parts
+    return StepProfile(parts["ssm_update (mlx-lm)"] / 1e3, parts["ssm_update (engine)"] / 1e3, step,
+                       "the engine's ssm_update"), parts
 
 
 def second_turn(engine: LLMEngine, first: list[int], new: list[int], reply: int, tag: str) -> tuple[float, int]:
@@ -306,11 +312,10 @@ def hybrid_main(args: argparse.Namespace) -> int:
               f"{1e3 * prof.trillm_s:.1f} ms ({100 * prof.trillm_s / step:.0f}% of the step)", flush=True)
     else:
         prof, parts = ssm_profile(model, lm, 16)
-        alone, step = prof.mlx_lm_s, prof.step_s
+        alone, step = prof.trillm_s, prof.step_s
         listed = ", ".join(f"{k} {v:.1f} ms" for k, v in parts.items())
         print(f"profile, batch-16 decode step: {1e3 * step:.1f} ms; parts alone over their layers: {listed}; the "
-              f"state-space update (mlx-lm's ssm_update, which the engine runs) {100 * alone / step:.0f}% of the "
-              f"step", flush=True)
+              f"state-space update as the engine runs it {100 * alone / step:.0f}% of the step", flush=True)
 
     engine = LLMEngine(EngineConfig(max_num_seqs=64, max_num_batched_tokens=2048), loaded=lm)
     uncached = LLMEngine(EngineConfig(max_num_seqs=64, max_num_batched_tokens=2048, enable_prefix_caching=False,

@@ -3,8 +3,9 @@ activation, through trillm.kernels.
 
 `install_fused_ops(model)` swaps the model's `nn.Linear`, `nn.Embedding`, `nn.RMSNorm` and `nn.RoPE` modules
 for subclasses (same parameters, same attributes; quantized linear layers and embeddings, kept quantized,
-run `quant_linear`) and rebinds `swiglu` and `gated_delta_update` (the delta-net layers' recurrence: Qwen3-Next,
-Qwen3.5), once, at load, in the model's own mlx-lm modules, the way `install_paged_attention` rebinds attention.
+run `quant_linear`) and rebinds `swiglu`, `gated_delta_update` (the delta-net layers' recurrence: Qwen3-Next,
+Qwen3.5) and `ssm_update` (Mamba-2 mixers: Mamba-2, Nemotron-H, Falcon-H1), once, at load, in the model's own
+mlx-lm modules, the way `install_paged_attention` rebinds attention.
 They run trillm's ops only inside `fused_ops(kernels)`, which ModelRunner.forward enters with the implementations the engine's start-up
 self-check chose (`trillm.kernels.selfcheck`; without a selection, the per-call dispatchers): anything else
 that runs the same model object or module (mlx-lm's own generate, a benchmark's peer) keeps mlx-lm's
@@ -37,6 +38,9 @@ _GATED_DELTA = "gated_delta_update"
 # gated_delta_update's parameters the fused one understands; a version of mlx-lm with others runs its own.
 _GATED_DELTA_PARAMS = frozenset({"q", "k", "v", "a", "b", "A_log", "dt_bias", "state", "mask", "use_kernel",
                                  "lower_bound", "allow_neg_eigval"})
+_SSM_UPDATE = "ssm_update"
+_SSM_UPDATE_PARAMS = frozenset({"hidden_states", "A_log", "B", "C", "D", "dt", "dt_bias", "state",
+                                "time_step_limit", "mask", "lengths"})
 _PACKED = "_trillm_weights_packed"
 
 
@@ -245,6 +249,32 @@ def _fused_gated_delta(original: Callable[..., tuple[mx.array, mx.array]]) -> Ca
     return gated_delta_update
 
 
+def _fused_ssm_update(original: Callable[..., tuple[mx.array, mx.array]]) -> Callable[..., tuple[mx.array, mx.array]]:
+    """mlx-lm's ssm_update with its decode step (one token, a state) run by the selection's `ssm_update` (the
+    CPU primitive). Prefill, a call without a state, outside fused_ops(), where the selection runs mlx-lm's
+    own (None: on Metal, or the kernel lost its check) or with parameters this version does not know: the
+    original."""
+    sig = inspect.signature(original)
+    known = set(sig.parameters) <= _SSM_UPDATE_PARAMS
+
+    def ssm_update(*args: object, **kwargs: object) -> tuple[mx.array, mx.array]:
+        k = _ACTIVE.get()
+        run = k.ssm_update if k is not None else None
+        if run is None or not known:
+            return original(*args, **kwargs)
+        bound = sig.bind(*args, **kwargs)
+        bound.apply_defaults()
+        p = bound.arguments
+        x, state = p["hidden_states"], p.get("state")
+        if not isinstance(x, mx.array) or x.shape[1] != 1 or not isinstance(state, mx.array):
+            return original(*args, **kwargs)
+        return run(x, p["A_log"], p["B"], p["C"], p["D"], p["dt"], p["dt_bias"], state,
+                   p["time_step_limit"], p.get("mask"), p.get("lengths"))
+
+    ssm_update.__trillm_original__ = original  # type: ignore[attr-defined]
+    return ssm_update
+
+
 def _replacement(child: object) -> nn.Module | None:
     if not isinstance(child, nn.Module):
         return None
@@ -343,7 +373,10 @@ def install_fused_ops(model: nn.Module) -> list[str]:
             notes.append(f"weights packed: {advice.collapsed >> 20} of {advice.nbytes >> 20} MiB on huge pages"
                          + (f" ({advice.error})" if advice.error else ""))
     # The model's own module functions rebound once (the wrapper keeps the original as __trillm_original__).
-    for attr, wrap, label in ((_SWIGLU, _fused_swiglu, "swiglu"), (_GATED_DELTA, _fused_gated_delta, "gated_delta")):
+    rebinds: tuple[tuple[str, Callable[..., Callable[..., object]], str], ...] = (
+        (_SWIGLU, _fused_swiglu, "swiglu"), (_GATED_DELTA, _fused_gated_delta, "gated_delta"),
+        (_SSM_UPDATE, _fused_ssm_update, "ssm_update"))
+    for attr, wrap, label in rebinds:
         for name in sorted({type(m).__module__ for _, m in model.named_modules()}):
             mod = sys.modules.get(name)
             fn = getattr(mod, attr, None)

@@ -151,6 +151,10 @@ def make_kv_pool(lm: LoadedModel, config: EngineConfig, num_blocks: int, max_mod
                       for _, m in lm.model.named_modules() if type(m).__name__.endswith("GatedDeltaNet")
                       and all(hasattr(m, a) for a in ("num_k_heads", "num_v_heads", "head_k_dim", "head_v_dim"))),
                      ())  # fmt: skip
+    # Mamba-2 mixers (Mamba-2, Nemotron-H, Falcon-H1): their heads and state, for the decode step's kernel.
+    mixers = (m for _, m in lm.model.named_modules()
+              if all(hasattr(m, a) for a in ("num_heads", "n_groups", "head_dim", "ssm_state_size")))
+    ssm = next(((int(m.num_heads), int(m.n_groups), int(m.head_dim), int(m.ssm_state_size)) for m in mixers), ())
     selections: dict[tuple[int, int, int | None, int | None], KernelSelection] = {}
     primary: KernelSelection | None = None
     per_layer = []
@@ -170,7 +174,7 @@ def make_kv_pool(lm: LoadedModel, config: EngineConfig, num_blocks: int, max_mod
                                  max_context=max_model_len, hidden_size=int(getattr(args, "hidden_size", 0) or 0),
                                  intermediate_size=int(getattr(args, "intermediate_size", 0) or 0),
                                  vocab_size=int(getattr(args, "vocab_size", 0) or 0),
-                                 quantization=quantization_formats(lm.model), delta_net=delta_net,
+                                 quantization=quantization_formats(lm.model), delta_net=delta_net, ssm=ssm,
                                  kv_dtype=kv_dtype)  # fmt: skip
             try:
                 if primary is None:

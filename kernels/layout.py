@@ -109,6 +109,9 @@ class ModelShapes:
     # Gated delta-net layers (Qwen3-Next, Qwen3.5; trillm.kernels.gated_delta): (key heads, value heads, key
     # dim, value dim); (): none.
     delta_net: tuple[int, ...] = ()
+    # Mamba-2 mixers (Mamba-2, Nemotron-H, Falcon-H1; trillm.kernels.ssm_update): (heads, groups, head dim,
+    # state size); (): none.
+    ssm: tuple[int, ...] = ()
     # The KV pool's dtype, by name ("float32", "float16", "bfloat16", or "int8": int8 values beside float32
     # scales, see the module docstring); None: `dtype`, the model's.
     kv_dtype: str | None = None

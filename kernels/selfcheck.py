@@ -59,6 +59,8 @@ from trillm.kernels import cpu_ext
 from trillm.kernels.backend import Case, Kernel, KernelOp, forced_reference, kernel_backend
 from trillm.kernels import gated_delta as gated_delta_op
 from trillm.kernels.gated_delta import GatedDeltaFn
+from trillm.kernels import ssm_update as ssm_update_op
+from trillm.kernels.ssm_update import SsmUpdateFn
 from trillm.kernels.kv_gather import OP as KV_GATHER
 from trillm.kernels.kv_gather import KvGatherFn, kv_gather, kv_gather_ref
 from trillm.kernels.layout import ModelShapes
@@ -81,7 +83,7 @@ FAILURE_TTL_S = 3600.0  # how long a failure that raised stays cached (a mismatc
 ISOLATE_ENV = "TRILLM_KERNEL_ISOLATE"  # "1": uncached checks run in a child first; "0": never; unset: on GPU
 CHILD_TIMEOUT_S = 300.0  # one child's limit (a first Metal/CUDA compile of every variant takes seconds, not minutes)
 ENGINE_OPS: tuple[KernelOp, ...] = (PAGED_ATTENTION, KV_GATHER, rms_norm_op.OP, rope_op.OP, silu_mul_op.OP, linear_op.OP,
-                                    mla_op.OP, quant_linear_op.OP, gated_delta_op.OP)  # fmt: skip
+                                    mla_op.OP, quant_linear_op.OP, gated_delta_op.OP, ssm_update_op.OP)  # fmt: skip
 REFERENCE = "reference"
 MLX_VERSION = str(getattr(mx, "__version__", "unknown"))  # (mlx's stubs omit __version__)
 _PACKAGE_DIR = Path(__file__).resolve().parent
@@ -154,13 +156,16 @@ class KernelSelection:
     # Delta-net layers' recurrence (trillm.kernels.gated_delta); None: mlx-lm's own gated_delta_update runs
     # (its Metal kernel on Metal, its ops elsewhere).
     gated_delta: GatedDeltaFn | None = None
+    # Mamba-2 mixers' decode step (trillm.kernels.ssm_update); None: mlx-lm's own ssm_update runs.
+    ssm_update: SsmUpdateFn | None = None
 
 
 def unchecked() -> KernelSelection:
     """The per-call dispatchers, for code that builds caches without an engine (tests, benchmarks)."""
     report = KernelReport("unchecked", kernel_backend(), device_description(), (), 0.0)
     gdn = gated_delta_op.gated_delta if kernel_backend() == "cpu" else None
-    return KernelSelection(report, paged_attention, kv_gather, gated_delta=gdn)
+    ssm = ssm_update_op.ssm_update if kernel_backend() == "cpu" else None
+    return KernelSelection(report, paged_attention, kv_gather, gated_delta=gdn, ssm_update=ssm)
 
 
 def device_description() -> str:
@@ -222,6 +227,7 @@ def select_kernels(
         mla_attention=chosen.get(mla_op.OP.name, mla_op.mla_attention_ref),
         quant_linear=chosen.get(quant_linear_op.OP.name, quant_linear_op.quant_linear),
         gated_delta=None if _runs_reference(reports, gated_delta_op.OP) else chosen[gated_delta_op.OP.name],
+        ssm_update=None if _runs_reference(reports, ssm_update_op.OP) else chosen[ssm_update_op.OP.name],
     )  # fmt: skip
 
 
@@ -439,7 +445,8 @@ def _shapes_from_json(fields: dict[str, Any]) -> ModelShapes:
     return ModelShapes(**{**fields, "dtype": getattr(mx, fields["dtype"]),
                           "layer_windows": tuple(fields["layer_windows"]),
                           "quantization": tuple(tuple(f) for f in fields.get("quantization", ())),
-                          "delta_net": tuple(fields.get("delta_net", ()))})  # fmt: skip
+                          "delta_net": tuple(fields.get("delta_net", ())),
+                          "ssm": tuple(fields.get("ssm", ()))})  # fmt: skip
 
 
 def check_in_child(
@@ -657,6 +664,8 @@ PRESETS: dict[str, ModelShapes] = {
     "deepseek-v2-lite": ModelShapes(16, 1, 512, 16, mx.float32, kv_lora_rank=512, qk_rope_head_dim=64),
     # Qwen3-Next-80B-A3B's delta-net layers: 16 key heads, 32 value heads of 128 (its attention beside them)
     "qwen3-next": ModelShapes(16, 2, 256, 16, mx.float32, delta_net=(16, 32, 128, 128)),
+    # Mamba-2 2.7B's mixers: 80 heads of 64, one group, state 128
+    "mamba2": ModelShapes(8, 8, 64, 16, mx.float32, ssm=(80, 1, 64, 128)),
 }
 
 

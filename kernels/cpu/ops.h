@@ -116,6 +116,31 @@ class GatedDelta : public mx::Primitive {
   bool has_mask_;
 };
 
+// Mamba-2's state-space update for one token, as mlx-lm's ssm_attn at seq_len 1: x [B, 1, H, Dh], B, C
+// [B, 1, G, Ds] (one dtype of float32, float16, bfloat16; head h reads group h / (H / G)); A (-exp(A_log)),
+// D [H], dt [B, 1, H] (softplus'd and clipped) and state [B, H, Dh, Ds] read as float32; flags int32 [B] or
+// none (bit 0: masked token, bit 1: state kept). dA = exp(dt A); state = dA state + dt x B^T;
+// y = state . C + D x -> {y in x's dtype, the new state float32}.
+std::vector<mx::array> ssm_update(const mx::array& x, const mx::array& A, const mx::array& B, const mx::array& C,
+                                  const mx::array& D, const mx::array& dt, const mx::array& state,
+                                  const std::optional<mx::array>& flags, mx::StreamOrDevice s = {});
+
+class SsmUpdate : public mx::Primitive {
+ public:
+  SsmUpdate(mx::Stream stream, bool has_flags) : mx::Primitive(stream), has_flags_(has_flags) {}
+  void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override;
+  void eval_gpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override;
+  const char* name() const override {
+    return "TrillmSsmUpdate";
+  }
+  bool is_equivalent(const mx::Primitive& other) const override {
+    return has_flags_ == static_cast<const SsmUpdate&>(other).has_flags_;
+  }
+
+ private:
+  bool has_flags_;
+};
+
 // RMSNorm over the last axis: x * rsqrt(mean(x^2) + eps) * weight, as mx.fast.rms_norm.
 mx::array rms_norm(const mx::array& x, const mx::array& weight, float eps, mx::StreamOrDevice s = {});
 

@@ -43,7 +43,8 @@ def test_ssm_model_has_the_mixer_shapes_and_its_profile_times_every_part(family:
     assert model(mx.array([[1, 2, 3]])).shape == (1, 3, 49152)
 
     prof, parts = ssm_profile(model, loaded(model, facts), 2, iters=1, kernels="ref")  # no self-check
-    assert set(parts) == {"ssm_update", "in_proj", "conv1d", "norm + out_proj", "mlps", "lm_head"}
+    assert set(parts) == {"ssm_update (mlx-lm)", "ssm_update (engine)", "in_proj", "conv1d", "norm + out_proj", "mlps", "lm_head"}
     assert all(v > 0 for k, v in parts.items() if k != "mlps")
     assert (parts["mlps"] > 0) == (family == "nemotron_h")
-    assert prof.step_s > 0 and prof.mlx_lm_s == parts["ssm_update"] / 1e3
+    assert prof.step_s > 0 and prof.mlx_lm_s == parts["ssm_update (mlx-lm)"] / 1e3
+    assert prof.trillm_s == parts["ssm_update (engine)"] / 1e3

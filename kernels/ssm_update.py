@@ -1,0 +1,145 @@
+"""Mamba-2's state-space update for one token (decode; Mamba-2, Nemotron-H, Falcon-H1): the reference, the CPU
+primitive and the dispatcher.
+
+Per head h a state [Dh, Ds] (float32) and, with dt already softplus'd and clipped (mlx-lm's `compute_dt`),
+A = -exp(A_log) and head h reading group h // (H // G) of B and C:
+
+    dA = exp(dt * A);  state = dA * state + (dt * x) B^T;  y = state . C + D * x
+
+as mlx-lm's `ssm_attn` at seq_len 1, the path its `ssm_update` runs for decode everywhere but on Metal: on CPU a
+dozen small ops and full-state passes (66-75% of a batch-16 decode step of a Mamba-2 model). A masked token
+(mlx-lm's multiplicative mask) leaves the state as it was and reads y off it; a row with a negative length
+keeps its state (its y computed all the same). The CPU primitive (kernels/cpu/ssm_update.cpp) reads each state
+row once, updates it and dots it with C in registers, (b, h) items split across the cores. Multi-token calls
+(prefill) and calls without a state run mlx-lm's own `ssm_update`; on Metal, its own kernel.
+
+The engine routes the model's own `ssm_update` here (engine/fused_ops.py) for decode.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import mlx.core as mx
+
+from trillm.kernels import cpu_ext
+from trillm.kernels.backend import Case, Kernel, KernelOp, random_array
+from trillm.kernels.layout import ModelShapes
+
+_DTYPES = (mx.float32, mx.float16, mx.bfloat16)
+# The primitive sums the dot product in another order and adds D * x before rounding y once (mlx-lm rounds
+# the SSM part and D * x apart): y one or two ulps of its dtype apart; the state float32.
+TOLERANCES: dict[mx.Dtype, tuple[float, float]] = {
+    mx.float32: (1e-4, 1e-4), mx.float16: (8e-3, 8e-3), mx.bfloat16: (6e-2, 6e-2),
+}  # fmt: skip
+TIME_STEP_LIMIT = (0.001, 100.0)  # mlx-lm's default
+
+
+class SsmUpdateFn(Protocol):
+    def __call__(self, x: mx.array, A_log: mx.array, B: mx.array, C: mx.array, D: mx.array, dt: mx.array,
+                 dt_bias: mx.array, state: mx.array, time_step_limit: tuple[float, float] = TIME_STEP_LIMIT,
+                 mask: mx.array | None = None,
+                 lengths: mx.array | None = None) -> tuple[mx.array, mx.array]: ...  # fmt: skip
+
+
+def ssm_update_ref(x: mx.array, A_log: mx.array, B: mx.array, C: mx.array, D: mx.array, dt: mx.array,
+                   dt_bias: mx.array, state: mx.array, time_step_limit: tuple[float, float] = TIME_STEP_LIMIT,
+                   mask: mx.array | None = None, lengths: mx.array | None = None) -> tuple[mx.array, mx.array]:
+    """x [B, 1, H, Dh]; B, C [B, 1, G, Ds]; A_log, D, dt_bias [H]; dt [B, 1, H] (raw); state [B, H, Dh, Ds];
+    mask [B, 1] or None; lengths [B] or None -> (y [B, 1, H, Dh] in x's dtype, new state): mlx-lm's ops."""
+    from mlx_lm.models.ssm import ssm_attn
+
+    y, new = ssm_attn(x, A_log, B, C, D, dt, dt_bias, state, time_step_limit, mask=mask, lengths=lengths)
+    return y, new
+
+
+def _flags(mask: mx.array | None, lengths: mx.array | None) -> mx.array | None:
+    if mask is None and lengths is None:
+        return None
+    f = mx.zeros((), dtype=mx.int32)
+    if mask is not None:
+        f = f + mx.logical_not(mask.reshape(-1).astype(mx.bool_)).astype(mx.int32)
+    if lengths is not None:
+        f = f + 2 * (lengths.reshape(-1) < 0).astype(mx.int32)
+    return f
+
+
+def ssm_update_cpu(x: mx.array, A_log: mx.array, B: mx.array, C: mx.array, D: mx.array, dt: mx.array,
+                   dt_bias: mx.array, state: mx.array, time_step_limit: tuple[float, float] = TIME_STEP_LIMIT,
+                   mask: mx.array | None = None, lengths: mx.array | None = None) -> tuple[mx.array, mx.array]:
+    """`ssm_update` as a primitive of trillm's CPU extension, dt and A computed as mlx-lm computes them."""
+    from mlx_lm.models.ssm import compute_dt
+
+    dtf = compute_dt(dt, dt_bias, time_step_limit)
+    A = -mx.exp(A_log).astype(mx.float32)
+    y, new = cpu_ext.require().ssm_update(x, A, B, C, D, dtf, state, _flags(mask, lengths))
+    return y, new
+
+
+def _takes_call(x: mx.array, B: mx.array, C: mx.array, state: mx.array | None) -> bool:
+    return (state is not None and x.ndim == 4 and x.shape[1] == 1 and x.dtype in _DTYPES and B.dtype == x.dtype
+            and C.dtype == x.dtype and B.shape[2] > 0 and x.shape[2] % B.shape[2] == 0
+            and state.shape == (x.shape[0], x.shape[2], x.shape[3], B.shape[3]))  # fmt: skip
+
+
+def ssm_update_cpu_kernel(x: mx.array, A_log: mx.array, B: mx.array, C: mx.array, D: mx.array, dt: mx.array,
+                          dt_bias: mx.array, state: mx.array,
+                          time_step_limit: tuple[float, float] = TIME_STEP_LIMIT, mask: mx.array | None = None,
+                          lengths: mx.array | None = None) -> tuple[mx.array, mx.array]:
+    """The "cpu" kernel the self-check runs: the primitive for a decode call, else the reference."""
+    fn = ssm_update_cpu if _takes_call(x, B, C, state) else ssm_update_ref
+    return fn(x, A_log, B, C, D, dt, dt_bias, state, time_step_limit, mask, lengths)
+
+
+def ssm_update(x: mx.array, A_log: mx.array, B: mx.array, C: mx.array, D: mx.array, dt: mx.array,
+               dt_bias: mx.array, state: mx.array, time_step_limit: tuple[float, float] = TIME_STEP_LIMIT,
+               mask: mx.array | None = None, lengths: mx.array | None = None) -> tuple[mx.array, mx.array]:
+    """The state-space update: the CPU primitive on CPU for decode, else the reference. Unchecked: the engine
+    runs what its start-up self-check chose (`trillm.kernels.selfcheck`)."""
+    fn = ssm_update_cpu_kernel if cpu_ext.enabled() else ssm_update_ref
+    return fn(x, A_log, B, C, D, dt, dt_bias, state, time_step_limit, mask, lengths)
+
+
+def _case(label: str, shapes: ModelShapes, b: int, seed: int, masked: bool = False) -> Case:
+    h, g, dh, ds = shapes.ssm
+    dtype = shapes.dtype
+    x = random_array((b, 1, h, dh), dtype, seed)
+    B = random_array((b, 1, g, ds), dtype, seed + 1)
+    C = random_array((b, 1, g, ds), dtype, seed + 2)
+    # A_log, D and dt_bias as the model holds them (its dtype); dt spread around softplus's knee.
+    A_log = mx.log(mx.abs(random_array((h,), mx.float32, seed + 3, scale=4.0)) + 1.0).astype(dtype)
+    D = random_array((h,), dtype, seed + 4)
+    dt = random_array((b, 1, h), dtype, seed + 5, scale=2.0)
+    dt_bias = random_array((h,), dtype, seed + 6)
+    state = random_array((b, h, dh, ds), mx.float32, seed + 7, scale=0.5)
+    mask = lengths = None
+    if masked:
+        mask = mx.array([[i % 3 != 1] for i in range(b)])
+        # At one token a length is at most 1 (mlx-lm reads the decay at position length - 1).
+        lengths = mx.array([-1 if i % 4 == 2 else 1 for i in range(b)])
+    return Case(f"{label} B={b}" + (" masked" if masked else ""),
+                (x, A_log, B, C, D, dt, dt_bias, state, TIME_STEP_LIMIT, mask, lengths))
+
+
+def _check_cases(shapes: ModelShapes) -> list[Case]:
+    return [_case("decode", shapes, 1, 60), _case("decode", shapes, 9, 70), _case("decode", shapes, 6, 80, True)]
+
+
+def _timing_cases(shapes: ModelShapes) -> list[Case]:
+    return [_case("decode", shapes, 1, 100), _case("decode", shapes, shapes.max_batch, 110)]
+
+
+def _phase(*_: object, **__: object) -> str:
+    return "decode"
+
+
+def _supports(shapes: ModelShapes) -> str | None:
+    return cpu_ext.supports(shapes, _DTYPES)
+
+
+KERNELS: dict[str, Kernel] = {"cpu": Kernel(ssm_update_cpu_kernel, _supports)}
+
+OP = KernelOp(
+    name="ssm_update", reference=ssm_update_ref, kernels=KERNELS, check_cases=_check_cases,
+    timing_cases=_timing_cases, tolerances=TOLERANCES, applies=lambda s: bool(s.ssm), phase_of=_phase,
+)  # fmt: skip

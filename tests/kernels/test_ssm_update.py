@@ -1,0 +1,131 @@
+"""Mamba-2's state-space decode step (trillm.kernels.ssm_update): the CPU primitive against mlx-lm's own
+`ssm_update` (an independent truth; off Metal its ops path, ssm_attn at seq_len 1) for every input dtype,
+grouped heads (H / G > 1, a head reading its group's B and C), head and state widths off any ISA's lanes,
+masked tokens and rows that keep their state (negative lengths); the self-check's view of it; and the
+engine's seam: a model's ssm_update runs the primitive inside fused_ops() for decode only."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+import numpy as np
+import pytest
+
+import trillm.kernels  # noqa: F401  (BLAS before mlx)
+import mlx.core as mx
+from mlx_lm.models import ssm as mlx_ssm
+
+from trillm.kernels import cpu_ext, selfcheck
+from trillm.kernels.layout import ModelShapes
+from trillm.kernels.ssm_update import OP, TOLERANCES, ssm_update_cpu, ssm_update_ref
+
+pytestmark = pytest.mark.skipif(
+    os.environ.get(cpu_ext.DISABLE_ENV, "").lower() in ("0", "off", "false", "no"),
+    reason=f"{cpu_ext.DISABLE_ENV} turns the CPU extension off",
+)
+
+
+def _inputs(B: int, H: int, G: int, Dh: int, Ds: int, dtype: mx.Dtype, seed: int = 0) -> tuple[mx.array, ...]:
+    ks = mx.random.split(mx.random.key(seed), 8)
+    x = mx.random.normal((B, 1, H, Dh), key=ks[0]).astype(dtype)
+    Bm = mx.random.normal((B, 1, G, Ds), key=ks[1]).astype(dtype)
+    Cm = mx.random.normal((B, 1, G, Ds), key=ks[2]).astype(dtype)
+    A_log = mx.log(mx.abs(mx.random.normal((H,), key=ks[3])) * 4 + 1).astype(dtype)
+    D = mx.random.normal((H,), key=ks[4]).astype(dtype)
+    dt = (mx.random.normal((B, 1, H), key=ks[5]) * 2).astype(dtype)
+    dt_bias = mx.random.normal((H,), key=ks[6]).astype(dtype)
+    state = mx.random.normal((B, H, Dh, Ds), key=ks[7]) * 0.5
+    return x, A_log, Bm, Cm, D, dt, dt_bias, state
+
+
+def _close(got: mx.array, want: mx.array, tol: tuple[float, float]) -> None:
+    assert got.shape == want.shape and got.dtype == want.dtype, (got.shape, got.dtype, want.shape, want.dtype)
+    np.testing.assert_allclose(np.array(got.astype(mx.float32)), np.array(want.astype(mx.float32)),
+                               atol=tol[0], rtol=tol[1])
+
+
+def _mlx_lm(*args: object, **kw: object) -> tuple[mx.array, mx.array]:
+    # mlx-lm's own entry point, as the model calls it (y includes D * x), on CPU: its ops path.
+    with mx.stream(mx.cpu):
+        y, state = mlx_ssm.ssm_update(*args, **kw)  # type: ignore[arg-type]
+    return y, state
+
+
+SHAPES = [  # B, H, G, Dh, Ds
+    (1, 8, 1, 64, 128),  # Mamba-2's layout: one group for all heads
+    (16, 8, 2, 32, 64),  # batch 16, 4 heads per group (Nemotron-H's grouped B, C)
+    (3, 6, 3, 8, 20),  # Ds off every ISA's lanes (the scalar tail), Dh small
+]
+
+
+@pytest.mark.parametrize("dtype", [mx.float32, mx.float16, mx.bfloat16], ids=["f32", "f16", "bf16"])
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "B{}H{}G{}Dh{}Ds{}".format(*s))
+def test_cpu_matches_mlx_lm(shape: tuple[int, ...], dtype: mx.Dtype) -> None:
+    args = _inputs(*shape, dtype, seed=sum(shape))
+    want_y, want_state = _mlx_lm(*args)
+    ref_y, ref_state = ssm_update_ref(*args)
+    _close(ref_y, want_y, (0.0, 0.0))  # the same ops
+    _close(ref_state, want_state, (0.0, 0.0))
+    y, state = ssm_update_cpu(*args)
+    _close(y, want_y, TOLERANCES[dtype])
+    _close(state, want_state, TOLERANCES[mx.float32])
+
+
+@pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16], ids=["f32", "bf16"])
+def test_masked_tokens_and_kept_states_match_mlx_lm(dtype: mx.Dtype) -> None:
+    args = _inputs(6, 4, 2, 16, 32, dtype, seed=5)
+    mask = mx.array([[True], [False], [True], [False], [True], [True]])
+    # At one token a length is at most 1 (mlx-lm reads its decay at position length - 1).
+    lengths = mx.array([1, 1, -1, -2, 0, 1])
+    for m, ln in ((mask, None), (None, lengths), (mask, lengths)):
+        want_y, want_state = _mlx_lm(*args, mask=m, lengths=ln)
+        y, state = ssm_update_cpu(*args, mask=m, lengths=ln)
+        _close(y, want_y, TOLERANCES[dtype])
+        _close(state, want_state, TOLERANCES[mx.float32])
+    # A masked row and a row with a negative length keep their state exactly.
+    _, state = ssm_update_cpu(*args, mask=mask, lengths=lengths)
+    for row in (1, 2, 3):
+        assert mx.array_equal(state[row], args[-1][row]).item()
+    assert not mx.array_equal(state[0], args[-1][0]).item()
+
+
+def test_selfcheck_checks_and_routes_it() -> None:
+    shapes = ModelShapes(4, 4, 64, 16, mx.float32, max_batch=4, ssm=(8, 2, 32, 64))
+    assert OP.applies(shapes) and not OP.applies(ModelShapes(4, 2, 64, 16, mx.float32))
+    assert selfcheck.check_kernel(OP, OP.kernels["cpu"], shapes) is None
+    sel = selfcheck.select_kernels(shapes, ops=[OP], timing_iters=1)
+    report = next(r for r in sel.report.ops if r.op == "ssm_update")
+    assert (sel.ssm_update is None) == (report.implementation == "reference"), report
+    # A planted wrong kernel mismatches and is set aside: the model's own ssm_update runs.
+    bad = OP.kernels["cpu"].__class__(lambda *a: (ssm_update_ref(*a)[0], ssm_update_ref(*a)[1] * 1.5))
+    failure = selfcheck.check_kernel(OP, bad, shapes)
+    assert failure is not None and "output 1" in failure
+    assert selfcheck.select_kernels(ModelShapes(4, 2, 64, 16, mx.float32), ops=[OP]).ssm_update is None
+
+
+def test_engine_seam_routes_decode_only() -> None:
+    from trillm.engine.fused_ops import _fused_ssm_update, fused_ops
+
+    calls: list[int] = []
+
+    def counting(*args: object) -> tuple[mx.array, mx.array]:
+        calls.append(1)
+        return ssm_update_cpu(*args)  # type: ignore[arg-type]
+
+    original = mlx_ssm.ssm_update
+    fused = _fused_ssm_update(original)
+    args = _inputs(2, 4, 1, 16, 32, mx.float32, seed=9)
+    want = original(*args)
+    assert not calls and mx.array_equal(fused(*args)[1], want[1]).item()  # outside fused_ops: mlx-lm's own
+    x, A_log, Bm, Cm, D, dt, dt_bias, state = args
+    with fused_ops(dataclasses.replace(selfcheck.unchecked(), ssm_update=counting)):
+        got = fused(x, A_log, Bm, Cm, D, dt, dt_bias, state, (0.001, 100.0), mask=None, lengths=None)
+        # Prefill (3 tokens) and a call without a state run mlx-lm's own.
+        x3, B3, C3, dt3 = (mx.concatenate([a] * 3, axis=1) for a in (x, Bm, Cm, dt))
+        pre = fused(x3, A_log, B3, C3, D, dt3, dt_bias, state)
+        fused(x, A_log, Bm, Cm, D, dt, dt_bias)
+    assert len(calls) == 1
+    for g, w in zip(got, want):
+        _close(g, w, TOLERANCES[mx.float32])
+    assert mx.array_equal(pre[1], original(x3, A_log, B3, C3, D, dt3, dt_bias, state)[1]).item()
