@@ -167,7 +167,8 @@ _FLAGS: dict[str, tuple[str, str]] = {
     "kv_cache_dtype": ("--kv-cache-dtype", "the KV cache's dtype: auto (the model's; float32 on CPU), fp32, fp16, "
                                            "bf16, or int8 (8-bit keys and values with a float32 scale per token "
                                            "and head: ~3.8x float32's tokens in the same memory at head_dim 64; "
-                                           "CPU only for now), or int4 (4-bit, a float32 scale and minimum per "
+                                           "on Metal/CUDA never run on a GPU yet), or int4 (4-bit, a float32 "
+                                           "scale and minimum per "
                                            "32 values: ~5.3x float32's tokens; CPU only, through the reference "
                                            "attention for now, and lossy: see docs/performance.md)"),
     "kv_cache_dir": ("--kv-cache-dir", "a folder for the prefix cache's disk tier: evicted blocks (and at shutdown "

@@ -32,7 +32,7 @@ import mlx.nn as nn
 from trillm.engine.state_pool import CacheNode, LayerState, StatePool, StateRows, StateSlots, bytes_per_slot
 from trillm.kernels import kv_write
 from trillm.kernels.kv_gather import kv_gather_ref
-from trillm.kernels.kv_write import dequantize_int4, int4_groups, kv_write_int4, kv_write_int8
+from trillm.kernels.kv_write import dequantize_int4, int4_groups, kv_write_int4
 from trillm.kernels.selfcheck import KernelSelection, unchecked
 
 
@@ -251,7 +251,7 @@ class PagedKVCache:
             flat_v = values.transpose(0, 2, 1, 3).reshape(B * L, H, Dv)
         pool, i = self.pool, self.layer
         if pool.key_scales:  # int8 / int4: quantized per token and head (int4: per group) on the write
-            write = kv_write_int4 if pool.keys[i].dtype == mx.uint8 else kv_write_int8
+            write = kv_write_int4 if pool.keys[i].dtype == mx.uint8 else pool.layer_kernels[i].kv_write_int8
             pool.keys[i], pool.values[i], pool.key_scales[i], pool.value_scales[i] = write(
                 pool.keys[i], pool.values[i], pool.key_scales[i], pool.value_scales[i], flat_k, flat_v,
                 lay.slot_mapping)

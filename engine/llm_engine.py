@@ -101,14 +101,17 @@ class StepInfo:
 
 def with_kv_dtype(layout: KVLayout, config: EngineConfig, lm: LoadedModel) -> KVLayout:
     """`layout` with the pool's dtype by name (--kv-cache-dtype; auto: the model's). ModelLoadError for what
-    no kernel serves: int8 on Metal/CUDA (no GPU variant yet) and int8 with MLA's latent caches."""
+    no kernel serves: int4 on Metal/CUDA (no GPU variant yet) and int8/int4 with MLA's latent caches."""
     from trillm.engine.config import KV_CACHE_DTYPES
     from trillm.kernels.backend import kernel_backend
 
     kv_dtype = KV_CACHE_DTYPES[config.kv_cache_dtype] or str(lm.dtype).rsplit(".", 1)[-1]
     if kv_dtype in ("int8", "int4"):
-        if (backend := kernel_backend()) != "cpu":
-            raise ModelLoadError(f"--kv-cache-dtype {kv_dtype} runs on CPU only for now: the {backend} attention "
+        # int8 has Metal/CUDA variants (attention, gather, quantize-on-write), checked at start as any kernel
+        served_on = ("cpu", "metal", "cuda") if kv_dtype == "int8" else ("cpu",)
+        if (backend := kernel_backend()) not in served_on:
+            where = "CPU only for now" if kv_dtype == "int4" else "CPU, Metal and CUDA only"
+            raise ModelLoadError(f"--kv-cache-dtype {kv_dtype} runs on {where}: the {backend} attention "
                                  f"kernels have no {kv_dtype} variant yet (use fp16, bf16 or auto)")
         if any(layer.k_dim != layer.v_dim for layer in layout.layers):
             raise ModelLoadError(f"{lm.name}: --kv-cache-dtype {kv_dtype} does not cover MLA's latent caches yet")
@@ -130,6 +133,7 @@ def make_kv_pool(lm: LoadedModel, config: EngineConfig, num_blocks: int, max_mod
     from trillm.engine.paged_model import kv_layout
     from trillm.kernels.layout import ModelShapes
     from trillm.kernels.kv_gather import OP as KV_GATHER
+    from trillm.kernels.kv_quantize import OP as KV_WRITE_INT8
     from trillm.kernels.mla_attention import OP as MLA_ATTENTION
     from trillm.kernels.paged_attention import OP as PAGED_ATTENTION
     from trillm.kernels.selfcheck import KernelCheckError, KernelSelection, select_kernels
@@ -180,9 +184,11 @@ def make_kv_pool(lm: LoadedModel, config: EngineConfig, num_blocks: int, max_mod
                 if primary is None:
                     selections[key] = primary = select_kernels(shapes, config.kernels)
                 else:  # the ops outside attention are checked once, on the first layer's shapes
-                    attn = select_kernels(shapes, config.kernels, ops=[PAGED_ATTENTION, MLA_ATTENTION, KV_GATHER])
+                    attn = select_kernels(shapes, config.kernels,
+                                          ops=[PAGED_ATTENTION, MLA_ATTENTION, KV_GATHER, KV_WRITE_INT8])
                     selections[key] = dataclasses.replace(primary, paged_attention=attn.paged_attention,
-                                                          mla_attention=attn.mla_attention, kv_gather=attn.kv_gather)
+                                                          mla_attention=attn.mla_attention, kv_gather=attn.kv_gather,
+                                                          kv_write_int8=attn.kv_write_int8)  # fmt: skip
             except KernelCheckError as exc:
                 raise ModelLoadError(f"--kernels strict: {exc}") from exc
         per_layer.append(selections[key])

@@ -1,6 +1,6 @@
 """trillm.kernels: the paged KV pool's ops, each a custom kernel per back-end plus its pure-mx reference.
 
-Owns: the pool layout contract (`layout`), one file per op (`paged_attention`, `kv_gather`, `kv_write`: its
+Owns: the pool layout contract (`layout`), one file per op (`paged_attention`, `kv_gather`, `kv_write`, `kv_quantize`: its
 kernel source, `<op>_ref`, per-back-end entry points and the dispatcher), what the back-ends share
 (`backend`), the start-up self-check that picks each op's implementation (`selfcheck`), and developer tools
 (`tools`: offline compile checks, the GPU check script). Imports only mlx and the standard library,

@@ -14,6 +14,8 @@ Names a shared body may use:
   SHARED, BARRIER()               threadgroup / __shared__ storage and its barrier
   UNROLL                          "unroll this loop fully": per-lane arrays stay in registers only then
   EXPF, MAXF, MINF, MINI, MAXI, NEG_INF, SOFTCAP(s, cap, 1 / cap)   math helpers
+  RINTF(x), DIV_RN(a, b)          round half to even, and a / b correctly rounded even under fast math
+                                  (the int8 quantize-on-write must match the pure-mx reference exactly)
 Metal's index attributes exist only as parameters MLX adds for the names it finds in the BODY text, so a
 kernel's `header` must not use them (KernelSpec refuses one that does); CUDA's prelude defines them as
 macros over threadIdx/blockIdx.
@@ -90,6 +92,8 @@ using namespace metal;
 #define BARRIER() threadgroup_barrier(mem_flags::mem_threadgroup)
 #define UNROLL _Pragma("clang loop unroll(full)")
 #define EXPF(x) metal::exp(x)
+#define RINTF(x) metal::rint(x)
+#define DIV_RN(a, b) metal::precise::divide(a, b)
 """
 
 CUDA_PRELUDE = """
@@ -100,6 +104,8 @@ CUDA_PRELUDE = """
 #define BARRIER() __syncthreads()
 #define UNROLL _Pragma("unroll")
 #define EXPF(x) expf(x)
+#define RINTF(x) rintf(x)
+#define DIV_RN(a, b) __fdiv_rn(a, b)
 #define thread_position_in_threadgroup threadIdx
 #define threadgroup_position_in_grid blockIdx
 #define thread_position_in_grid \\

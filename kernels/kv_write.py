@@ -77,7 +77,7 @@ def kv_write_int8_ref(
             _scatter(k_scale, sk, slot_mapping), _scatter(v_scale, sv, slot_mapping))
 
 
-kv_write_int8 = kv_write_int8_ref  # MLX's scatter on every back-end, as kv_write
+kv_write_int8 = kv_write_int8_ref  # Metal/CUDA also quantize in one kernel launch: trillm.kernels.kv_quantize
 
 
 # ---------------------------------------------------------------- the int4 cache

@@ -23,11 +23,12 @@ with one partition the kernel writes the output, otherwise it writes per-partiti
 output) and a reduction kernel merges partitions and the sinks. Only decode splits the context (prefill
 has query tiles for parallelism); how finely is a per-back-end `SplitPolicy`.
 
-The pools' dtype. Every implementation takes the K/V pools in the queries' dtype, or (the CPU primitive and
-the reference) a float cache of another dtype, or the int8 cache with its per-token, per-head float32 scales
-(`k_scale=`, `v_scale=`: `trillm.kernels.layout`), dequantized as each token is read. The Metal/CUDA kernels
-have no int8 variant yet: they refuse it (`gpu_supports`), and the engine refuses `--kv-cache-dtype int8` on
-a GPU rather than serve it through the reference's gathers.
+The pools' dtype. Every implementation takes the K/V pools in the queries' dtype, or the int8 cache with its
+per-token, per-head float32 scales (`k_scale=`, `v_scale=`: `trillm.kernels.layout`), dequantized as each
+token is read: on Metal/CUDA by their own pair of kernels (`ATTN_FINAL_INT8`, `ATTN_PARTIAL_INT8`: the same
+body, each lane's values times the token's scale as they load; compiled and emulated only, never run on a
+GPU). The CPU primitive and the reference also take a float cache of another dtype (the GPU kernels refuse
+it, and the int4 cache: `gpu_supports`).
 """
 
 from __future__ import annotations
@@ -175,20 +176,20 @@ _MAIN_BODY = """
   int cur = -1;
   auto kb = k_pool;
   auto vb = v_pool;
-  for (int t = start + warp; t < end; t += NW) {
+@SCALE_INIT@  for (int t = start + warp; t < end; t += NW) {
     const int j = t / BS;
     if (j != cur) {
       cur = j;
       const size_t blk = (size_t)block_tables[b * max_blocks + j];
       kb = k_pool + blk * KV_BLOCK;
       vb = v_pool + blk * KV_BLOCK;
-    }
+@SCALE_BLOCK@    }
     const int off = (t - j * BS) * KV_ROW + lane_off;
-    float kf[DPL];
+@SCALE_ROW@    float kf[DPL];
     float vf[DPL];
     UNROLL for (int e = 0; e < DPL; ++e) {
-      kf[e] = static_cast<float>(kb[off + e]);
-      vf[e] = static_cast<float>(vb[off + e]);
+      kf[e] = static_cast<float>(kb[off + e])@K_TIMES@;
+      vf[e] = static_cast<float>(vb[off + e])@V_TIMES@;
     }
     UNROLL for (int r = 0; r < R; ++r) {
       float s = 0.0f;
@@ -255,10 +256,34 @@ _REDUCE_BODY = """
   out[row * D + d] = static_cast<T>(S > 0.0f ? O / S : 0.0f);
 """
 
-ATTN_FINAL = KernelSpec("paged_attn_final", _MAIN_INPUTS, ("out",), _MAIN_BODY.replace("@EPILOGUE@", _FINAL_EPILOGUE))
-ATTN_PARTIAL = KernelSpec(
-    "paged_attn_partial", _MAIN_INPUTS, ("o_part", "m_part", "l_part"), _MAIN_BODY.replace("@EPILOGUE@", PARTIAL_EPILOGUE)
-)
+# How a token's K/V values reach the tile. A pool in the queries' dtype: as they are. The int8 cache: each value
+# times its token and KV head's scale, read from the scale pools' slot beside the row (one float per lane and
+# token, where the row's D / 32 values per lane are int8), so the tile loops only ever see float rows.
+_FLOAT_LOADS = {"@SCALE_INIT@": "", "@SCALE_BLOCK@": "", "@SCALE_ROW@": "", "@K_TIMES@": "", "@V_TIMES@": ""}
+_INT8_LOADS = {
+    "@SCALE_INIT@": "  constexpr int SC_BLOCK = BS * HKV;  // scale pools: [num_blocks, BS, HKV] floats\n"
+                    "  auto ksb = k_scale;\n  auto vsb = v_scale;\n",
+    "@SCALE_BLOCK@": "      ksb = k_scale + blk * SC_BLOCK;\n      vsb = v_scale + blk * SC_BLOCK;\n",
+    "@SCALE_ROW@": "    const float ks = ksb[(t - j * BS) * HKV + kvh];\n    const float vs = vsb[(t - j * BS) * HKV + kvh];\n",
+    "@K_TIMES@": " * ks", "@V_TIMES@": " * vs",
+}  # fmt: skip
+
+
+def _main_body(epilogue: str, int8: bool) -> str:
+    body = _MAIN_BODY.replace("@EPILOGUE@", epilogue)
+    for mark, text in (_INT8_LOADS if int8 else _FLOAT_LOADS).items():
+        body = body.replace(mark, text)
+    return body
+
+
+_INT8_INPUTS = ("q", "k_pool", "v_pool", "k_scale", "v_scale", *_MAIN_INPUTS[3:])
+_PARTIAL_OUTPUTS = ("o_part", "m_part", "l_part")
+ATTN_FINAL = KernelSpec("paged_attn_final", _MAIN_INPUTS, ("out",), _main_body(_FINAL_EPILOGUE, int8=False))
+ATTN_PARTIAL = KernelSpec("paged_attn_partial", _MAIN_INPUTS, _PARTIAL_OUTPUTS, _main_body(PARTIAL_EPILOGUE, int8=False))
+# The int8 cache's pair (the reduction is shared: it merges float partials whatever the pools held).
+ATTN_FINAL_INT8 = KernelSpec("paged_attn_final_int8", _INT8_INPUTS, ("out",), _main_body(_FINAL_EPILOGUE, int8=True))
+ATTN_PARTIAL_INT8 = KernelSpec("paged_attn_partial_int8", _INT8_INPUTS, _PARTIAL_OUTPUTS,
+                               _main_body(PARTIAL_EPILOGUE, int8=True))  # fmt: skip
 ATTN_REDUCE = KernelSpec("paged_attn_reduce", ("o_part", "m_part", "l_part", "sinks", "meta"), ("out",), _REDUCE_BODY)
 
 
@@ -327,8 +352,9 @@ def gpu_supports(shapes: ModelShapes) -> str | None:
         return f"head_dim {shapes.head_dim} is not a multiple of 32 up to {MAX_ROWS_X_D}"
     if shapes.dtype not in GPU_DTYPES:
         return f"dtype {shapes.dtype} is not float32/float16/bfloat16"
-    if shapes.kv_dtype in ("int8", "int4") or (shapes.kv_dtype is not None and getattr(mx, shapes.kv_dtype) != shapes.dtype):
-        return f"a {shapes.kv_dtype} KV cache for {shapes.dtype} queries (no Metal/CUDA variant yet)"
+    kv = shapes.kv_dtype
+    if kv == "int4" or (kv not in (None, "int8") and getattr(mx, kv) != shapes.dtype):  # int8: its own variants
+        return f"a {kv} KV cache for {shapes.dtype} queries (no Metal/CUDA variant yet)"
     return None
 
 
@@ -392,21 +418,25 @@ def paged_attention_kernel(
     _, bs, hkv, _ = k_pool.shape
     max_blocks = block_tables.shape[1]
     _check_variant(window, softcap, chunk)
-    if k_scale is not None or v_scale is not None or k_pool.dtype in (mx.int8, mx.uint8):
-        kind = "int4" if k_pool.dtype == mx.uint8 else "int8"
-        raise NotImplementedError(f"the {backend} paged attention kernel has no {kind} KV cache variant yet")
-    if k_pool.dtype != q.dtype or v_pool.dtype != q.dtype:
+    check_scales(k_pool, v_pool, k_scale, v_scale)
+    if k_pool.dtype == mx.uint8:
+        raise NotImplementedError(f"the {backend} paged attention kernel has no int4 KV cache variant yet")
+    int8 = k_pool.dtype == mx.int8
+    if not int8 and k_pool.dtype != q.dtype:
         raise ValueError(f"q {q.dtype} and the pools {k_pool.dtype}/{v_pool.dtype} must share a dtype")
     plan = launch_plan(backend, b, hq, hkv, length, d, max_blocks * bs)
     sinks_in = at_least_8(sinks.astype(mx.float32)) if sinks is not None else None
-    inputs = [q, k_pool, v_pool, *int32_tables(block_tables, context_lens), sinks_in if sinks_in is not None else float32_params(),
-              float32_params(scale, softcap or 0.0), int32_params(max_blocks, plan.num_parts, plan.part_size, length)]
+    scales = [k_scale, v_scale] if k_scale is not None and v_scale is not None else []  # the int8 cache's
+    inputs = [q, k_pool, v_pool, *scales, *int32_tables(block_tables, context_lens),
+              sinks_in if sinks_in is not None else float32_params(), float32_params(scale, softcap or 0.0),
+              int32_params(max_blocks, plan.num_parts, plan.part_size, length)]  # fmt: skip
     template = [
         ("T", q.dtype), ("D", d), ("BS", bs), ("HKV", hkv), ("HQ", hq), ("HPG", plan.hpg),
         ("QT", plan.qt), ("NW", NUM_SIMDGROUPS), ("WINDOW", window or 0), ("CHUNK", chunk or 0),
         ("HAS_SOFTCAP", softcap is not None), ("HAS_SINKS", sinks is not None),
     ]  # fmt: skip
-    return launch_attention(backend, (ATTN_FINAL, ATTN_PARTIAL), q, inputs, template, plan, sinks_in)
+    kernels = (ATTN_FINAL_INT8, ATTN_PARTIAL_INT8) if int8 else (ATTN_FINAL, ATTN_PARTIAL)
+    return launch_attention(backend, kernels, q, inputs, template, plan, sinks_in)
 
 
 def int32_tables(block_tables: mx.array, context_lens: mx.array) -> tuple[mx.array, mx.array]:
@@ -612,7 +642,8 @@ def paged_attention_gpu(
     k_scale: mx.array | None = None,
     v_scale: mx.array | None = None,
 ) -> mx.array:
-    """`paged_attention` as this GPU's kernels (Metal or CUDA). Shapes as the reference; no int8 cache yet."""
+    """`paged_attention` as this GPU's kernels (Metal or CUDA). Shapes as the reference (int8 pools with their
+    scales too; no int4 cache yet)."""
     return paged_attention_kernel(
         gpu_backend(), q, k_pool, v_pool, block_tables, context_lens, scale=scale, window=window, sinks=sinks,
         softcap=softcap, chunk=chunk, k_scale=k_scale, v_scale=v_scale,

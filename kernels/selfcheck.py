@@ -63,6 +63,7 @@ from trillm.kernels import ssm_update as ssm_update_op
 from trillm.kernels.ssm_update import SsmUpdateFn
 from trillm.kernels.kv_gather import OP as KV_GATHER
 from trillm.kernels.kv_gather import KvGatherFn, kv_gather, kv_gather_ref
+from trillm.kernels import kv_quantize as kv_quantize_op
 from trillm.kernels.layout import ModelShapes
 from trillm.kernels import linear as linear_op
 from trillm.kernels import mla_attention as mla_op
@@ -82,8 +83,9 @@ TIE_MARGIN = 0.05
 FAILURE_TTL_S = 3600.0  # how long a failure that raised stays cached (a mismatch stays until the sources change)
 ISOLATE_ENV = "TRILLM_KERNEL_ISOLATE"  # "1": uncached checks run in a child first; "0": never; unset: on GPU
 CHILD_TIMEOUT_S = 300.0  # one child's limit (a first Metal/CUDA compile of every variant takes seconds, not minutes)
-ENGINE_OPS: tuple[KernelOp, ...] = (PAGED_ATTENTION, KV_GATHER, rms_norm_op.OP, rope_op.OP, silu_mul_op.OP, linear_op.OP,
-                                    mla_op.OP, quant_linear_op.OP, gated_delta_op.OP, ssm_update_op.OP)  # fmt: skip
+ENGINE_OPS: tuple[KernelOp, ...] = (PAGED_ATTENTION, KV_GATHER, kv_quantize_op.OP, rms_norm_op.OP, rope_op.OP,
+                                    silu_mul_op.OP, linear_op.OP, mla_op.OP, quant_linear_op.OP, gated_delta_op.OP,
+                                    ssm_update_op.OP)  # fmt: skip
 REFERENCE = "reference"
 MLX_VERSION = str(getattr(mx, "__version__", "unknown"))  # (mlx's stubs omit __version__)
 _PACKAGE_DIR = Path(__file__).resolve().parent
@@ -158,6 +160,8 @@ class KernelSelection:
     gated_delta: GatedDeltaFn | None = None
     # Mamba-2 mixers' decode step (trillm.kernels.ssm_update); None: mlx-lm's own ssm_update runs.
     ssm_update: SsmUpdateFn | None = None
+    # The int8 cache's quantize-on-write (trillm.kernels.kv_quantize)
+    kv_write_int8: Callable[..., tuple[mx.array, mx.array, mx.array, mx.array]] = kv_quantize_op.kv_write_int8
 
 
 def unchecked() -> KernelSelection:
@@ -228,6 +232,7 @@ def select_kernels(
         quant_linear=chosen.get(quant_linear_op.OP.name, quant_linear_op.quant_linear),
         gated_delta=None if _runs_reference(reports, gated_delta_op.OP) else chosen[gated_delta_op.OP.name],
         ssm_update=None if _runs_reference(reports, ssm_update_op.OP) else chosen[ssm_update_op.OP.name],
+        kv_write_int8=chosen.get(kv_quantize_op.OP.name, kv_quantize_op.OP.reference),
     )  # fmt: skip
 
 
@@ -666,6 +671,9 @@ PRESETS: dict[str, ModelShapes] = {
     "qwen3-next": ModelShapes(16, 2, 256, 16, mx.float32, delta_net=(16, 32, 128, 128)),
     # Mamba-2 2.7B's mixers: 80 heads of 64, one group, state 128
     "mamba2": ModelShapes(8, 8, 64, 16, mx.float32, ssm=(80, 1, 64, 128)),
+    # SmolLM2's heads over the int8 KV cache (--kv-cache-dtype int8): the int8 attention variants, the gather
+    # of int8 pools and the quantize-on-write
+    "smollm2-135m-int8": ModelShapes(9, 3, 64, 16, mx.float32, kv_dtype="int8"),
 }
 
 
@@ -675,7 +683,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--preset", action="append", choices=sorted(PRESETS), help="default: all")
     parser.add_argument("--dtype", action="append", choices=["float32", "float16", "bfloat16"], help="default: all")
     parser.add_argument("--kv-dtype", choices=["float32", "float16", "bfloat16", "int8", "int4"], default=None,
-                        help="the KV pool's dtype (--kv-cache-dtype; default: each --dtype's own)")
+                        help="the KV pool's dtype (--kv-cache-dtype; default: the preset's, else each --dtype's own)")
     parser.add_argument("--max-batch", type=int, default=64)
     parser.add_argument("--chunk", type=int, default=512)
     parser.add_argument("--mode", choices=MODES, default="auto")
@@ -693,7 +701,7 @@ def main(argv: list[str] | None = None) -> int:
     out = []
     for name in args.preset or sorted(PRESETS):
         for dtype in args.dtype or ["float32", "float16", "bfloat16"]:
-            kv = None if args.kv_dtype in (None, dtype) else args.kv_dtype
+            kv = PRESETS[name].kv_dtype if args.kv_dtype is None else None if args.kv_dtype == dtype else args.kv_dtype
             shapes = replace(PRESETS[name], dtype=getattr(mx, dtype), max_batch=args.max_batch, chunk=args.chunk,
                              kv_dtype=kv)
             with warnings.catch_warnings():

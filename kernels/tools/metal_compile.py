@@ -83,6 +83,10 @@ inline void threadgroup_barrier(mem_flags) {}
 inline float simd_sum(float x) { return x; }
 inline float simd_max(float x) { return x; }
 inline float exp(float x) { return std::exp(x); }
+inline float rint(float x) { return std::rint(x); }
+namespace precise {
+inline float divide(float a, float b) { return a / b; }
+}  // namespace precise
 }  // namespace metal
 """
 

@@ -20,6 +20,8 @@ from trillm.kernels.gated_delta import OP as GATED_DELTA
 from trillm.kernels.gated_delta import gated_delta_kernel
 from trillm.kernels.kv_gather import OP as KV_GATHER
 from trillm.kernels.kv_gather import kv_gather_kernel
+from trillm.kernels.kv_quantize import OP as KV_WRITE_INT8
+from trillm.kernels.kv_quantize import kv_write_int8_kernel
 from trillm.kernels.paged_attention import DEFAULT_SPLIT, SPLIT_POLICIES, paged_attention_kernel
 from trillm.kernels.paged_attention import OP as PAGED_ATTENTION
 from trillm.kernels.layout import ModelShapes
@@ -27,12 +29,13 @@ from trillm.kernels.layout import ModelShapes
 TemplateArg = tuple[str, "int | bool | mx.Dtype"]
 MAX_CONSTANT_ARRAY_SIZE = 8  # MLX's Metal wrapper passes inputs under this many elements as `constant`
 
-OPS = (PAGED_ATTENTION, KV_GATHER, GATED_DELTA)
+OPS = (PAGED_ATTENTION, KV_GATHER, GATED_DELTA, KV_WRITE_INT8)
 # Each op's launcher: (backend, *case.args, **case.kwargs) -> outputs.
 LAUNCHERS: dict[str, Callable[..., Any]] = {
     PAGED_ATTENTION.name: paged_attention_kernel,
     KV_GATHER.name: kv_gather_kernel,
     GATED_DELTA.name: gated_delta_kernel,
+    KV_WRITE_INT8.name: kv_write_int8_kernel,
 }
 
 
@@ -121,12 +124,16 @@ def record(target: str, shapes: Iterable[ModelShapes]) -> list[Variant]:
 
 # Shapes the compile checks cover by default: GQA 3 (SmolLM2) in f32, GQA 7 in f16, GQA 4 with D = 128 in
 # bf16, and sinks + a sliding window in f16; block sizes 16 and 32. Delta-net layers beside the first and the
-# third: Qwen3.5's heads (2 value heads per key head, 128 wide), and a GQA 3 with 64-wide keys.
+# third: Qwen3.5's heads (2 value heads per key head, 128 wide), and a GQA 3 with 64-wide keys. The int8 KV
+# cache (its attention pair, the gather of int8 pools, the quantize-on-write): GQA 3 in f16, and GQA 4 with
+# D = 128, sinks and a window in bf16.
 DEFAULT_SHAPES = (
     ModelShapes(9, 3, 64, 16, mx.float32, chunk=64, max_batch=9, delta_net=(2, 6, 64, 32)),
     ModelShapes(14, 2, 64, 32, mx.float16, chunk=64, max_batch=9),
     ModelShapes(32, 8, 128, 16, mx.bfloat16, chunk=64, max_batch=9, delta_net=(16, 32, 128, 128)),
     ModelShapes(16, 2, 64, 16, mx.float16, window=128, sinks=True, chunk=64, max_batch=9),
+    ModelShapes(9, 3, 64, 16, mx.float16, chunk=64, max_batch=9, kv_dtype="int8"),
+    ModelShapes(32, 8, 128, 32, mx.bfloat16, window=128, sinks=True, chunk=64, max_batch=9, kv_dtype="int8"),
 )
 
 

@@ -131,16 +131,24 @@ def test_a_quantized_pool_grown_across_slabs_generates_what_one_big_pool_does(ti
     assert all(a.shape[0] == cap.capacity for a in pool.key_scales + pool.value_scales)
 
 
-def test_int8_is_refused_where_no_kernel_serves_it(tiny_model: LoadedModel, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_quantized_caches_are_refused_where_no_kernel_serves_them(tiny_model: LoadedModel,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
+    from trillm.engine.llm_engine import with_kv_dtype
+    from trillm.engine.paged_model import kv_layout
+
     with pytest.raises(InvalidRequest, match="kv_cache_dtype"):
         EngineConfig(kv_cache_dtype="int2")
     import trillm.kernels.backend as backend
 
-    monkeypatch.setattr(backend, "kernel_backend", lambda: "metal")
-    with pytest.raises(ModelLoadError, match="int8 runs on CPU only"):
+    layout = kv_layout(tiny_model.model, tiny_model.name)
+    for gpu in ("metal", "cuda"):  # int8 has Metal/CUDA variants (the start-up self-check decides on them)
+        monkeypatch.setattr(backend, "kernel_backend", lambda gpu=gpu: gpu)
+        assert with_kv_dtype(layout, EngineConfig(kv_cache_dtype="int8"), tiny_model).kv_dtype == "int8"
+        with pytest.raises(ModelLoadError, match="int4 runs on CPU only"):
+            engine(tiny_model, "int4")
+    monkeypatch.setattr(backend, "kernel_backend", lambda: None)  # no kernel back-end at all (TRILLM_KERNELS=ref)
+    with pytest.raises(ModelLoadError, match="int8 runs on CPU, Metal and CUDA only"):
         engine(tiny_model, "int8")
-    with pytest.raises(ModelLoadError, match="int4 runs on CPU only"):
-        engine(tiny_model, "int4")
 
 
 def test_layout_sizes_each_kv_dtype() -> None:

@@ -5,7 +5,7 @@ thread_locals, simd_sum/simd_max exchange values through a per-simdgroup std::ba
 threadgroup std::barrier, and SHARED is `static` (threadgroups run one at a time). The kernel text,
 template constants and launch wrapper are exactly what Metal/CUDA get, so this checks the algorithm
 (indexing, online softmax, partitions, reduction) numerically; not memory ordering, speed or dtypes
-other than float32/float16.
+other than float32/float16 (and int8 pools).
 """
 
 from __future__ import annotations
@@ -30,8 +30,8 @@ from trillm.kernels import backend as kb
 
 BACKEND = "emulate"
 CACHE_DIR = Path(tempfile.gettempdir()) / "trillm-kernel-emulator"
-_C_TYPES = {mx.float32: "float", mx.float16: "_Float16", mx.int32: "int32_t"}
-_NP_TYPES = {mx.float32: np.float32, mx.float16: np.float16, mx.int32: np.int32}
+_C_TYPES = {mx.float32: "float", mx.float16: "_Float16", mx.int32: "int32_t", mx.int8: "int8_t"}
+_NP_TYPES = {mx.float32: np.float32, mx.float16: np.float16, mx.int32: np.int32, mx.int8: np.int8}
 
 HOST_PRELUDE = kb.COMMON_PRELUDE + """
 #include <barrier>
@@ -49,6 +49,8 @@ static thread_local std::barrier<>* emu_group;
 #define SHARED static
 #define BARRIER() emu_group->arrive_and_wait()
 #define EXPF(x) std::exp(x)
+#define RINTF(x) std::nearbyint(x)
+#define DIV_RN(a, b) ((a) / (b))
 #define UNROLL _Pragma("GCC unroll 16")
 static float simd_sum(float x) {
   emu_warp->vals[thread_index_in_simdgroup] = x;
@@ -134,7 +136,9 @@ def emulator_factory(*, name: str, input_names: list[str], output_names: list[st
              threadgroup: tuple[int, int, int], output_shapes: list[Any], output_dtypes: list[mx.Dtype],
              **_: Any) -> list[mx.array]:
         in_np = [np.ascontiguousarray(np.array(x), dtype=_NP_TYPES[x.dtype]) for x in inputs]
-        out_np = [np.full(tuple(s), np.nan, dtype=_NP_TYPES[dt]) for s, dt in zip(output_shapes, output_dtypes)]
+        # Unwritten outputs show: NaN, or -128 for int8 (symmetric quantization never writes it).
+        out_np = [np.full(tuple(s), np.nan if dt != mx.int8 else -128, dtype=_NP_TYPES[dt])
+                  for s, dt in zip(output_shapes, output_dtypes)]  # fmt: skip
         lib = _compile(_source(name, input_names, output_names, source, header,
                                [x.dtype for x in inputs], list(output_dtypes), template))  # fmt: skip
         ins = (ctypes.c_void_p * len(in_np))(*[x.ctypes.data for x in in_np])

@@ -5,6 +5,8 @@ On a Mac (Metal) or an MLX CUDA build with a GPU; skipped on CPU until the CPU e
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 import pytest
 
@@ -15,7 +17,10 @@ from paged_cases import TOLERANCES, make_case
 from trillm.kernels.backend import kernel_backend
 from trillm.kernels.kv_gather import KERNELS as GATHER_KERNELS
 from trillm.kernels.kv_gather import kv_gather_ref
+from trillm.kernels.kv_quantize import OP as KV_WRITE_INT8
+from trillm.kernels.layout import ModelShapes, random_batch
 from trillm.kernels.paged_attention import KERNELS as ATTENTION_KERNELS
+from trillm.kernels.paged_attention import TOLERANCES as SELFCHECK_TOLERANCES
 from trillm.kernels.paged_attention import paged_attention_ref
 
 BACKEND = kernel_backend()
@@ -52,6 +57,40 @@ def test_paged_attention_kernel(num_queries, bs, rep, d, dtype, window, with_sin
     got = ATTENTION.fn(*args, scale=scale, window=window, sinks=sinks, softcap=softcap)
     atol, rtol = TOLERANCES[dtype]
     np.testing.assert_allclose(np.array(got.astype(mx.float32)), np.array(want.astype(mx.float32)), atol=atol, rtol=rtol)
+
+
+@pytest.mark.parametrize("dtype", [mx.float32, mx.float16, mx.bfloat16], ids=["f32", "f16", "bf16"])
+@pytest.mark.parametrize("rep", [1, 4])
+@pytest.mark.parametrize("num_queries", [1, 6], ids=["decode", "prefill"])
+@pytest.mark.parametrize("window, with_sinks, softcap", [(None, False, None), (37, True, 2.0)])
+def test_paged_attention_kernel_int8_cache(num_queries: int, rep: int, dtype: mx.Dtype, window: int | None,
+                                           with_sinks: bool, softcap: float | None) -> None:  # fmt: skip
+    """The int8 KV cache (int8 pools, a float32 scale per token and KV head), short rows and one that splits."""
+    assert ATTENTION is not None
+    shapes = ModelShapes(2 * rep, 2, 64, 16, dtype, kv_dtype="int8")
+    if (why := ATTENTION.supports(shapes)) is not None:
+        pytest.skip(f"no int8 variant on {BACKEND}: {why}")
+    batch = random_batch(shapes, _lens(16, num_queries, True), num_queries, seed=rep + num_queries)
+    args = (batch.q, batch.k_pool, batch.v_pool, batch.block_tables, batch.context_lens)
+    sinks = mx.array(np.linspace(-1, 1, 2 * rep, dtype=np.float32)) if with_sinks else None
+    kw: dict[str, Any] = {"scale": 0.125 if softcap is None else 0.3, "window": window, "sinks": sinks,
+                          "softcap": softcap, **batch.scales}  # fmt: skip
+    want = paged_attention_ref(*args, **kw)
+    got = ATTENTION.fn(*args, **kw)
+    atol, rtol = SELFCHECK_TOLERANCES[dtype]  # the reference dequantizes into q's dtype, the kernels to float32
+    np.testing.assert_allclose(np.array(got.astype(mx.float32)), np.array(want.astype(mx.float32)), atol=atol, rtol=rtol)
+
+
+@pytest.mark.parametrize("dtype", [mx.float32, mx.float16, mx.bfloat16], ids=["f32", "f16", "bf16"])
+def test_kv_write_int8_kernel(dtype: mx.Dtype) -> None:
+    """Quantize-on-write: all four pools exactly as the reference writes them (ties, zero rows included)."""
+    kernel = KV_WRITE_INT8.kernels.get(BACKEND or "")
+    shapes = ModelShapes(6, 3, 64, 16, dtype, chunk=70, kv_dtype="int8")
+    if kernel is None or kernel.supports(shapes) is not None:
+        pytest.skip(f"no kv_write_int8 kernel on {BACKEND} (the CPU runs the reference)")
+    for case in KV_WRITE_INT8.check_cases(shapes):
+        for g, w in zip(kernel.fn(*case.args), KV_WRITE_INT8.reference(*case.args)):
+            assert mx.array_equal(g, w), case.label
 
 
 @pytest.mark.parametrize("dtype", [mx.float32, mx.float16, mx.bfloat16], ids=["f32", "f16", "bf16"])

@@ -3,7 +3,8 @@
 kv_write_int8 against a dense round trip; the CPU primitive against `paged_attention_ref` on int8 pools
 (and float16/bfloat16 pools under float32 queries); the reference against attention over the dequantized
 values written out by hand; the start-up self-check on int8 shapes (it checks the int8 variant, and a kernel
-that ignores the scales falls back); and the Metal/CUDA kernels' refusal.
+that ignores the scales falls back); and what the Metal/CUDA kernels take (their int8 bodies run emulated in
+test_kv_int8_gpu.py).
 """
 
 from __future__ import annotations
@@ -126,13 +127,16 @@ def test_scales_must_come_with_int8_pools_and_only_with_them() -> None:
             fn(f.q, f.k_pool, f.v_pool, f.block_tables, f.context_lens, scale=1.0, **b.scales)
 
 
-def test_gpu_kernels_refuse_the_int8_cache() -> None:
-    shapes = ModelShapes(4, 2, 32, 16, mx.float16, kv_dtype="int8")
-    reason = gpu_supports(shapes)
-    assert reason is not None and "int8" in reason
+def test_gpu_kernels_take_the_int8_cache_and_refuse_int4_and_mixed_floats() -> None:
+    """int8 has Metal/CUDA variants (tests/kernels/test_kv_int8_gpu.py runs them emulated); int4 and a float
+    cache of another dtype than the queries' do not."""
+    assert gpu_supports(ModelShapes(4, 2, 32, 16, mx.float16, kv_dtype="int8")) is None
     assert gpu_supports(ModelShapes(4, 2, 32, 16, mx.float16)) is None
-    b = random_batch(shapes, [20], 1)
-    with pytest.raises(NotImplementedError, match="int8"):
+    for kv in ("int4", "float32"):
+        reason = gpu_supports(ModelShapes(4, 2, 32, 16, mx.float16, kv_dtype=kv))
+        assert reason is not None and kv in reason
+    b = random_batch(ModelShapes(4, 2, 32, 16, mx.float16, kv_dtype="int4"), [20], 1)
+    with pytest.raises(NotImplementedError, match="int4"):
         paged_attention_kernel("metal", b.q, b.k_pool, b.v_pool, b.block_tables, b.context_lens, scale=1.0,
                                **b.scales)  # fmt: skip
 
