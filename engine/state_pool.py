@@ -30,6 +30,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from collections.abc import Callable
+from collections.abc import Sequence as Sequence_
 from typing import TYPE_CHECKING, Any
 
 import mlx.core as mx
@@ -266,25 +267,23 @@ class StatePool:
 
     def free(self, slot: int) -> None:
         """Drop a freed slot's state (its view would keep a batch's output alive)."""
-        for j, layer in enumerate(self.by_slot):
-            for e, per_slot in enumerate(layer):
-                per_slot[slot] = self._zeros[j][e]
-                last = self._last[j][e]
-                if last is not None and slot in last[0]:
-                    self._last[j][e] = None
+        self._put(slot, [z for zs in self._zeros for z in zs])
 
     def _restore(self, restores: dict[Sequence, tuple[mx.array, ...]]) -> None:
         """Write checkpoints into their sequences' slots (prefix-cache hits admitted this step)."""
         for seq, payload in restores.items():
-            slot = self.slots.slot(seq)
-            it = iter(payload)
-            for j, layer in enumerate(self.by_slot):
-                for e, per_slot in enumerate(layer):
-                    per_slot[slot] = next(it)  # checkpoints are never written: sharing one is safe
-                    last = self._last[j][e]
-                    if last is not None and slot in last[0]:
-                        self._last[j][e] = None
+            self._put(self.slots.slot(seq), payload)  # checkpoints are never written: sharing one is safe
         restores.clear()
+
+    def _put(self, slot: int, states: Sequence_[mx.array]) -> None:
+        """One slot's arrays, entry by entry in layer order; the last output no longer holds that slot's rows."""
+        it = iter(states)
+        for j, layer in enumerate(self.by_slot):
+            for e, per_slot in enumerate(layer):
+                per_slot[slot] = next(it)
+                last = self._last[j][e]
+                if last is not None and slot in last[0]:
+                    self._last[j][e] = None
 
     def end(self) -> None:
         self.rows = None
