@@ -23,7 +23,7 @@ from typing import Protocol
 import mlx.core as mx
 
 from trillm.kernels import cpu_ext
-from trillm.kernels.backend import Case, Kernel, KernelOp, random_array
+from trillm.kernels.backend import Case, Kernel, KernelOp, KernelSpec, at_least_8, build, int32_params, random_array
 from trillm.kernels.layout import ModelShapes
 
 _DTYPES = (mx.float32, mx.float16, mx.bfloat16)
@@ -98,6 +98,67 @@ def ssm_update(x: mx.array, A_log: mx.array, B: mx.array, C: mx.array, D: mx.arr
     runs what its start-up self-check chose (`trillm.kernels.selfcheck`)."""
     fn = ssm_update_cpu_kernel if cpu_ext.enabled() else ssm_update_ref
     return fn(x, A_log, B, C, D, dt, dt_bias, state, time_step_limit, mask, lengths)
+
+
+# Draft, not registered with the self-check yet. Template: InT (x, B, C, y), H, G, Dh, Ds, HAS_FLAGS. Inputs A,
+# D [H], dt [B * H] (softplus'd, clipped), state_in float32; flags int32 [B] (bit 0 masked, bit 1 keep state;
+# a dummy without HAS_FLAGS). Grid (32, Dh, B * H), threadgroups of 32: one simdgroup per state row (b, h, d),
+# lane l holding its floats l * NPT .. + NPT (Ds a multiple of 32).
+_SSM_BODY = """
+  constexpr int NPT = Ds / 32;
+  const int n = thread_position_in_grid.z;
+  const int b = n / H;
+  const int h = n % H;
+  const int g = h / (H / G);
+  const int lane = thread_position_in_threadgroup.x;
+  const int d = thread_position_in_grid.y;
+  const int row = (n * Dh + d) * Ds + lane * NPT;
+  const int bc = (b * G + g) * Ds + lane * NPT;
+  const int fl = HAS_FLAGS ? flags[b] : 0;
+  const bool masked = (fl & 1) != 0;
+  const bool keep = (fl & 2) != 0;
+  const float dtv = dt[n];
+  const float xr = static_cast<float>(x[n * Dh + d]);
+  // A masked token: no decay and no input, so y reads the old state (mlx-lm's multiplicative mask).
+  const float dA = masked ? 1.0f : EXPF(dtv * A[h]);
+  const float dtx = masked ? 0.0f : dtv * xr;
+  float acc = 0.0f;
+  UNROLL for (int i = 0; i < NPT; ++i) {
+    const float s = state_in[row + i];
+    const float ns = dA * s + dtx * static_cast<float>(Bm[bc + i]);
+    acc += ns * static_cast<float>(Cm[bc + i]);
+    state_out[row + i] = keep ? s : ns;
+  }
+  acc = simd_sum(acc);
+  if (lane == 0) y[n * Dh + d] = static_cast<InT>(acc + D[h] * xr);
+"""
+SSM = KernelSpec("ssm_update", ("x", "A", "Bm", "Cm", "D", "dt", "state_in", "flags", "params"), ("y", "state_out"),
+                 _SSM_BODY)
+
+
+def ssm_update_kernel(backend: str, x: mx.array, A_log: mx.array, B: mx.array, C: mx.array, D: mx.array,
+                      dt: mx.array, dt_bias: mx.array, state: mx.array,
+                      time_step_limit: tuple[float, float] = TIME_STEP_LIMIT, mask: mx.array | None = None,
+                      lengths: mx.array | None = None) -> tuple[mx.array, mx.array]:
+    """Launch the shared body on `backend` (draft: emulated only, never run on a GPU). Ds a multiple of 32."""
+    from mlx_lm.models.ssm import compute_dt
+
+    b, _, h, dh = x.shape
+    g, ds = B.shape[2], B.shape[3]
+    if ds % 32 or h % g:
+        raise ValueError(f"the GPU kernel needs Ds a multiple of 32 and H a multiple of G, got {ds}, {h}/{g}")
+    f32 = mx.float32
+    flags = _flags(mask, lengths)
+    fl = at_least_8(flags) if flags is not None else int32_params(0)
+    dtf = compute_dt(dt, dt_bias, time_step_limit).astype(f32).reshape(-1)
+    A = -mx.exp(A_log.astype(f32))
+    outs: list[mx.array] = build(backend, SSM)(
+        inputs=[x, A, B, C, D.astype(f32), dtf, state.astype(f32), fl, int32_params(0)],
+        template=[("InT", x.dtype), ("H", h), ("G", g), ("Dh", dh), ("Ds", ds), ("HAS_FLAGS", flags is not None)],
+        grid=(32, dh, b * h), threadgroup=(32, 1, 1),
+        output_shapes=[x.shape, state.shape], output_dtypes=[x.dtype, f32],
+    )  # fmt: skip
+    return outs[0], outs[1]
 
 
 def _case(label: str, shapes: ModelShapes, b: int, seed: int, masked: bool = False) -> Case:
