@@ -17,6 +17,7 @@ from trillm.engine.config import EngineConfig
 from trillm.engine.fused_ops import quantization_formats
 from trillm.engine.llm_engine import LLMEngine
 from trillm.engine.loader import LoadedModel, load_model
+from trillm.engine.model_runner import ModelRunner
 from trillm.engine.sampling_params import SamplingParams
 from trillm.kernels import cpu_ext
 
@@ -72,6 +73,30 @@ def test_quantized_layers_run_the_cpu_primitive(tokenizer_json: Path, tmp_path: 
     eng = LLMEngine(EngineConfig(block_size=16, num_kv_blocks=64, max_num_seqs=4), loaded=loaded)
     report = {r.op: r for r in eng.kernel_report.ops}["quant_linear"]
     assert report.reason != "not used by this model" and not report.failed
+
+
+@pytest.mark.skipif(cpu_ext.load() is None, reason="trillm's CPU extension is unavailable")
+def test_position_logits_of_a_quantized_head_run_the_kernels(tokenizer_json: Path, tmp_path: Path,
+                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    # Speculative verification and prompt logprobs take the head over several positions after the forward;
+    # outside the forward's kernels a quantized head ran MLX's own quantized matmul (8x a verify's cost).
+    arch, extra = FAMILIES["llama"]
+    folder = build_folder(tmp_path / "tiny", {**_BASE, **extra}, tokenizer_json)
+    loaded = load_model(str(to_gguf(folder, tmp_path / "tiny.Q4_1.gguf", arch, tokenizer_json,
+                                    lambda n, v: Q.Q4_1 if v.ndim == 2 else Q.F32)))
+    eng = LLMEngine(EngineConfig(block_size=16, num_kv_blocks=64, max_num_seqs=4), loaded=loaded)
+    runner = eng.runner
+    assert isinstance(runner, ModelRunner)
+    hidden = mx.random.normal((1, 5, _BASE["hidden_size"]), key=mx.random.key(3))
+    want = runner.head.logits(hidden)  # MLX's own quantized matmul
+    mx.eval(want)
+    calls = []
+    real = mx.quantized_matmul
+    monkeypatch.setattr(mx, "quantized_matmul", lambda *a, **k: calls.append(1) or real(*a, **k))
+    got = runner.position_logits(hidden)
+    mx.eval(got)
+    assert calls == []
+    assert got.shape == want.shape and mx.allclose(got, want, rtol=1e-3, atol=1e-3).item()
 
 
 @pytest.mark.slow
