@@ -43,6 +43,9 @@ if TYPE_CHECKING:
     from trillm.kernels.selfcheck import KernelReport
 
 _RATE_WINDOW_S = 10.0
+# Past this long between reading back one step and starting the next, the engine sat idle: a step's cost is then
+# timed from its own start (see `_step`).
+MAX_STEP_GAP_S = 0.25
 # (phase, seconds, its batch): "launch" (a batch queued on the device; its counts are the launched ones),
 # "masks" (the grammar bitmasks of a step's constrained rows), "step" (one step(); None: nothing to run).
 PhaseHook = Callable[[str, float, "ScheduledBatch | None"], None]
@@ -288,6 +291,7 @@ class LLMEngine:
         self.kv_disk: PooledDiskTier | None = None  # the prefix cache's disk tier (engine/kv_disk.py)
         self.runner: Runner = runner_factory(num_blocks if self.pool_capacity is None else self.pool_capacity.capacity)
         self._idle_since: float | None = time.monotonic()  # when the engine last ran out of requests
+        self._collected_at: float | None = None  # perf_counter time the last step was read back
         self._pipelined = config.pipeline_decode and self.runner.supports_launch_ahead
         self.draft: LoadedModel | None = None  # --speculative draft:PATH's model
         # A runner may bring its own proposer (the mock's stands in for any method with an acceptance rate).
@@ -498,9 +502,15 @@ class LLMEngine:
                 and (ahead := self.scheduler.schedule_ahead(launch.batch)) is not None):
             self._inflight = self._launch(ahead, partial(self._sample_row, ahead=1), after=launch)
         sampled = self.runner.collect(launch)
+        now, last = time.perf_counter(), self._collected_at
+        self._collected_at = now
         if self.speculator is not None:
             self.speculator.commit(launch.batch, sampled)  # accepted tokens' KV kept, the rest given back
-            seconds = launch.virtual_seconds if launch.virtual_seconds is not None else time.perf_counter() - t0
+            # A step's cost is the time since the last one was read back, the host's work between steps included:
+            # a pipelined step runs on during it, so timing from this call's start would flatter plain decoding
+            # against a verify step (never pipelined) by that gap. After a pause, this call's own time.
+            wall = now - (last if last is not None and t0 - last <= MAX_STEP_GAP_S else t0)
+            seconds = launch.virtual_seconds if launch.virtual_seconds is not None else wall
             self.speculator.observe(launch.batch, seconds, len(sampled))
         scored = self.runner.collect_prompt_logprobs(launch)
         self.last_step = StepInfo(launch.batch, launch.virtual_seconds)

@@ -73,9 +73,14 @@ class SpecCounters:
 
 class StepRates:
     """Tokens per second of decode-only steps that verified proposals and of those that did not (moving
-    averages): where a verify forward costs more than its accepted tokens bring (a multi-position forward that
-    costs nearly L one-position ones, as with some quantized kernels), speculation holds off for `hold` steps,
-    doubling up to MAX_HOLD while it keeps losing, then measures again."""
+    averages of tokens and of seconds, each kind's rate their ratio): where a verify forward costs more than its
+    accepted tokens bring (a multi-position forward that costs nearly L one-position ones, as with some
+    quantized kernels), speculation holds off for `hold` steps, doubling up to MAX_HOLD while it keeps losing,
+    then measures again.
+
+    Tokens and seconds are averaged apart, not their quotient: pipelined steps read back in uneven pairs (one
+    waits for two forwards, the next for almost nothing), and a mean of per-step rates would count the quick one
+    as a burst of speed."""
 
     ALPHA = 0.2
     MIN_SAMPLES = 8
@@ -84,21 +89,27 @@ class StepRates:
     MAX_HOLD = 2048
 
     def __init__(self) -> None:
-        self.rate = {True: 0.0, False: 0.0}
+        self.tokens = {True: 0.0, False: 0.0}
+        self.seconds = {True: 0.0, False: 0.0}
         self.samples = {True: 0, False: 0}
         self.hold = 0  # steps left before speculation may resume
         self.next_hold = self.FIRST_HOLD
         self.num_holds = 0
 
-    def observe(self, spec: bool, tokens_per_s: float) -> None:
+    def rate(self, spec: bool) -> float:
+        return self.tokens[spec] / self.seconds[spec] if self.seconds[spec] > 0 else 0.0
+
+    def observe(self, spec: bool, num_tokens: int, seconds: float) -> None:
         n = self.samples[spec] = self.samples[spec] + 1
-        self.rate[spec] = tokens_per_s if n == 1 else self.rate[spec] + self.ALPHA * (tokens_per_s - self.rate[spec])
+        a = 1.0 if n == 1 else self.ALPHA
+        self.tokens[spec] += a * (num_tokens - self.tokens[spec])
+        self.seconds[spec] += a * (seconds - self.seconds[spec])
         if self.hold:
             self.hold -= 1
             return
         if min(self.samples.values()) < self.MIN_SAMPLES or not spec:
             return
-        if self.rate[True] < self.MARGIN * self.rate[False]:
+        if self.rate(True) < self.MARGIN * self.rate(False):
             self.hold, self.next_hold = self.next_hold, min(self.MAX_HOLD, 2 * self.next_hold)
             self.samples[True] = 0  # measured afresh after the hold
             self.num_holds += 1
@@ -137,7 +148,7 @@ class Speculator:
     def observe(self, batch: ScheduledBatch, seconds: float, num_tokens: int) -> None:
         """A decode-only step's duration and tokens: speculation stops while it pays less than plain decoding."""
         if not batch.prefills and batch.decodes and seconds > 0:
-            self.rates.observe(bool(batch.drafts), num_tokens / seconds)
+            self.rates.observe(bool(batch.drafts), num_tokens, seconds)
 
     def holds_pipeline(self, batch: ScheduledBatch) -> bool:
         """Whether the step after `batch` may speculate: then it is not launched ahead (its proposal needs the

@@ -24,6 +24,7 @@ from trillm.engine.sampler import SampleRow, Sampler
 from trillm.engine.sampling_params import SamplingParams
 from trillm.engine.scheduler import SampledToken
 from trillm.engine.sequence import Sequence
+from trillm.engine.spec_decode import StepRates
 from trillm.engine.spec_verify import accepted_tokens, position_rows
 
 GREEDY = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
@@ -336,3 +337,20 @@ def test_config_and_flags() -> None:
                 dict(num_speculative_tokens=0), dict(speculative_max_batch=0)):
         with pytest.raises(InvalidRequest):
             EngineConfig(**bad)  # type: ignore[arg-type]
+
+
+def test_step_rates_average_time_not_per_step_rates() -> None:
+    """Pipelined plain steps read back in uneven pairs (55 ms, then 4 ms for the next, already computed): their
+    rate is 2 tokens per 59 ms, not the mean of 18 and 250 tok/s, which held off a speculation that paid 2x."""
+    rates = StepRates()
+    for _ in range(20):
+        rates.observe(False, 1, 0.055)
+        rates.observe(False, 1, 0.004)
+        rates.observe(True, 4, 0.060)  # 67 tok/s against plain decoding's 34
+    assert rates.rate(False) == pytest.approx(2 / 0.059, rel=0.15)
+    assert rates.num_holds == 0
+    losing = StepRates()
+    for _ in range(20):
+        losing.observe(False, 1, 0.030)
+        losing.observe(True, 1, 0.060)
+    assert losing.num_holds >= 1 and losing.hold > 0
