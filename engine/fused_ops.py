@@ -251,9 +251,9 @@ def _fused_gated_delta(original: Callable[..., tuple[mx.array, mx.array]]) -> Ca
 
 def _fused_ssm_update(original: Callable[..., tuple[mx.array, mx.array]]) -> Callable[..., tuple[mx.array, mx.array]]:
     """mlx-lm's ssm_update with its decode step (one token, a state) run by the selection's `ssm_update` (the
-    CPU primitive). Prefill, a call without a state, outside fused_ops(), where the selection runs mlx-lm's
-    own (None: on Metal, or the kernel lost its check) or with parameters this version does not know: the
-    original."""
+    CPU primitive, or the Metal/CUDA kernel the self-check chose). Prefill, a call without a state, outside
+    fused_ops(), where the selection runs mlx-lm's own (None: no kernel was chosen) or with parameters this
+    version does not know: the original."""
     sig = inspect.signature(original)
     known = set(sig.parameters) <= _SSM_UPDATE_PARAMS
 

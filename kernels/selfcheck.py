@@ -158,7 +158,8 @@ class KernelSelection:
     # Delta-net layers' recurrence (trillm.kernels.gated_delta); None: mlx-lm's own gated_delta_update runs
     # (its Metal kernel on Metal, its ops elsewhere).
     gated_delta: GatedDeltaFn | None = None
-    # Mamba-2 mixers' decode step (trillm.kernels.ssm_update); None: mlx-lm's own ssm_update runs.
+    # Mamba-2 mixers' decode step (trillm.kernels.ssm_update); None: mlx-lm's own ssm_update runs (its Metal
+    # kernel on Metal, its ops elsewhere).
     ssm_update: SsmUpdateFn | None = None
     # The int8 cache's quantize-on-write (trillm.kernels.kv_quantize)
     kv_write_int8: Callable[..., tuple[mx.array, mx.array, mx.array, mx.array]] = kv_quantize_op.kv_write_int8
@@ -167,6 +168,8 @@ class KernelSelection:
 def unchecked() -> KernelSelection:
     """The per-call dispatchers, for code that builds caches without an engine (tests, benchmarks)."""
     report = KernelReport("unchecked", kernel_backend(), device_description(), (), 0.0)
+    # Off CPU, mlx-lm's own (its Metal kernels on Metal): these two ops' GPU bodies run only where a
+    # self-check chose them.
     gdn = gated_delta_op.gated_delta if kernel_backend() == "cpu" else None
     ssm = ssm_update_op.ssm_update if kernel_backend() == "cpu" else None
     return KernelSelection(report, paged_attention, kv_gather, gated_delta=gdn, ssm_update=ssm)
@@ -671,6 +674,8 @@ PRESETS: dict[str, ModelShapes] = {
     "qwen3-next": ModelShapes(16, 2, 256, 16, mx.float32, delta_net=(16, 32, 128, 128)),
     # Mamba-2 2.7B's mixers: 80 heads of 64, one group, state 128
     "mamba2": ModelShapes(8, 8, 64, 16, mx.float32, ssm=(80, 1, 64, 128)),
+    # Nemotron-H 8B's mixers: 128 heads of 64 reading 8 groups of B and C (state 128), its attention beside them
+    "nemotron-h": ModelShapes(32, 8, 128, 16, mx.float32, ssm=(128, 8, 64, 128)),
     # SmolLM2's heads over the int8 KV cache (--kv-cache-dtype int8): the int8 attention variants, the gather
     # of int8 pools and the quantize-on-write
     "smollm2-135m-int8": ModelShapes(9, 3, 64, 16, mx.float32, kv_dtype="int8"),

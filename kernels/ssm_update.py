@@ -1,5 +1,5 @@
 """Mamba-2's state-space update for one token (decode; Mamba-2, Nemotron-H, Falcon-H1): the reference, the CPU
-primitive and the dispatcher.
+primitive, the shared Metal/CUDA body and the dispatcher.
 
 Per head h a state [Dh, Ds] (float32) and, with dt already softplus'd and clipped (mlx-lm's `compute_dt`),
 A = -exp(A_log) and head h reading group h // (H // G) of B and C:
@@ -10,8 +10,12 @@ as mlx-lm's `ssm_attn` at seq_len 1, the path its `ssm_update` runs for decode e
 dozen small ops and full-state passes (66-75% of a batch-16 decode step of a Mamba-2 model). A masked token
 (mlx-lm's multiplicative mask) leaves the state as it was and reads y off it; a row with a negative length
 keeps its state (its y computed all the same). The CPU primitive (kernels/cpu/ssm_update.cpp) reads each state
-row once, updates it and dots it with C in registers, (b, h) items split across the cores. Multi-token calls
-(prefill) and calls without a state run mlx-lm's own `ssm_update`; on Metal, its own kernel.
+row once, updates it and dots it with C in registers, (b, h) items split across the cores. On Metal and CUDA
+one shared body (`SSM`): a 32-lane simdgroup per state row, each lane holding Ds / 32 of its floats (mlx-lm's
+own Metal kernel's layout, which ignores the mask and lengths; this body honours them); Ds a multiple of 32,
+else the reference. Compiled (Metal stand-in, nvcc) and emulated only: never run on a GPU. Multi-token calls
+(prefill) and calls without a state run mlx-lm's own `ssm_update`, and so does every call where the self-check
+does not choose a kernel (no kernel for the back-end, or it lost or mismatched): its Metal kernel on Metal.
 
 The engine routes the model's own `ssm_update` here (engine/fused_ops.py) for decode.
 """
@@ -23,7 +27,9 @@ from typing import Protocol
 import mlx.core as mx
 
 from trillm.kernels import cpu_ext
-from trillm.kernels.backend import Case, Kernel, KernelOp, KernelSpec, at_least_8, build, int32_params, random_array
+from trillm.kernels.backend import (
+    Case, Kernel, KernelOp, KernelSpec, at_least_8, build, gpu_backend, int32_params, kernel_backend, random_array,
+)  # fmt: skip
 from trillm.kernels.layout import ModelShapes
 
 _DTYPES = (mx.float32, mx.float16, mx.bfloat16)
@@ -100,9 +106,9 @@ def ssm_update(x: mx.array, A_log: mx.array, B: mx.array, C: mx.array, D: mx.arr
     return fn(x, A_log, B, C, D, dt, dt_bias, state, time_step_limit, mask, lengths)
 
 
-# Draft, not registered with the self-check yet. Template: InT (x, B, C, y), H, G, Dh, Ds, HAS_FLAGS. Inputs A,
-# D [H], dt [B * H] (softplus'd, clipped), state_in float32; flags int32 [B] (bit 0 masked, bit 1 keep state;
-# a dummy without HAS_FLAGS). Grid (32, Dh, B * H), threadgroups of 32: one simdgroup per state row (b, h, d),
+# Template: InT (x, B, C, y), H, G, Dh, Ds, HAS_FLAGS. Inputs A, D [H], dt [B * H] (softplus'd, clipped; each
+# padded to 8 elements), state_in float32; flags int32 [B] (bit 0 masked, bit 1 keep state; a dummy without
+# HAS_FLAGS). Grid (32, Dh, B * H), threadgroups of 32: one simdgroup per state row (b, h, d),
 # lane l holding its floats l * NPT .. + NPT (Ds a multiple of 32).
 _SSM_BODY = """
   constexpr int NPT = Ds / 32;
@@ -140,7 +146,8 @@ def ssm_update_kernel(backend: str, x: mx.array, A_log: mx.array, B: mx.array, C
                       dt: mx.array, dt_bias: mx.array, state: mx.array,
                       time_step_limit: tuple[float, float] = TIME_STEP_LIMIT, mask: mx.array | None = None,
                       lengths: mx.array | None = None) -> tuple[mx.array, mx.array]:
-    """Launch the shared body on `backend` (draft: emulated only, never run on a GPU). Ds a multiple of 32."""
+    """Launch the shared body on `backend` (any name in backend.FACTORIES). Shapes as the reference; Ds a
+    multiple of 32 and H of G."""
     from mlx_lm.models.ssm import compute_dt
 
     b, _, h, dh = x.shape
@@ -150,15 +157,35 @@ def ssm_update_kernel(backend: str, x: mx.array, A_log: mx.array, B: mx.array, C
     f32 = mx.float32
     flags = _flags(mask, lengths)
     fl = at_least_8(flags) if flags is not None else int32_params(0)
-    dtf = compute_dt(dt, dt_bias, time_step_limit).astype(f32).reshape(-1)
-    A = -mx.exp(A_log.astype(f32))
+    # A, D and dt padded: under 8 elements MLX's Metal wrapper would compile a `constant` variant for them.
+    dtf = at_least_8(compute_dt(dt, dt_bias, time_step_limit).astype(f32))
+    A = at_least_8(-mx.exp(A_log.astype(f32)))
     outs: list[mx.array] = build(backend, SSM)(
-        inputs=[x, A, B, C, D.astype(f32), dtf, state.astype(f32), fl, int32_params(0)],
+        inputs=[x, A, B, C, at_least_8(D.astype(f32)), dtf, state.astype(f32), fl, int32_params(0)],
         template=[("InT", x.dtype), ("H", h), ("G", g), ("Dh", dh), ("Ds", ds), ("HAS_FLAGS", flags is not None)],
         grid=(32, dh, b * h), threadgroup=(32, 1, 1),
         output_shapes=[x.shape, state.shape], output_dtypes=[x.dtype, f32],
     )  # fmt: skip
     return outs[0], outs[1]
+
+
+def ssm_update_gpu(x: mx.array, A_log: mx.array, B: mx.array, C: mx.array, D: mx.array, dt: mx.array,
+                   dt_bias: mx.array, state: mx.array, time_step_limit: tuple[float, float] = TIME_STEP_LIMIT,
+                   mask: mx.array | None = None, lengths: mx.array | None = None) -> tuple[mx.array, mx.array]:
+    """`ssm_update` as this GPU's kernel (Metal or CUDA), or the reference for a call it does not take."""
+    if not _takes_call(x, B, C, state) or B.shape[3] % 32:
+        return ssm_update_ref(x, A_log, B, C, D, dt, dt_bias, state, time_step_limit, mask, lengths)
+    return ssm_update_kernel(gpu_backend(), x, A_log, B, C, D, dt, dt_bias, state, time_step_limit, mask, lengths)
+
+
+def _gpu_supports(shapes: ModelShapes) -> str | None:
+    if shapes.dtype not in _DTYPES:
+        return f"dtype {shapes.dtype} is not float32/float16/bfloat16"
+    if shapes.ssm and shapes.ssm[3] % 32:
+        return f"state size {shapes.ssm[3]} is not a multiple of 32"
+    if shapes.ssm and shapes.ssm[0] % shapes.ssm[1]:
+        return f"{shapes.ssm[0]} heads are not a multiple of {shapes.ssm[1]} groups"
+    return None
 
 
 def _case(label: str, shapes: ModelShapes, b: int, seed: int, masked: bool = False) -> Case:
@@ -198,9 +225,27 @@ def _supports(shapes: ModelShapes) -> str | None:
     return cpu_ext.supports(shapes, _DTYPES)
 
 
-KERNELS: dict[str, Kernel] = {"cpu": Kernel(ssm_update_cpu_kernel, _supports)}
+KERNELS: dict[str, Kernel] = {"cpu": Kernel(ssm_update_cpu_kernel, _supports),
+                               "metal": Kernel(ssm_update_gpu, _gpu_supports),
+                               "cuda": Kernel(ssm_update_gpu, _gpu_supports)}
+
+
+def mlx_lm_own(x: mx.array, A_log: mx.array, B: mx.array, C: mx.array, D: mx.array, dt: mx.array,
+               dt_bias: mx.array, state: mx.array, time_step_limit: tuple[float, float] = TIME_STEP_LIMIT,
+               mask: mx.array | None = None, lengths: mx.array | None = None) -> tuple[mx.array, mx.array]:
+    """What mlx-lm's ssm_update runs for these inputs: its Metal kernel on Metal for a decode call (which
+    ignores mask and lengths), else its ops (the reference). What a kernel is timed against."""
+    if kernel_backend() == "metal" and x.shape[1] == 1:
+        from mlx_lm.models import ssm as mlx_ssm
+
+        if (own := getattr(mlx_ssm, "ssm_update_kernel", None)) is not None:
+            y, new = own(x, A_log, B, C, D, dt, dt_bias, state, time_step_limit)
+            return y, new
+    return ssm_update_ref(x, A_log, B, C, D, dt, dt_bias, state, time_step_limit, mask, lengths)
+
 
 OP = KernelOp(
     name="ssm_update", reference=ssm_update_ref, kernels=KERNELS, check_cases=_check_cases,
     timing_cases=_timing_cases, tolerances=TOLERANCES, applies=lambda s: bool(s.ssm), phase_of=_phase,
+    fallback=mlx_lm_own,
 )  # fmt: skip

@@ -25,17 +25,20 @@ from trillm.kernels.kv_quantize import kv_write_int8_kernel
 from trillm.kernels.paged_attention import DEFAULT_SPLIT, SPLIT_POLICIES, paged_attention_kernel
 from trillm.kernels.paged_attention import OP as PAGED_ATTENTION
 from trillm.kernels.layout import ModelShapes
+from trillm.kernels.ssm_update import OP as SSM_UPDATE
+from trillm.kernels.ssm_update import ssm_update_kernel
 
 TemplateArg = tuple[str, "int | bool | mx.Dtype"]
 MAX_CONSTANT_ARRAY_SIZE = 8  # MLX's Metal wrapper passes inputs under this many elements as `constant`
 
-OPS = (PAGED_ATTENTION, KV_GATHER, GATED_DELTA, KV_WRITE_INT8)
+OPS = (PAGED_ATTENTION, KV_GATHER, GATED_DELTA, KV_WRITE_INT8, SSM_UPDATE)
 # Each op's launcher: (backend, *case.args, **case.kwargs) -> outputs.
 LAUNCHERS: dict[str, Callable[..., Any]] = {
     PAGED_ATTENTION.name: paged_attention_kernel,
     KV_GATHER.name: kv_gather_kernel,
     GATED_DELTA.name: gated_delta_kernel,
     KV_WRITE_INT8.name: kv_write_int8_kernel,
+    SSM_UPDATE.name: ssm_update_kernel,
 }
 
 
@@ -126,11 +129,14 @@ def record(target: str, shapes: Iterable[ModelShapes]) -> list[Variant]:
 # bf16, and sinks + a sliding window in f16; block sizes 16 and 32. Delta-net layers beside the first and the
 # third: Qwen3.5's heads (2 value heads per key head, 128 wide), and a GQA 3 with 64-wide keys. The int8 KV
 # cache (its attention pair, the gather of int8 pools, the quantize-on-write): GQA 3 in f16, and GQA 4 with
-# D = 128, sinks and a window in bf16.
+# D = 128, sinks and a window in bf16. Mamba-2 mixers beside the second and the third: Mamba-2 2.7B's (80
+# heads of 64, one group, state 128), and Nemotron-H's 128 heads in 8 groups with a state of 64 (two floats
+# a lane, where 128 holds four).
 DEFAULT_SHAPES = (
     ModelShapes(9, 3, 64, 16, mx.float32, chunk=64, max_batch=9, delta_net=(2, 6, 64, 32)),
-    ModelShapes(14, 2, 64, 32, mx.float16, chunk=64, max_batch=9),
-    ModelShapes(32, 8, 128, 16, mx.bfloat16, chunk=64, max_batch=9, delta_net=(16, 32, 128, 128)),
+    ModelShapes(14, 2, 64, 32, mx.float16, chunk=64, max_batch=9, ssm=(80, 1, 64, 128)),
+    ModelShapes(32, 8, 128, 16, mx.bfloat16, chunk=64, max_batch=9, delta_net=(16, 32, 128, 128),
+                ssm=(128, 8, 64, 64)),
     ModelShapes(16, 2, 64, 16, mx.float16, window=128, sinks=True, chunk=64, max_batch=9),
     ModelShapes(9, 3, 64, 16, mx.float16, chunk=64, max_batch=9, kv_dtype="int8"),
     ModelShapes(32, 8, 128, 32, mx.bfloat16, window=128, sinks=True, chunk=64, max_batch=9, kv_dtype="int8"),

@@ -1,13 +1,18 @@
 """Mamba-2's state-space decode step (trillm.kernels.ssm_update): the CPU primitive against mlx-lm's own
 `ssm_update` (an independent truth; off Metal its ops path, ssm_attn at seq_len 1) for every input dtype,
 grouped heads (H / G > 1, a head reading its group's B and C), head and state widths off any ISA's lanes,
-masked tokens and rows that keep their state (negative lengths); the self-check's view of it; and the
-engine's seam: a model's ssm_update runs the primitive inside fused_ops() for decode only."""
+masked tokens and rows that keep their state (negative lengths); the self-check's view of it; the engine's
+seam: a model's ssm_update runs the primitive inside fused_ops() for decode only; and the shared Metal/CUDA
+body, registered for both back-ends, run by the g++ emulator against the reference and through the
+self-check (never on a GPU here)."""
 
 from __future__ import annotations
 
 import dataclasses
 import os
+import shutil
+from functools import partial
+from types import ModuleType
 
 import numpy as np
 import pytest
@@ -17,6 +22,8 @@ import mlx.core as mx
 from mlx_lm.models import ssm as mlx_ssm
 
 from trillm.kernels import cpu_ext, selfcheck
+from trillm.kernels import ssm_update as ssm_op
+from trillm.kernels.backend import Kernel
 from trillm.kernels.layout import ModelShapes
 from trillm.kernels.ssm_update import OP, TOLERANCES, ssm_update_cpu, ssm_update_ref
 
@@ -136,17 +143,11 @@ def test_engine_seam_routes_decode_only() -> None:
 @pytest.mark.parametrize("Ds", [64, 128])
 @pytest.mark.parametrize("masked", [False, True], ids=["plain", "masked"])
 def test_gpu_body_under_the_emulator(dtype: mx.Dtype, Ds: int, masked: bool) -> None:
-    # The shared Metal/CUDA body (a draft, not registered), its template and grid as on a GPU, run by the g++
-    # thread emulator against the reference: grouped heads, masked tokens and rows that keep their state.
-    import shutil
-
-    if shutil.which("g++") is None:
-        pytest.skip("g++ not found: the CPU kernel emulator needs it")
-    import kernel_emulator
-
+    # The shared Metal/CUDA body, its template and grid as on a GPU, run by the g++ thread emulator against
+    # the reference: grouped heads, masked tokens and rows that keep their state.
+    kernel_emulator = _emulator()
     from trillm.kernels.ssm_update import ssm_update_kernel
 
-    kernel_emulator.install()
     B, H, G, Dh = 4, 4, 2, 8
     args = list(_inputs(B, H, G, Dh, Ds, dtype, seed=5))
     mask = mx.array([[True], [False], [True], [False]]) if masked else None
@@ -157,3 +158,50 @@ def test_gpu_body_under_the_emulator(dtype: mx.Dtype, Ds: int, masked: bool) -> 
     np.testing.assert_allclose(np.array(y.astype(mx.float32)), np.array(want_y.astype(mx.float32)),
                                rtol=tol[0], atol=tol[1])
     np.testing.assert_allclose(np.array(st), np.array(want_st.astype(mx.float32)), rtol=1e-4, atol=1e-4)
+
+
+def _emulator() -> ModuleType:
+    if shutil.which("g++") is None:
+        pytest.skip("g++ not found: the CPU kernel emulator needs it")
+    import kernel_emulator
+
+    kernel_emulator.install()
+    return kernel_emulator
+
+
+def test_gpu_kernel_is_registered_for_metal_and_cuda() -> None:
+    mamba2 = selfcheck.PRESETS["mamba2"]
+    for backend in ("metal", "cuda"):
+        kernel = OP.kernels[backend]
+        assert kernel.fn is ssm_op.ssm_update_gpu and kernel.supports(mamba2) is None
+        assert OP.kernel_for(backend, selfcheck.PRESETS["nemotron-h"]) is kernel  # grouped B and C
+        odd = dataclasses.replace(mamba2, ssm=(8, 2, 16, 20))
+        assert "not a multiple of 32" in (kernel.supports(odd) or "")
+    # A call the body does not take (Ds off 32) runs the reference; off Metal, mlx-lm's own is its ops.
+    args = _inputs(2, 6, 3, 8, 20, mx.float32, seed=3)
+    want = ssm_update_ref(*args)
+    for got in (ssm_op.ssm_update_gpu(*args), ssm_op.mlx_lm_own(*args)):
+        assert all(mx.array_equal(g, w).item() for g, w in zip(got, want))
+
+
+@pytest.fixture
+def _cache(tmp_path: object, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(selfcheck.CACHE_ENV, str(tmp_path))
+    monkeypatch.delenv("TRILLM_KERNELS", raising=False)
+
+
+def test_selfcheck_passes_the_emulated_body_and_sets_a_wrong_one_aside(
+        _cache: None, monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
+    """The emulated GPU body plugged in as this back-end's kernel passes every check case (grouped heads, a
+    masked batch); a body that decays a masked token's state fails the masked case and the op falls back."""
+    emu = _emulator()
+    shapes = ModelShapes(4, 4, 64, 16, mx.float32, max_batch=4, ssm=(4, 2, 8, 32))
+    monkeypatch.setitem(OP.kernels, "cpu", Kernel(partial(ssm_op.ssm_update_kernel, emu.BACKEND)))
+    report = selfcheck.select_kernels(shapes, ops=[OP], timing_iters=1).report
+    assert not report.ops[0].failed and report.ops[0].reason.startswith("checked"), report.ops[0]
+    plant = dataclasses.replace(ssm_op.SSM, body=ssm_op.SSM.body.replace("masked ? 1.0f : EXPF", "EXPF"))
+    assert plant.body != ssm_op.SSM.body
+    monkeypatch.setattr(ssm_op, "SSM", plant)
+    with pytest.warns(selfcheck.KernelFallbackWarning, match="ssm_update"):
+        sel = selfcheck.select_kernels(dataclasses.replace(shapes, max_batch=5), ops=[OP], timing_iters=1)
+    assert sel.ssm_update is None and sel.report.ops[0].failed and "masked" in sel.report.ops[0].reason
