@@ -169,8 +169,8 @@ _FLAGS: dict[str, tuple[str, str]] = {
                                            "and head: ~3.8x float32's tokens in the same memory at head_dim 64; "
                                            "on Metal/CUDA never run on a GPU yet), or int4 (4-bit, a float32 "
                                            "scale and minimum per "
-                                           "32 values: ~5.3x float32's tokens; CPU only, through the reference "
-                                           "attention for now, and lossy: see docs/performance.md)"),
+                                           "32 values: ~5.3x float32's tokens; CPU only (the CPU attention "
+                                           "kernel decodes it as it reads), and lossy: see docs/performance.md)"),
     "kv_cache_dir": ("--kv-cache-dir", "a folder for the prefix cache's disk tier: evicted blocks (and at shutdown "
                                        "the cached ones) are written there and loaded by later requests, also "
                                        "after a restart (default: none, no disk tier)"),

@@ -44,7 +44,7 @@ the start-up self-check builds its cases from):
 
 The int8 cache (`--kv-cache-dtype int8`; `ModelShapes.kv_dtype`): K and V pools of int8, each with a float32
 scale pool [num_blocks, block_size, num_kv_heads], one scale per token and KV head (trillm.kernels.kv_write:
-written by `kv_write_int8`; value = q * scale). The int4 cache (`kv_dtype="int4"`, reference only so far):
+written by `kv_write_int8`; value = q * scale). The int4 cache (`kv_dtype="int4"`; CPU primitive and reference):
 uint8 pools [num_blocks, block_size, num_kv_heads, head_dim / 2], two values a byte, with float32
 (scale, min) pools [num_blocks, block_size, num_kv_heads, head_dim / 32, 2] (`kv_write_int4`). Attention takes them as `k_scale=` / `v_scale=`. A float cache
 of another dtype than the queries' (float16 K/V for float32 queries) needs no scales.

@@ -27,8 +27,10 @@ The pools' dtype. Every implementation takes the K/V pools in the queries' dtype
 per-token, per-head float32 scales (`k_scale=`, `v_scale=`: `trillm.kernels.layout`), dequantized as each
 token is read: on Metal/CUDA by their own pair of kernels (`ATTN_FINAL_INT8`, `ATTN_PARTIAL_INT8`: the same
 body, each lane's values times the token's scale as they load; compiled and emulated only, never run on a
-GPU). The CPU primitive and the reference also take a float cache of another dtype (the GPU kernels refuse
-it, and the int4 cache: `gpu_supports`).
+GPU). The CPU primitive and the reference also take a float cache of another dtype, and the int4 cache
+(two values a byte, (scale, min) per group of head_dim: `k_scale=`, `v_scale=` again), which the CPU
+primitive decodes as each token is read and the reference dequantizes as it gathers; the GPU kernels
+refuse both (`gpu_supports`).
 """
 
 from __future__ import annotations
@@ -512,7 +514,8 @@ def paged_attention_ref(
     the mask, the sinks and the softmax.
     The whole table width is gathered, so pass a table trimmed to the batch's longest row; reading
     max(context_lens) here would force a host sync every layer.
-    k_scale, v_scale: the int8 cache's float32 scales [num_blocks, bs, Hkv] (`trillm.kernels.layout`).
+    k_scale, v_scale: the int8 cache's float32 scales [num_blocks, bs, Hkv], or the int4 cache's (scale, min)
+    [num_blocks, bs, Hkv, G, 2] with its uint8 pools [num_blocks, bs, Hkv, D / 2] (`trillm.kernels.layout`).
     """
     _check_variant(window, softcap, chunk)
     check_scales(k_pool, v_pool, k_scale, v_scale)
@@ -684,8 +687,6 @@ def cpu_supports(shapes: ModelShapes) -> str | None:
     """Why the CPU primitive cannot run these shapes (or None). Asking loads, or first builds, the extension."""
     if shapes.head_dim % 16:
         return f"head_dim {shapes.head_dim} is not a multiple of 16 (the primitive's vector width)"
-    if shapes.kv_dtype == "int4":
-        return "the CPU primitive has no int4 KV cache variant yet (the reference dequantizes)"
     return cpu_ext.supports(shapes, GPU_DTYPES)
 
 

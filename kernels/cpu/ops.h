@@ -24,8 +24,10 @@ namespace trillm_cpu {
 // context_lens int32 [B]; sinks [Hq] or none; window 0 = none; softcap 0 = none (else scores =
 // softcap * tanh(scores / softcap) after the scale, before the mask); chunk 0 = none (else chunked attention,
 // Llama 4's: the query at pos sees keys >= pos - pos % chunk only) -> [B, Hq, L, D] in q's dtype.
-// The pools: q's dtype, float16/bfloat16 under float32 q, or int8 with k_scale and v_scale, float32
-// [num_blocks, bs, Hkv] (one scale per token and KV head; value = q * scale).
+// The pools: q's dtype, float16/bfloat16 under float32 q, int8 with k_scale and v_scale, float32
+// [num_blocks, bs, Hkv] (one scale per token and KV head; value = q * scale), or int4: uint8
+// [num_blocks, bs, Hkv, D / 2] (element 2i in byte i's low nibble) with float32 (scale, min) pools
+// [num_blocks, bs, Hkv, G, 2] (per group of D / G values; value = q * scale + min).
 mx::array paged_attention(const mx::array& q, const mx::array& k_pool, const mx::array& v_pool,
                           const mx::array& block_tables, const mx::array& context_lens, float scale, int window,
                           const std::optional<mx::array>& sinks, float softcap = 0.0f, int chunk = 0,

@@ -13,10 +13,12 @@
 // of HKV * D values, so reading all heads of a token reads whole cache lines once, where one head's slice
 // (D of every HKV * D values) leaves the prefetchers fetching lines another item reads again later.
 //
-// The pools may hold another dtype than the queries: a float16/bfloat16 cache for float32 queries, or the int8
-// cache (trillm.kernels.layout), whose float32 scale per token and KV head sits in a pool of its own. Either
+// The pools may hold another dtype than the queries: a float16/bfloat16 cache for float32 queries, the int8
+// cache (trillm.kernels.layout), whose float32 scale per token and KV head sits in a pool of its own, or the
+// int4 cache (two values a byte, a float32 (scale, min) per group of head_dim, in pools of their own). Every
 // way a tile's token rows are converted to float32 as they are read (token_row), so the tile loops below
-// only ever see float rows; the int8 cache reads a quarter of float32's bytes per token.
+// only ever see float rows; the int8 cache reads a quarter of float32's bytes per token, int4 an eighth
+// (plus 8 bytes of (scale, min) per group of 32 values).
 #include <algorithm>
 #include <climits>
 #include <cmath>
@@ -52,17 +54,45 @@ struct AttnArgs {
   const int32_t* tables;
   const int32_t* lens;
   const float* sinks;  // nullptr: none
-  const float* kscale;  // the int8 cache's scales [num_blocks, BS, HKV] (nullptr: a float cache)
-  const float* vscale;
+  const float* kscale;  // int8: scales [num_blocks, BS, HKV]; int4: (scale, min) [.., HKV, groups, 2]
+  const float* vscale;  // (nullptr: a float cache)
+  int groups;  // the int4 cache's groups per head (D / groups values each)
 };
 
 // n values of one token from `off` (its heads from the item's first), as float32: in place for a float32
-// pool, else converted into scratch; an int8 pool's head h scaled by scales[sc_off + h] (D values per head).
+// pool, else converted into scratch; an int8 pool's head h scaled by scales[sc_off + h] (D values per head);
+// an int4 pool's (uint8, off still counting values) group g of head h as q * scale + min, from the pair at
+// scales[((sc_off + h) * G + g) * 2].
 template <typename T>
 inline const float* token_row(const T* pool, size_t off, float* scratch, int n, const float* scales, size_t sc_off,
-                              int D) {
+                              int D, int G) {
   if constexpr (std::is_same_v<T, float>) {
     return pool + off;
+  } else if constexpr (std::is_same_v<T, uint8_t>) {
+    const int gs = D / G;
+    for (int h = 0; h * D < n; ++h) {
+      const uint8_t* src = pool + (off + static_cast<size_t>(h) * D) / 2;
+      const float* sm = scales + (sc_off + h) * G * 2;
+      float* dst = scratch + h * D;
+      if (gs % (2 * W) == 0) {  // whole vector pairs per group (32 values: every ISA)
+        for (int g = 0; g < G; ++g) {
+          const vf s = vsplat(sm[2 * g]);
+          const vf mn = vsplat(sm[2 * g + 1]);
+          for (int d = g * gs; d < (g + 1) * gs; d += 2 * W) {
+            vf lo, hi;
+            vnibbles(src + d / 2, lo, hi);
+            vstore(dst + d, lo * s + mn);
+            vstore(dst + d + W, hi * s + mn);
+          }
+        }
+      } else {
+        for (int d = 0; d < D; ++d) {
+          const int g = d / gs;
+          dst[d] = static_cast<float>((src[d / 2] >> (4 * (d % 2))) & 15) * sm[2 * g] + sm[2 * g + 1];
+        }
+      }
+    }
+    return scratch;
   } else if constexpr (std::is_same_v<T, int8_t>) {
     for (int h = 0; h * D < n; ++h) {
       const float sc = scales[sc_off + h];
@@ -262,14 +292,16 @@ void attn_item(const AttnArgs& a, const T* q, const TKV* kp, const TKV* vp, int 
       const size_t slot = static_cast<size_t>(table[t / a.BS]) * a.BS + t % a.BS;
       const size_t off = slot * token_stride + kvh0 * D;
       const size_t sc_off = slot * a.HKV + kvh0;
-      krow[j] = token_row(kp, off, kscr + j * span, span, a.kscale, sc_off, D);
-      vrow[j] = token_row(vp, off, vscr + j * span, span, a.vscale, sc_off, D);
+      krow[j] = token_row(kp, off, kscr + j * span, span, a.kscale, sc_off, D, a.groups);
+      vrow[j] = token_row(vp, off, vscr + j * span, span, a.vscale, sc_off, D, a.groups);
     }
     // Blocks are scattered over the pool: hardware prefetchers lose the stream at every block, so ask for
     // the next tile while this one computes.
+    constexpr int PER_ELT = std::is_same_v<TKV, uint8_t> ? 2 : 1;  // values a pool element holds (int4: 2)
     for (int t = t0 + W, te = std::min(t0 + 2 * W, end); t < te; ++t) {
-      const size_t off = (static_cast<size_t>(table[t / a.BS]) * a.BS + t % a.BS) * token_stride + kvh0 * D;
-      for (int e = 0; e < span; e += 64 / static_cast<int>(sizeof(TKV))) {
+      const size_t off =
+          (static_cast<size_t>(table[t / a.BS]) * a.BS + t % a.BS) * token_stride / PER_ELT + kvh0 * D / PER_ELT;
+      for (int e = 0; e < span / PER_ELT; e += 64 / static_cast<int>(sizeof(TKV))) {
         __builtin_prefetch(kp + off + e);
         __builtin_prefetch(vp + off + e);
       }
@@ -421,17 +453,21 @@ mx::array paged_attention(const mx::array& q, const mx::array& k_pool, const mx:
   if (q.dtype() != mx::float32 && q.dtype() != mx::float16 && q.dtype() != mx::bfloat16) {
     throw std::invalid_argument("[trillm paged_attention] dtype must be float32, float16 or bfloat16");
   }
-  // The pools: q's dtype; float16/bfloat16 under float32 queries; or int8 with float32 scales per token and head.
+  // The pools: q's dtype; float16/bfloat16 under float32 queries; int8 with float32 scales per token and head;
+  // or int4 (uint8, two values a byte) with float32 (scale, min) per token, head and group.
   const auto kv = k_pool.dtype();
   const bool int8 = kv == mx::int8;
-  if (v_pool.dtype() != kv ||
-      !(kv == q.dtype() || int8 || (q.dtype() == mx::float32 && (kv == mx::float16 || kv == mx::bfloat16)))) {
+  const bool int4 = kv == mx::uint8;
+  if (v_pool.dtype() != kv || !(kv == q.dtype() || int8 || int4 ||
+                                (q.dtype() == mx::float32 && (kv == mx::float16 || kv == mx::bfloat16)))) {
     throw std::invalid_argument("[trillm paged_attention] the pools must share q's dtype, be float16/bfloat16 "
-                                "under float32 queries, or be int8 (with scales)");
+                                "under float32 queries, or be int8 or int4 (with scales)");
   }
-  if (int8 != bool(k_scale) || int8 != bool(v_scale)) {
-    throw std::invalid_argument("[trillm paged_attention] k_scale and v_scale go with an int8 pool, and only with one");
+  if ((int8 || int4) != bool(k_scale) || (int8 || int4) != bool(v_scale)) {
+    throw std::invalid_argument("[trillm paged_attention] k_scale and v_scale go with an int8 or int4 pool, and "
+                                "only with one");
   }
+  const int B = q.shape(0), HQ = q.shape(1), D = q.shape(3), HKV = k_pool.shape(2);
   if (int8) {
     const mx::Shape want = {k_pool.shape(0), k_pool.shape(1), k_pool.shape(2)};
     for (const auto* sc : {&*k_scale, &*v_scale}) {
@@ -440,8 +476,17 @@ mx::array paged_attention(const mx::array& q, const mx::array& k_pool, const mx:
       }
     }
   }
-  const int B = q.shape(0), HQ = q.shape(1), D = q.shape(3), HKV = k_pool.shape(2);
-  if (k_pool.shape(3) != D || D % W != 0 || HQ % HKV != 0) {
+  if (int4) {
+    const int G = k_scale->ndim() == 5 ? k_scale->shape(3) : 0;
+    const mx::Shape want = {k_pool.shape(0), k_pool.shape(1), k_pool.shape(2), G, 2};
+    for (const auto* sc : {&*k_scale, &*v_scale}) {
+      if (G < 1 || D % G != 0 || sc->shape() != want || sc->dtype() != mx::float32) {
+        throw std::invalid_argument("[trillm paged_attention] the int4 pools' (scale, min) must be float32 "
+                                    "[num_blocks, bs, Hkv, G, 2], G dividing head_dim");
+      }
+    }
+  }
+  if (k_pool.shape(3) * (int4 ? 2 : 1) != D || D % W != 0 || HQ % HKV != 0) {
     throw std::invalid_argument("[trillm paged_attention] head_dim must match and be a multiple of 16, "
                                 "and Hq a multiple of Hkv");
   }
@@ -461,7 +506,7 @@ mx::array paged_attention(const mx::array& q, const mx::array& k_pool, const mx:
       mx::contiguous(mx::astype(block_tables, mx::int32, stream), false, stream),
       mx::contiguous(mx::astype(context_lens, mx::int32, stream), false, stream)};
   if (sinks) inputs.push_back(mx::contiguous(mx::astype(*sinks, mx::float32, stream), false, stream));
-  if (int8) {
+  if (int8 || int4) {
     inputs.push_back(*k_scale);
     inputs.push_back(*v_scale);
   }
@@ -480,9 +525,10 @@ void PagedAttention::eval_cpu(const std::vector<mx::array>& inputs, std::vector<
     throw std::runtime_error("[trillm paged_attention] the K/V pools must be row-contiguous");
   }
   const bool int8 = k.dtype() == mx::int8;
+  const bool int4 = k.dtype() == mx::uint8;
   const size_t sc = has_sinks_ ? 6 : 5;  // the scales' inputs, after the sinks
-  if (int8 && (!inputs[sc].flags().row_contiguous || !inputs[sc + 1].flags().row_contiguous)) {
-    throw std::runtime_error("[trillm paged_attention] the int8 pools' scales must be row-contiguous");
+  if ((int8 || int4) && (!inputs[sc].flags().row_contiguous || !inputs[sc + 1].flags().row_contiguous)) {
+    throw std::runtime_error("[trillm paged_attention] the quantized pools' scales must be row-contiguous");
   }
   out.set_data(mx::allocator::malloc(out.nbytes()));
   AttnArgs a{};
@@ -505,8 +551,9 @@ void PagedAttention::eval_cpu(const std::vector<mx::array>& inputs, std::vector<
   a.tables = tables.data<int32_t>();
   a.lens = lens.data<int32_t>();
   a.sinks = has_sinks_ ? inputs[5].data<float>() : nullptr;
-  a.kscale = int8 ? inputs[sc].data<float>() : nullptr;
-  a.vscale = int8 ? inputs[sc + 1].data<float>() : nullptr;
+  a.kscale = int8 || int4 ? inputs[sc].data<float>() : nullptr;
+  a.vscale = int8 || int4 ? inputs[sc + 1].data<float>() : nullptr;
+  a.groups = int4 ? inputs[sc].shape(3) : 0;
 
   auto& enc = mx::cpu::get_command_encoder(stream());
   for (const auto& in : inputs) enc.set_input_array(in);
@@ -521,14 +568,17 @@ void PagedAttention::eval_cpu(const std::vector<mx::array>& inputs, std::vector<
   };
   if (q.dtype() == mx::float32) {
     if (int8) run(float{}, int8_t{});
+    else if (int4) run(float{}, uint8_t{});
     else if (k.dtype() == mx::float16) run(float{}, mx::float16_t{});
     else if (k.dtype() == mx::bfloat16) run(float{}, mx::bfloat16_t{});
     else run(float{}, float{});
   } else if (q.dtype() == mx::float16) {
     if (int8) run(mx::float16_t{}, int8_t{});
+    else if (int4) run(mx::float16_t{}, uint8_t{});
     else run(mx::float16_t{}, mx::float16_t{});
   } else {
     if (int8) run(mx::bfloat16_t{}, int8_t{});
+    else if (int4) run(mx::bfloat16_t{}, uint8_t{});
     else run(mx::bfloat16_t{}, mx::bfloat16_t{});
   }
 }

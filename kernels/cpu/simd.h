@@ -112,6 +112,11 @@ inline void tree_levels(vf* cur, int n) {
   for (int i = 0; i < n / 2; ++i) cur[i] = tree_add<C>(cur[2 * i], cur[2 * i + 1], std::make_index_sequence<W>{});
   if constexpr (C > 1) tree_levels<C / 2>(cur, n / 2);
 }
+// Lanes (a0, b0, a1, b1, ...) of a and b: the first W (a's first half), or the last W (its second).
+template <bool SECOND, size_t... I>
+inline vf interleave(vf a, vf b, std::index_sequence<I...>) {
+  return __builtin_shufflevector(a, b, static_cast<int>((I % 2) * W + (SECOND ? W / 2 : 0) + I / 2)...);
+}
 }  // namespace simd_detail
 
 
@@ -158,6 +163,19 @@ inline vf vsoftcap(vf s, float cap, float inv_cap) {
   y = y < vsplat(-9.0f) ? vsplat(-9.0f) : y;
   y = y > vsplat(9.0f) ? vsplat(9.0f) : y;
   return cap * (1.0f - 2.0f / (vexp(y + y) + 1.0f));
+}
+
+// W bytes of two 4-bit values each -> their 2W values as floats, in element order (element 2i is byte i's
+// low nibble, 2i + 1 its high one): first gets elements 0..W-1, second W..2W-1.
+inline void vnibbles(const uint8_t* p, vf& first, vf& second) {
+  typedef uint8_t vb __attribute__((vector_size(W)));
+  vb bytes;
+  std::memcpy(&bytes, p, sizeof bytes);
+  const vi x = __builtin_convertvector(bytes, vi);
+  const vf lo = __builtin_convertvector(x & 15, vf);
+  const vf hi = __builtin_convertvector(x >> 4, vf);
+  first = simd_detail::interleave<false>(lo, hi, std::make_index_sequence<W>{});
+  second = simd_detail::interleave<true>(lo, hi, std::make_index_sequence<W>{});
 }
 
 // W vectors -> one vector of their W horizontal sums (lane j = sum of in[j]), by a transpose-add tree:

@@ -263,17 +263,35 @@ void check_quant_linear(int M, int N, int K, int G, int bits, int max_rows, cons
 }
 
 // Paged attention with shuffled blocks against a dense softmax per (row, head, query).
-// TKV: the pools' dtype: float, half_t (float16 under float32 queries) or int8 with a float32 scale per
-// token and KV head (the reference reads the values the kernel reads). Optionally sinks and soft-capping.
+// TKV: the pools' dtype: float, half_t (float16 under float32 queries), int8 with a float32 scale per
+// token and KV head, or uint8 (the int4 cache: two values a byte, low nibble first) with a float32
+// (scale, min) per token, KV head and group of D / G values, G = max(1, D / 32) as kv_write.int4_groups
+// (the reference reads the values the kernel reads). Optionally sinks and soft-capping.
 template <typename TKV = float>
 void check_attention(int B, int HQ, int HKV, int D, int L, int ctx, int window, bool sinks = false,
                      float softcap = 0.0f) {
   const int BS = 16, MB = (ctx + BS - 1) / BS, NBLK = B * MB + 1;
+  constexpr bool int4 = std::is_same_v<TKV, uint8_t>;
+  const int G = int4 ? std::max(1, D / 32) : 0;
   auto q = randn(static_cast<size_t>(B) * HQ * L * D);
   std::vector<float> k = randn(static_cast<size_t>(NBLK) * BS * HKV * D), v = randn(k.size());
-  std::vector<TKV> kp(k.size()), vp(v.size());
+  std::vector<TKV> kp(int4 ? k.size() / 2 : k.size()), vp(kp.size());
   std::vector<float> ks, vs, sk = randn(HQ);
-  if constexpr (std::is_same_v<TKV, int8_t>) {
+  if constexpr (int4) {
+    ks = randn(static_cast<size_t>(NBLK) * BS * HKV * G * 2), vs = randn(ks.size());
+    for (auto* s : {&ks, &vs}) {
+      for (size_t i = 0; i < s->size(); i += 2) (*s)[i] = 0.01f + std::fabs((*s)[i]) / 8.0f;  // scale >= 0
+    }
+    std::uniform_int_distribution<int> qd(0, 15);
+    for (size_t i = 0; i < k.size(); ++i) {
+      const int qk = qd(rng), qv = qd(rng);
+      const int shift = 4 * static_cast<int>(i % 2);
+      kp[i / 2] = static_cast<uint8_t>(kp[i / 2] | (qk << shift));
+      vp[i / 2] = static_cast<uint8_t>(vp[i / 2] | (qv << shift));
+      const size_t g = (i / D) * G + (i % D) / (D / G);  // the (slot, head)'s group of element i
+      k[i] = qk * ks[2 * g] + ks[2 * g + 1], v[i] = qv * vs[2 * g] + vs[2 * g + 1];
+    }
+  } else if constexpr (std::is_same_v<TKV, int8_t>) {
     ks = randn(static_cast<size_t>(NBLK) * BS * HKV), vs = randn(ks.size());
     std::uniform_int_distribution<int> qd(-127, 127);
     for (auto* s : {&ks, &vs}) {
@@ -306,6 +324,7 @@ void check_attention(int B, int HQ, int HKV, int D, int L, int ctx, int window, 
   a.sinks = sinks ? sk.data() : nullptr;
   a.kscale = ks.empty() ? nullptr : ks.data();
   a.vscale = vs.empty() ? nullptr : vs.data();
+  a.groups = G;
   std::vector<float> out(q.size());
   run_attention<float, TKV>(a, q.data(), kp.data(), vp.data(), out.data());
   std::vector<double> want(out.size());
@@ -336,7 +355,10 @@ void check_attention(int B, int HQ, int HKV, int D, int L, int ctx, int window, 
       }
     }
   }
-  const char* pool = std::is_same_v<TKV, int8_t> ? "int8" : std::is_same_v<TKV, float> ? "fp32" : "fp16";
+  const char* pool = int4                             ? "int4"
+                     : std::is_same_v<TKV, int8_t>    ? "int8"
+                     : std::is_same_v<TKV, float>     ? "fp32"
+                                                      : "fp16";
   char what[160];
   std::snprintf(what, sizeof what, "paged_attention %s KV B=%d Hq=%d Hkv=%d D=%d L=%d ctx=%d window=%d%s%s "
                 "hpi=%d", pool, B, HQ, HKV, D, L, ctx, window, sinks ? " sinks" : "",
@@ -408,6 +430,11 @@ int main() {
   check_attention<int8_t>(8, 8, 2, 64, 1, 40, 0);    // each KV head's scales in an item over both
   check_attention<int8_t>(3, 8, 2, 128, 1, 600, 0);  // across two partitions
   check_attention<int8_t>(1, 4, 2, 80, 7, 45, 0);    // a prefill chunk, D off the tiles
+  check_attention<uint8_t>(2, 9, 3, 64, 1, 37, 0);    // the int4 cache: decode, two groups per head
+  check_attention<uint8_t>(8, 8, 2, 64, 1, 40, 0);    // each KV head's groups in an item over both
+  check_attention<uint8_t>(3, 8, 2, 128, 1, 600, 0);  // across two partitions
+  check_attention<uint8_t>(1, 4, 2, 80, 7, 45, 0);    // a prefill chunk, groups of 40: the scalar decode
+  check_attention<uint8_t>(2, 4, 2, 16, 5, 40, 16, true, 30.0f);  // one group of 16, window, sinks, softcap
   check_attention<half_t>(2, 8, 2, 128, 3, 70, 0);  // a float16 cache under float32 queries
   check_attention(2, 8, 2, 64, 1, 600, 0, true, 30.0f);  // sinks (through the partition merge), soft-capping
   check_attention(1, 4, 4, 64, 6, 50, 20, true, 0.0f);   // sinks with one partition

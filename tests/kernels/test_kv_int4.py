@@ -1,12 +1,19 @@
-"""The int4 KV cache's pure-mx parts: 4-bit quantize-on-write (two values a byte, (scale, min) per group of
-32 along head_dim) and the paged attention reference over such pools, which dequantizes as it gathers.
+"""The int4 KV cache: 4-bit quantize-on-write (two values a byte, (scale, min) per group of 32 along
+head_dim), the paged attention reference over such pools, which dequantizes as it gathers, and the CPU
+primitive's int4 variant, which decodes each token's nibbles as it reads them.
 
 quantize_int4 against the grid it promises (within half a step of each group's own range); kv_write_int4
-against a dense round trip; the reference against attention over the dequantized values; the kernels'
-refusal (no Metal/CUDA/CPU int4 variant yet: the reference serves it).
+against a dense round trip; the reference against attention over the dequantized values; the CPU primitive
+against the reference (decode, partitions, prefill chunks, windows, sinks, soft-capping, ragged rows, every
+query dtype); the start-up self-check on int4 shapes (it checks the variant, and a kernel that drops the
+minimum falls back); the Metal/CUDA kernels' refusal (no int4 variant yet).
 """
 
 from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -14,11 +21,25 @@ import pytest
 import trillm.kernels  # noqa: F401  (BLAS before mlx)
 import mlx.core as mx
 
+from trillm.kernels import cpu_ext
+from trillm.kernels.backend import Kernel
 from trillm.kernels.kv_gather import kv_gather_ref
 from trillm.kernels.kv_write import INT4_GROUP, dequantize_int4, kv_write_int4, quantize_int4
 from trillm.kernels.layout import ModelShapes, random_batch
-from trillm.kernels.paged_attention import OP, cpu_supports, gpu_supports, paged_attention, paged_attention_ref
-from trillm.kernels.paged_attention import paged_attention_kernel
+from trillm.kernels.paged_attention import KERNELS, OP, TOLERANCES, cpu_supports, gpu_supports, paged_attention
+from trillm.kernels.paged_attention import paged_attention_cpu, paged_attention_kernel, paged_attention_ref
+from trillm.kernels.selfcheck import CACHE_ENV, KernelFallbackWarning, select_kernels
+
+needs_ext = pytest.mark.skipif(
+    os.environ.get(cpu_ext.DISABLE_ENV, "").lower() in ("0", "off", "false", "no") or cpu_ext.load() is None,
+    reason="the CPU extension is off or unavailable",
+)
+
+
+@pytest.fixture(autouse=True)
+def _cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(CACHE_ENV, str(tmp_path / "kernel-cache"))
+    monkeypatch.delenv("TRILLM_KERNELS", raising=False)
 
 
 def test_quantize_is_within_half_a_step_of_each_groups_range() -> None:
@@ -76,8 +97,6 @@ def test_reference_on_int4_pools_is_attention_over_the_dequantized_values(num_qu
     k_f, v_f = dequantize_int4(batch.k_pool, batch.k_scale), dequantize_int4(batch.v_pool, batch.v_scale)
     want = paged_attention_ref(batch.q, k_f, v_f, batch.block_tables, batch.context_lens, scale=0.2)
     assert mx.allclose(got, want, atol=1e-5, rtol=1e-5)
-    # The dispatcher serves int4 pools (through the reference: no kernel has a variant yet).
-    assert mx.allclose(paged_attention(*args, scale=0.2, **batch.scales), want, atol=1e-5, rtol=1e-5)
 
 
 def test_scales_must_match_int4_pools() -> None:
@@ -90,12 +109,10 @@ def test_scales_must_match_int4_pools() -> None:
         paged_attention_ref(*args, scale=1.0, k_scale=b.k_scale, v_scale=b.v_scale[..., 0])
 
 
-def test_kernels_refuse_the_int4_cache() -> None:
+def test_gpu_kernels_refuse_the_int4_cache() -> None:
     shapes = ModelShapes(4, 2, 64, 16, mx.float16, kv_dtype="int4")
     reason = gpu_supports(shapes)
     assert reason is not None and "int4" in reason
-    cpu_reason = cpu_supports(ModelShapes(4, 2, 64, 16, mx.float32, kv_dtype="int4"))
-    assert cpu_reason is not None and "int4" in cpu_reason
     b = random_batch(shapes, [20], 1)
     with pytest.raises(NotImplementedError, match="int4"):
         paged_attention_kernel("metal", b.q, b.k_pool, b.v_pool, b.block_tables, b.context_lens, scale=1.0,
@@ -106,3 +123,87 @@ def test_check_cases_carry_int4_pools_and_their_scales() -> None:
     cases = OP.check_cases(ModelShapes(4, 2, 64, 16, mx.float32, kv_dtype="int4", max_context=256, chunk=8))
     assert cases and all(c.args[1].dtype == mx.uint8 and c.kwargs["k_scale"].shape == (*c.args[1].shape[:3], 2, 2)
                          for c in cases)  # fmt: skip
+
+
+# (queries' dtype, head_dim): groups of 32 at 64 and 128 (whole vector pairs on every ISA); groups of 40 at 80
+# and one of 16 at 16 (the scalar decode; 16 is a vector pair on AVX2 and NEON).
+KERNEL_CASES = [
+    (mx.float32, 64), (mx.float16, 64), (mx.bfloat16, 64), (mx.float32, 128), (mx.float32, 80), (mx.float32, 16),
+]  # fmt: skip
+
+
+@needs_ext
+@pytest.mark.parametrize(("dtype", "head_dim"), KERNEL_CASES,
+                         ids=[f"{str(t).rsplit('.')[-1]}-D{d}" for t, d in KERNEL_CASES])  # fmt: skip
+@pytest.mark.parametrize(("num_queries", "lens", "window", "softcap"), [
+    (1, [1, 16, 17, 1029], None, None),  # decode, ragged, one row split into partitions
+    (1, [40, 300], 33, 30.0),  # decode in a sliding window, soft-capped
+    (5, [5, 21, 300], None, None),  # a prefill chunk over a cached prefix
+    (7, [7, 50], 20, 30.0),  # a prefill chunk in a window, soft-capped
+], ids=["decode", "decode-window-softcap", "prefill", "prefill-window-softcap"])  # fmt: skip
+def test_cpu_kernel_matches_the_reference(dtype: mx.Dtype, head_dim: int, num_queries: int, lens: list[int],
+                                          window: int | None, softcap: float | None) -> None:  # fmt: skip
+    shapes = ModelShapes(9, 3, head_dim, 16, dtype, sinks=True, kv_dtype="int4")
+    assert cpu_supports(shapes) is None
+    batch = random_batch(shapes, lens, num_queries, seed=len(lens) + head_dim)
+    sinks = mx.random.normal((9,), key=mx.random.key(5))
+    args = (batch.q, batch.k_pool, batch.v_pool, batch.block_tables, batch.context_lens)
+    kw: dict[str, Any] = {"scale": head_dim**-0.5, "window": window, "sinks": sinks, "softcap": softcap,
+                          **batch.scales}  # fmt: skip
+    want = paged_attention_ref(*args, **kw)
+    got = paged_attention_cpu(*args, **kw)
+    assert got.dtype == want.dtype == dtype and got.shape == want.shape
+    atol, rtol = TOLERANCES[dtype]
+    assert mx.allclose(got.astype(mx.float32), want.astype(mx.float32), atol=atol, rtol=rtol)
+    # The dispatcher takes the kernel for int4 pools, and agrees.
+    assert mx.allclose(paged_attention(*args, **kw).astype(mx.float32), want.astype(mx.float32), atol=atol, rtol=rtol)
+
+
+@needs_ext
+def test_cpu_kernel_reads_each_groups_scale_and_minimum() -> None:
+    """Planted pools: every K/V value one nibble level, each group's (scale, min) its own; the kernel must
+    give attention over exactly those values (a kernel reading one group's pair for all would not)."""
+    b = random_batch(ModelShapes(2, 1, 64, 16, mx.float32, kv_dtype="int4"), [20], 1, seed=4)
+    assert b.k_scale is not None and b.v_scale is not None
+    k_scale = b.k_scale * mx.array([1.0, 3.0]).reshape(1, 1, 1, 2, 1) + mx.array([0.0, 2.0]).reshape(1, 1, 1, 1, 2)
+    v_scale = b.v_scale * mx.array([0.5, 2.0]).reshape(1, 1, 1, 2, 1) - mx.array([0.0, 1.0]).reshape(1, 1, 1, 1, 2)
+    args = (b.q, b.k_pool, b.v_pool, b.block_tables, b.context_lens)
+    got = paged_attention_cpu(*args, scale=0.125, k_scale=k_scale, v_scale=v_scale)
+    k_f, v_f = dequantize_int4(b.k_pool, k_scale), dequantize_int4(b.v_pool, v_scale)
+    want = paged_attention_ref(b.q, k_f, v_f, b.block_tables, b.context_lens, scale=0.125)
+    assert mx.allclose(got, want, atol=1e-4, rtol=1e-4)
+
+
+@needs_ext
+def test_cpu_kernel_checks_the_int4_scales() -> None:
+    b = random_batch(ModelShapes(4, 2, 64, 16, mx.float32, kv_dtype="int4"), [20], 1)
+    assert b.k_scale is not None and b.v_scale is not None
+    args = (b.q, b.k_pool, b.v_pool, b.block_tables, b.context_lens)
+    with pytest.raises(ValueError, match="int4 KV pool needs k_scale"):
+        paged_attention_cpu(*args, scale=1.0)
+    with pytest.raises(ValueError, match="v_scale"):
+        paged_attention_cpu(*args, scale=1.0, k_scale=b.k_scale, v_scale=b.v_scale[..., :1, :])
+    # The primitive's own check, past the Python one: groups that do not divide head_dim.
+    ext = cpu_ext.require()
+    odd = mx.zeros((*b.k_pool.shape[:3], 3, 2), mx.float32)
+    with pytest.raises(ValueError, match="int4"):
+        ext.paged_attention(*args, scale=1.0, k_scale=odd, v_scale=odd)
+
+
+@needs_ext
+def test_selfcheck_checks_the_int4_variant_and_falls_back_on_a_kernel_dropping_the_minimum(
+        monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
+    shapes = ModelShapes(4, 2, 64, 16, mx.float32, max_batch=4, chunk=8, max_context=256, kv_dtype="int4")
+    sel = select_kernels(shapes, ops=[OP])
+    assert sel.report.implementation("paged_attention") == "cpu", sel.report.ops[0].reason
+
+    def no_minimum(*args: Any, k_scale: mx.array | None = None, v_scale: mx.array | None = None,
+                   **kwargs: Any) -> mx.array:  # fmt: skip
+        assert k_scale is not None and v_scale is not None
+        keep = mx.array([1.0, 0.0])  # scales kept, minimums zeroed: every value off by its group's min
+        return paged_attention_cpu(*args, k_scale=k_scale * keep, v_scale=v_scale * keep, **kwargs)
+
+    monkeypatch.setitem(KERNELS, "cpu", Kernel(no_minimum, KERNELS["cpu"].supports))
+    with pytest.warns(KernelFallbackWarning, match="paged_attention"):
+        sel = select_kernels(shapes, ops=[OP])
+    assert sel.report.implementation("paged_attention") == "reference" and sel.report.ops[0].failed

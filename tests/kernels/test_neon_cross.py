@@ -1,7 +1,7 @@
 """The CPU kernels' NEON paths without an ARM machine: every source of the extension compiled for aarch64
 against the installed MLX headers (no aarch64 libmlx to link: the front end only), and the kernel bodies
 (cpu_bodies.cpp: simd.h and each op's loops, no mlx) cross-compiled per ARM ISA and run under qemu-user
-against scalar references: linear, quant_linear's fp32 paths, paged attention on fp32/fp16/int8 pools,
+against scalar references: linear, quant_linear's fp32 paths, paged attention on fp32/fp16/int8/int4 pools,
 rms_norm, rope, silu_mul and the gated delta rule."""
 
 from __future__ import annotations
@@ -75,4 +75,4 @@ def test_neon_kernel_bodies_match_scalar_references_under_qemu(march: str, tmp_p
     checked = [line.split()[1] for line in run.stdout.splitlines() if line.startswith("ok ")]
     for op in ("linear", "quant_linear", "paged_attention", "rms_norm", "rope", "silu_mul", "gated_delta"):
         assert op in checked, (op, "not checked")
-    assert "int8 KV" in run.stdout and "fp16 scales" in run.stdout
+    assert "int8 KV" in run.stdout and "int4 KV" in run.stdout and "fp16 scales" in run.stdout
