@@ -25,6 +25,7 @@ import sys
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from contextvars import ContextVar
+from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -210,7 +211,8 @@ def _fused_swiglu(original: Callable[[mx.array, mx.array], mx.array]) -> Callabl
     return swiglu
 
 
-_Arguments = Callable[[tuple[object, ...], dict[str, object]], dict[str, object]]
+# Argument values are whatever the caller passed (Signature.bind's are Any too); the wrappers check the arrays.
+_Arguments = Callable[[tuple[object, ...], dict[str, object]], dict[str, Any]]
 
 
 def _binder(sig: inspect.Signature) -> _Arguments:
@@ -226,9 +228,9 @@ def _binder(sig: inspect.Signature) -> _Arguments:
     direct = all(p.kind is not p.VAR_POSITIONAL and p.kind is not p.VAR_KEYWORD for p in params) and all(
         p.default is not p.empty for p in params if p.kind is p.KEYWORD_ONLY)
 
-    def arguments(args: tuple[object, ...], kwargs: dict[str, object]) -> dict[str, object]:
+    def arguments(args: tuple[object, ...], kwargs: dict[str, object]) -> dict[str, Any]:
         if direct and required <= len(args) <= len(positional) and kwargs.keys() <= keyword:
-            p = dict(defaults)
+            p: dict[str, Any] = dict(defaults)
             p.update(zip(positional, args))
             p.update(kwargs)
             return p
