@@ -25,6 +25,7 @@ import sys
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from contextvars import ContextVar
+from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -210,6 +211,36 @@ def _fused_swiglu(original: Callable[[mx.array, mx.array], mx.array]) -> Callabl
     return swiglu
 
 
+# Argument values are whatever the caller passed (Signature.bind's are Any too); the wrappers check the arrays.
+_Arguments = Callable[[tuple[object, ...], dict[str, object]], dict[str, Any]]
+
+
+def _binder(sig: inspect.Signature) -> _Arguments:
+    """A function from a call's (args, kwargs) to its arguments by parameter name, defaults filled in, as
+    `sig.bind` + `apply_defaults` give them. A call that passes positional parameters by position and
+    keyword-only ones by name (how mlx-lm's models call these, per layer per decode step) is mapped directly;
+    any other call goes through `sig.bind`, which also raises what the original would."""
+    params = list(sig.parameters.values())
+    positional = [p.name for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    keyword = frozenset(p.name for p in params if p.kind is p.KEYWORD_ONLY)
+    defaults = {p.name: p.default for p in params if p.default is not p.empty}
+    required = sum(1 for p in params if p.name in positional and p.default is p.empty)
+    direct = all(p.kind is not p.VAR_POSITIONAL and p.kind is not p.VAR_KEYWORD for p in params) and all(
+        p.default is not p.empty for p in params if p.kind is p.KEYWORD_ONLY)
+
+    def arguments(args: tuple[object, ...], kwargs: dict[str, object]) -> dict[str, Any]:
+        if direct and required <= len(args) <= len(positional) and kwargs.keys() <= keyword:
+            p: dict[str, Any] = dict(defaults)
+            p.update(zip(positional, args))
+            p.update(kwargs)
+            return p
+        bound = sig.bind(*args, **kwargs)
+        bound.apply_defaults()
+        return dict(bound.arguments)
+
+    return arguments
+
+
 def _fused_gated_delta(original: Callable[..., tuple[mx.array, mx.array]]) -> Callable[..., tuple[mx.array, mx.array]]:
     """mlx-lm's gated_delta_update with its recurrence run by the selection's `gated_delta` (the CPU primitive):
     g and beta computed by mlx-lm's own helpers, as it computes them. Outside fused_ops(), where the
@@ -218,15 +249,14 @@ def _fused_gated_delta(original: Callable[..., tuple[mx.array, mx.array]]) -> Ca
     sig = inspect.signature(original)
     helpers = sys.modules.get(original.__module__)
     known = set(sig.parameters) <= _GATED_DELTA_PARAMS
+    arguments = _binder(sig)
 
     def gated_delta_update(*args: object, **kwargs: object) -> tuple[mx.array, mx.array]:
         k = _ACTIVE.get()
         run = k.gated_delta if k is not None else None
         if run is None or not known or helpers is None:
             return original(*args, **kwargs)
-        bound = sig.bind(*args, **kwargs)
-        bound.apply_defaults()
-        p = bound.arguments
+        p = arguments(args, kwargs)
         if not p.get("use_kernel", True):
             return original(*args, **kwargs)
         q, key, v, a, b = (p[n] for n in ("q", "k", "v", "a", "b"))
@@ -256,15 +286,14 @@ def _fused_ssm_update(original: Callable[..., tuple[mx.array, mx.array]]) -> Cal
     version does not know: the original."""
     sig = inspect.signature(original)
     known = set(sig.parameters) <= _SSM_UPDATE_PARAMS
+    arguments = _binder(sig)
 
     def ssm_update(*args: object, **kwargs: object) -> tuple[mx.array, mx.array]:
         k = _ACTIVE.get()
         run = k.ssm_update if k is not None else None
         if run is None or not known:
             return original(*args, **kwargs)
-        bound = sig.bind(*args, **kwargs)
-        bound.apply_defaults()
-        p = bound.arguments
+        p = arguments(args, kwargs)
         x, state = p["hidden_states"], p.get("state")
         if not isinstance(x, mx.array) or x.shape[1] != 1 or not isinstance(state, mx.array):
             return original(*args, **kwargs)
