@@ -34,15 +34,18 @@ def test_schema_driven_bodies_never_get_a_5xx(server_url: str, path: str, mode: 
     schema = schemathesis.openapi.from_url(server_url + "/openapi.json")
     operation = schema[path]["POST"]
     statuses: dict[int, int] = {}
+    accepted: list[str] = []  # negative cases the server took: the failure shows them (they are rare, random)
 
     @settings(max_examples=30, deadline=None, database=None, suppress_health_check=list(HealthCheck))
     @given(case=operation.as_strategy(generation_mode=mode))
     def check(case: Case) -> None:
         response = case.call(timeout=30)
         statuses[response.status_code] = statuses.get(response.status_code, 0) + 1
+        if mode is GenerationMode.NEGATIVE and response.status_code < 300 and len(accepted) < 3:
+            accepted.append(f"body={case.body!r:.400} headers={case.headers!r:.200} query={case.query!r:.200}")
         case.validate_response(response, checks=[not_a_server_error])
 
     check()
     assert sum(statuses.values()) >= 10, statuses  # it really sent requests
     if mode is GenerationMode.NEGATIVE:
-        assert set(statuses) <= {400, 404, 413, 415}, statuses
+        assert set(statuses) <= {400, 404, 413, 415}, (statuses, accepted)
