@@ -96,8 +96,10 @@ def test_smollm2_over_three_ranks_equals_one_rank(default_model: LoadedModel, tm
     prompts = [tok.apply_chat_template([{"role": "user", "content": q}])
                for q in ("What is the capital of France?", "Name a colour.")]
     # 3 ranks on 2 cores, each busy-waiting in 61 collectives a step: keep it to one batch of a few steps (the
-    # other scenarios run on the tiny model above) and skip the kernel self-check on every rank
-    config = EngineConfig(block_size=16, num_kv_blocks=64, max_num_seqs=4, max_num_batched_tokens=256, kernels="ref")
+    # other scenarios run on the tiny model above), skip the kernel self-check on every rank and the load-time
+    # probe (~20 s here; the tiny model's cases above run it over ranks)
+    config = EngineConfig(block_size=16, num_kv_blocks=64, max_num_seqs=4, max_num_batched_tokens=256, kernels="ref",
+                          verify_model=False)
     kinds = ("batched",)
     tp = run_tp(3, config, prompts, 3, tmp_path, kinds)
     ref = scenarios(LLMEngine(config, loaded=default_model), prompts, greedy(3), kinds)
