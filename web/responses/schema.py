@@ -18,6 +18,16 @@ MAX_TOOLS = 1024
 
 
 Kind = Annotated[str, Field(max_length=64)]
+PART_KINDS = frozenset({"input_text", "output_text", "refusal"})
+ITEM_KINDS = frozenset({"message", "function_call", "function_call_output", "reasoning"})
+TOOL_KINDS = frozenset({"function"})
+
+
+# The `type` of each union's catch-all member: any kind but the union's named ones. Validation routes by the tag
+# already; the published schema says so too, so that a body matches exactly one member of its oneOf.
+OtherPartKind = Annotated[str, Field(max_length=64, json_schema_extra={"not": {"enum": sorted(PART_KINDS)}})]
+OtherItemKind = Annotated[str, Field(max_length=64, json_schema_extra={"not": {"enum": sorted(ITEM_KINDS)}})]
+OtherToolKind = Annotated[str, Field(max_length=64, json_schema_extra={"not": {"enum": sorted(TOOL_KINDS)}})]
 
 
 class TextPart(StrictModel):
@@ -33,13 +43,13 @@ class RefusalPart(StrictModel):
 class OtherPart(StrictModel):
     """input_image, input_file, input_audio, ..."""
 
-    type: Kind
+    type: OtherPartKind
 
 
 Part = Annotated[
     Annotated[TextPart, Tag("input_text")] | Annotated[TextPart, Tag("output_text")]
     | Annotated[RefusalPart, Tag("refusal")] | Annotated[OtherPart, Tag("other")],
-    type_tag(frozenset({"input_text", "output_text", "refusal"})),
+    type_tag(PART_KINDS),
 ]
 
 
@@ -81,14 +91,14 @@ class ReasoningItem(StrictModel):
 class OtherItem(StrictModel):
     """item_reference, built-in tools' calls and outputs, ..."""
 
-    type: Kind
+    type: OtherItemKind
 
 
 InputItem = Annotated[
     Annotated[MessageItem, Tag("message")] | Annotated[FunctionCallItem, Tag("function_call")]
     | Annotated[FunctionCallOutputItem, Tag("function_call_output")] | Annotated[ReasoningItem, Tag("reasoning")]
     | Annotated[OtherItem, Tag("other")],
-    type_tag(frozenset({"message", "function_call", "function_call_output", "reasoning"}), default="message"),
+    type_tag(ITEM_KINDS, default="message"),
 ]
 
 
@@ -103,12 +113,12 @@ class FunctionTool(StrictModel):
 class OtherTool(StrictModel):
     """web_search, file_search, code_interpreter, computer_use, mcp, local_shell, ...: built-in tools."""
 
-    type: Kind
+    type: OtherToolKind
 
 
 Tool = Annotated[
     Annotated[FunctionTool, Tag("function")] | Annotated[OtherTool, Tag("other")],
-    type_tag(frozenset({"function"})),
+    type_tag(TOOL_KINDS),
 ]
 
 
