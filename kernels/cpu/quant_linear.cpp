@@ -12,9 +12,11 @@
 // Decode rows on x86 (AVX2 and up; x_bits 16, the default, or 8): integer dot products instead. Each row
 // of x is rounded once per call to int16 (or int8, llama.cpp's Q8_0 activations) per block of 32 (d = max|x|
 // / 32767 or / 127), and every weight block of 32 meets it in integer dot products: 32 products summed
-// into 8 int32 lanes (vpmaddwd, or vpdpwssd with AVX-512 VNNI; int8: vpmaddubsw + vpmaddwd, or vpdpbusd),
-// one int -> float conversion and one FMA by d_x * scale per block instead of an unpack to float and an
-// FMA per element, which kept the fp32 path compute-bound on the unpack. The bias term, bias * sum of x
+// into 8 int32 lanes (vpmaddwd, or vpdpwssd with AVX-512 VNNI; int8: vpmaddubsw + vpmaddwd, or vpdpbusd);
+// eight weight rows' lanes are summed into one vector (an exact int32 per row and block), then one int ->
+// float conversion and one FMA by d_x * scale per block for the eight, instead of an unpack to float and an
+// FMA per element, which kept the fp32 path compute-bound on the unpack. Each weight block is unpacked once
+// per call for all rows of x (a verify step's 9 rows cost ~3x one row, not ~5x). The bias term, bias * sum of x
 // over the group, takes the rounded x's sums (llama.cpp's Q8_1), so y is exactly dequantize(w) . round(x):
 // x's rounding meets w itself, not the larger scale * q. int16's rounding is ~1e-5 of |x| (greedy decode
 // stays the fp32 path's); int8's, ~0.3%, moves SmolLM2-135M's greedy tokens. x_bits 32: the fp32 path.
@@ -290,19 +292,13 @@ void prefill_impl(const QArgs<S>& a) {
 // ------------------------------------------------------------ decode rows in integer dot products
 
 constexpr int QB = 32;  // elements per activation block
+constexpr int kMaxRowsInt = 64;  // rows of x the integer path takes (run() sends more to the others)
 
 struct XQ {
   const void* q;  // [M, K] int8 or int16, each block in the order the weights' blocks unpack to
   const float* d;  // [M, K / QB]
   const float* sum;  // [M, K / G]: sums of the rounded x
 };
-
-inline float hsum8(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
-}
 
 inline int hsum8i(__m256i t) {
   __m128i h = _mm_add_epi32(_mm256_castsi256_si128(t), _mm256_extracti128_si256(t, 1));
@@ -464,65 +460,99 @@ void quantize_rows(const float* x, int M, int K, int G, void* qv, float* d, floa
   }
 }
 
-// y[MT, NT] = x[MT] . dequantize(w rows n .. n + NT), x in XB-bit blocks.
-template <int BITS, int XB, int MT, int NT, typename S>
-inline void qtile_int(const QArgs<S>& a, const XQ& xq, int m, int n) {
+// Lane j of the result: the sum of v[j]'s 8 lanes (int32, exact, so any order gives the same sums).
+inline __m256i reduce8(const __m256i* v) {
+  __m256i h[4];
+  for (int p = 0; p < 4; ++p) {
+    h[p] = _mm256_add_epi32(_mm256_unpacklo_epi32(v[2 * p], v[2 * p + 1]), _mm256_unpackhi_epi32(v[2 * p], v[2 * p + 1]));
+  }
+  const __m256i q0 = _mm256_add_epi32(_mm256_unpacklo_epi64(h[0], h[1]), _mm256_unpackhi_epi64(h[0], h[1]));
+  const __m256i q1 = _mm256_add_epi32(_mm256_unpacklo_epi64(h[2], h[3]), _mm256_unpackhi_epi64(h[2], h[3]));
+  return _mm256_add_epi32(_mm256_permute2x128_si256(q0, q1, 0x20), _mm256_permute2x128_si256(q0, q1, 0x31));
+}
+
+// The integer decode rows' arithmetic, the same for every row count and weight row (so a row's y does not
+// depend on what else is in the call: a verify step's rows equal plain decode's): per weight block, the
+// exact int32 dot of the block with x's block, one conversion, one FMA by d_x * scale into y's accumulator;
+// per group one FMA of bias * (the rounded x's sum) into a second accumulator; y = the two's sum.
+//
+// Weight rows n .. n + 8 against every row of x: each weight block is loaded (and unpacked) once per call
+// and met by all M rows; the 8 rows' block dots are summed into one vector whose lane j is weight row j's,
+// so the scaling is one vector FMA per x row and block, and the 8 outputs are stored together.
+template <int BITS, int XB, typename S>
+void group8_int(const QArgs<S>& a, const XQ& xq, int n, __m256* acc, __m256* bacc) {
   using Q = std::conditional_t<XB == 8, int8_t, int16_t>;
   const int K = a.K, ng = K / a.G, nb = K / QB, per = a.G / QB;
   const size_t wrow = static_cast<size_t>(K) * BITS / 8;
   const Q* xbase = static_cast<const Q*>(xq.q);
-  __m256 acc[MT * NT];
-  float bias[MT * NT] = {};
-  for (int i = 0; i < MT * NT; ++i) acc[i] = _mm256_setzero_ps();
+  for (int i = 0; i < a.M; ++i) acc[i] = bacc[i] = _mm256_setzero_ps();
   for (int g = 0; g < ng; ++g) {
-    float s[NT];
-    for (int j = 0; j < NT; ++j) {
+    alignas(32) float s[8], b[8];
+    for (int j = 0; j < 8; ++j) {
       s[j] = to_f32(a.scales[static_cast<size_t>(n + j) * ng + g]);
-      const float b = to_f32(a.biases[static_cast<size_t>(n + j) * ng + g]) + WBlock<BITS, XB>::kShift * s[j];
-      for (int i = 0; i < MT; ++i) bias[i * NT + j] += b * xq.sum[static_cast<size_t>(m + i) * ng + g];
+      b[j] = to_f32(a.biases[static_cast<size_t>(n + j) * ng + g]) + WBlock<BITS, XB>::kShift * s[j];
+    }
+    const __m256 sv = _mm256_load_ps(s), bv = _mm256_load_ps(b);
+    for (int i = 0; i < a.M; ++i) {
+      bacc[i] = _mm256_fmadd_ps(bv, _mm256_set1_ps(xq.sum[static_cast<size_t>(i) * ng + g]), bacc[i]);
+    }
+    if (a.M == 1) {  // no next row to keep the weight blocks for: unpack each where it is used (AVX2's 16 registers)
+      for (int blk = g * per; blk < (g + 1) * per; ++blk) {
+        const __m256i* xp = reinterpret_cast<const __m256i*>(xbase + static_cast<size_t>(blk) * QB);
+        __m256i xv[XB / 8];
+        for (int h = 0; h < XB / 8; ++h) xv[h] = _mm256_loadu_si256(xp + h);
+        __m256i d[8];
+        for (int j = 0; j < 8; ++j) {
+          WBlock<BITS, XB> wb;
+          wb.load(a.w + (n + j) * wrow + static_cast<size_t>(blk) * QB * BITS / 8);
+          d[j] = wb.dot(xv);
+        }
+        const __m256 dxs = _mm256_mul_ps(_mm256_set1_ps(xq.d[blk]), sv);
+        acc[0] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(reduce8(d)), dxs, acc[0]);
+      }
+      continue;
     }
     for (int blk = g * per; blk < (g + 1) * per; ++blk) {
-      WBlock<BITS, XB> wb[NT];
-      for (int j = 0; j < NT; ++j) wb[j].load(a.w + (n + j) * wrow + static_cast<size_t>(blk) * QB * BITS / 8);
-      for (int i = 0; i < MT; ++i) {
-        const Q* xp = xbase + static_cast<size_t>(m + i) * K + static_cast<size_t>(blk) * QB;
+      WBlock<BITS, XB> wb[8];
+      for (int j = 0; j < 8; ++j) wb[j].load(a.w + (n + j) * wrow + static_cast<size_t>(blk) * QB * BITS / 8);
+      for (int i = 0; i < a.M; ++i) {
+        const Q* xp = xbase + static_cast<size_t>(i) * K + static_cast<size_t>(blk) * QB;
         __m256i xv[XB / 8];
         for (int h = 0; h < XB / 8; ++h) xv[h] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xp) + h);
-        const float dx = xq.d[static_cast<size_t>(m + i) * nb + blk];
-        for (int j = 0; j < NT; ++j) {
-          acc[i * NT + j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(wb[j].dot(xv)), _mm256_set1_ps(dx * s[j]), acc[i * NT + j]);
-        }
+        __m256i d[8];
+        for (int j = 0; j < 8; ++j) d[j] = wb[j].dot(xv);
+        const __m256 dxs = _mm256_mul_ps(_mm256_set1_ps(xq.d[static_cast<size_t>(i) * nb + blk]), sv);
+        acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(reduce8(d)), dxs, acc[i]);
       }
     }
   }
-  float* y = a.y + static_cast<size_t>(m) * a.N + n;
-  for (int i = 0; i < MT; ++i) {
-    for (int j = 0; j < NT; ++j) y[static_cast<size_t>(i) * a.N + j] = hsum8(acc[i * NT + j]) + bias[i * NT + j];
+  for (int i = 0; i < a.M; ++i) _mm256_storeu_ps(a.y + static_cast<size_t>(i) * a.N + n, _mm256_add_ps(acc[i], bacc[i]));
+}
+
+// One weight row (the last N % 8), in the same arithmetic as a lane of group8_int.
+template <int BITS, int XB, typename S>
+void row_int(const QArgs<S>& a, const XQ& xq, int n) {
+  using Q = std::conditional_t<XB == 8, int8_t, int16_t>;
+  const int K = a.K, ng = K / a.G, nb = K / QB, per = a.G / QB;
+  const size_t wrow = static_cast<size_t>(K) * BITS / 8;
+  const Q* xbase = static_cast<const Q*>(xq.q);
+  for (int i = 0; i < a.M; ++i) {
+    float acc = 0.0f, bacc = 0.0f;
+    for (int g = 0; g < ng; ++g) {
+      const float s = to_f32(a.scales[static_cast<size_t>(n) * ng + g]);
+      const float b = to_f32(a.biases[static_cast<size_t>(n) * ng + g]) + WBlock<BITS, XB>::kShift * s;
+      bacc = std::fma(b, xq.sum[static_cast<size_t>(i) * ng + g], bacc);
+      for (int blk = g * per; blk < (g + 1) * per; ++blk) {
+        WBlock<BITS, XB> wb;
+        wb.load(a.w + n * wrow + static_cast<size_t>(blk) * QB * BITS / 8);
+        const Q* xp = xbase + static_cast<size_t>(i) * K + static_cast<size_t>(blk) * QB;
+        __m256i xv[XB / 8];
+        for (int h = 0; h < XB / 8; ++h) xv[h] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xp) + h);
+        acc = std::fma(static_cast<float>(hsum8i(wb.dot(xv))), xq.d[static_cast<size_t>(i) * nb + blk] * s, acc);
+      }
+    }
+    a.y[static_cast<size_t>(i) * a.N + n] = acc + bacc;
   }
-}
-
-// Tiles: up to 4 rows of x by NT weight rows, one 256-bit accumulator each (32 registers with AVX-512 VL
-// hold 4 x 4 and their weight blocks; AVX2's 16 hold 4 x 2, one row by 4).
-#if defined(__AVX512F__)
-constexpr int kNTi = 4;
-#else
-constexpr int kNTi = 2;
-#endif
-
-// Every row of x against weight rows n .. n + NT: the weight tile stays in L1 while x's rows pass.
-template <int BITS, int XB, int NT, typename S>
-inline void cols_int(const QArgs<S>& a, const XQ& xq, int n) {
-  int m = 0;
-  for (; m + 4 <= a.M; m += 4) qtile_int<BITS, XB, 4, NT>(a, xq, m, n);
-  for (; m + 2 <= a.M; m += 2) qtile_int<BITS, XB, 2, NT>(a, xq, m, n);
-  for (; m < a.M; ++m) qtile_int<BITS, XB, 1, NT>(a, xq, m, n);
-}
-
-template <int BITS, int XB, int NT, typename S>
-void band_int(const QArgs<S>& a, const XQ& xq, int n0, int n1) {
-  int n = n0;
-  for (; n + NT <= n1; n += NT) cols_int<BITS, XB, NT>(a, xq, n);
-  for (; n < n1; ++n) cols_int<BITS, XB, 1>(a, xq, n);
 }
 
 template <int BITS, int XB, typename S>
@@ -535,11 +565,16 @@ void decode_int(const QArgs<S>& a) {
   sum.resize(static_cast<size_t>(a.M) * (a.K / a.G));
   quantize_rows<BITS, XB>(a.x, a.M, a.K, a.G, q.data(), d.data(), sum.data());
   const XQ xq{q.data(), d.data(), sum.data()};
+  // Bands of 16 weight rows or more, ~8 per thread so the dynamic split stays even when another process
+  // holds a core.
   const int rows = std::max(16, (a.N / (8 * pool.size())) / 16 * 16);
   const int bands = (a.N + rows - 1) / rows;
   pool.parallel_for(bands, [&](int i) {
     const int n0 = i * rows, n1 = std::min(a.N, n0 + rows);
-    a.M == 1 ? band_int<BITS, XB, 4>(a, xq, n0, n1) : band_int<BITS, XB, kNTi>(a, xq, n0, n1);
+    __m256 acc[kMaxRowsInt], bacc[kMaxRowsInt];
+    int n = n0;
+    for (; n + 8 <= n1; n += 8) group8_int<BITS, XB>(a, xq, n, acc, bacc);
+    for (; n < n1; ++n) row_int<BITS, XB>(a, xq, n);
   });
 }
 #endif
@@ -548,7 +583,7 @@ template <typename S>
 void run(const QArgs<S>& a, int max_rows, int x_bits) {
   const bool decode = a.M <= max_rows;
 #if defined(TRILLM_Q8_DOT)
-  if (decode && (x_bits == 8 || x_bits == 16) && a.G % QB == 0) {
+  if (decode && a.M <= kMaxRowsInt && (x_bits == 8 || x_bits == 16) && a.G % QB == 0) {
     if (x_bits == 16) {
       a.bits == 4 ? decode_int<4, 16>(a) : decode_int<8, 16>(a);
     } else {

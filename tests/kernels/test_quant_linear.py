@@ -63,6 +63,21 @@ def test_rounded_rows_stay_within_activation_rounding_of_the_exact_product(bits:
                                   / (want**2).mean())
 
 
+@pytest.mark.parametrize(("bits", "group"), [(4, 32), (8, 32), (4, 64)])
+@pytest.mark.parametrize("x_bits", [8, 16, 32])
+def test_a_rows_output_does_not_depend_on_the_other_rows(bits: int, group: int, x_bits: int) -> None:
+    """Bit for bit: a row called alone equals the same row inside a call of 2-32 rows (a speculative verify's
+    rows against plain decode's; a batch's rows against each row alone), tail weight rows included."""
+    n, k = 1541, 576  # past one 8-row group per band, with a tail of 5
+    w, s, b = ql.random_quantized(n, k, group, bits, "float16", seed=3)
+    x = random_array((ql.MAX_ROWS, k), mx.float32, 11)
+    alone = np.concatenate([np.array(ql.quant_linear_cpu(x[i:i + 1], w, s, b, group, bits, x_bits=x_bits))
+                            for i in range(ql.MAX_ROWS)])
+    for rows in (2, 5, 9, ql.MAX_ROWS):
+        together = np.array(ql.quant_linear_cpu(x[:rows], w, s, b, group, bits, x_bits=x_bits))
+        assert np.array_equal(together, alone[:rows]), rows
+
+
 def test_quantized_x_reference_rounds_blocks_of_32() -> None:
     x = mx.array([[0.5 * (i % 7) - 1.0 for i in range(64)]]) * mx.array([[1.0] * 32 + [1e-3] * 32])
     q = np.array(ql.quantize_x_ref(x, 8))
