@@ -23,25 +23,43 @@ class NgramIndex:
     matches itself.
     """
 
-    __slots__ = ("min_n", "max_n", "_next", "_indexed")
+    __slots__ = ("min_n", "max_n", "_next", "_heads", "_indexed")
 
     def __init__(self, min_n: int = 2, max_n: int = 4) -> None:
         assert 1 <= min_n <= max_n
         self.min_n = min_n
         self.max_n = max_n
         self._next: dict[tuple[int, ...], int] = {}
+        self._heads: set[tuple[int, ...]] = set()  # the first min_n - 1 tokens of every indexed min_n-gram
         self._indexed = 0  # continuations indexed so far: grams ending before position _indexed
 
     def update(self, tokens: Seq[int]) -> None:
         """Index every n-gram of `tokens` (the same list, grown) whose continuation is now known."""
         if len(tokens) < self._indexed:  # a shorter list is another list: start over
             self._next.clear()
+            self._heads.clear()
             self._indexed = 0
-        nxt = self._next
+        nxt, heads = self._next, self._heads
         for c in range(max(self._indexed, 1), len(tokens)):  # c: the continuation's index
             for n in range(self.min_n, min(self.max_n, c) + 1):
                 nxt[tuple(tokens[c - n : c])] = c
+            if c >= self.min_n:
+                heads.add(tuple(tokens[c - self.min_n : c - 1]))
         self._indexed = max(self._indexed, len(tokens))
+
+    def may_propose_after(self, tokens: Seq[int]) -> bool:
+        """Whether `propose` could return anything once one more token is appended to `tokens` (indexed up to
+        its end), whatever that token is: False only when no gram it could then end with was seen. Every indexed
+        n-gram's last min_n tokens are an indexed min_n-gram too, so the suffix's last min_n - 1 tokens (which the
+        unknown token will follow) must head one: an indexed one, or the one appending the token indexes
+        (`tokens`' own last min_n, continued by it)."""
+        h = self.min_n - 1
+        if h == 0:
+            return True
+        if len(tokens) < h:
+            return False
+        head = tuple(tokens[len(tokens) - h :])
+        return head in self._heads or (len(tokens) > h and tuple(tokens[len(tokens) - h - 1 : -1]) == head)
 
     def propose(self, tokens: Seq[int], k: int) -> list[int]:
         """Up to k tokens that followed the longest suffix of `tokens` seen before (call `update` first).

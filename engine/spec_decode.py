@@ -51,6 +51,11 @@ class Proposer(Protocol):
 
     def propose(self, seqs: list[Sequence], ks: list[int], rows: RowsFn) -> list[list[int]]: ...
 
+    def may_propose_next(self, seq: Sequence) -> bool:
+        """Whether seq could get a proposal at its next token, whatever token it samples now (False lets the
+        step after this one be launched ahead)."""
+        ...
+
 
 class NgramProposer:
     """Prompt lookup over the sequence's own tokens (engine/ngram.py)."""
@@ -62,6 +67,11 @@ class NgramProposer:
             seq.spec.index.update(seq.token_ids)
             out.append(seq.spec.index.propose(seq.token_ids, k))
         return out
+
+    def may_propose_next(self, seq: Sequence) -> bool:
+        assert seq.spec is not None
+        seq.spec.index.update(seq.token_ids)
+        return seq.spec.index.may_propose_after(seq.token_ids)
 
 
 @dataclass(slots=True)
@@ -152,8 +162,11 @@ class Speculator:
 
     def holds_pipeline(self, batch: ScheduledBatch) -> bool:
         """Whether the step after `batch` may speculate: then it is not launched ahead (its proposal needs the
-        token this step samples)."""
-        return self._may_speculate(batch) and any(s.spec is not None and s.spec.pause == 0 for s in batch.decodes)
+        token this step samples). Not when no row could get a proposal whatever it samples (prompt lookup in a
+        stretch of new text: its last token never began a bigram before)."""
+        return self._may_speculate(batch) and any(
+            s.spec is not None and s.spec.pause == 0 and self.proposer.may_propose_next(s)
+            for s in batch.decodes)
 
     def plan(self, batch: ScheduledBatch, rows: RowsFn) -> None:
         """Propose for the step's decode rows and reserve slots for the proposals (after `Scheduler.schedule`)."""

@@ -71,6 +71,9 @@ class DraftProposer:
         self.max_chunk = max_chunk  # the longest catch-up chunk, as a prefill chunk of the target
         self.num_forwards = 0
 
+    def may_propose_next(self, seq: Sequence) -> bool:
+        return True  # a draft model proposes whatever the context
+
     def propose(self, seqs: list[Sequence], ks: list[int], rows: RowsFn) -> list[list[int]]:
         bs = self.runner.pool.block_size
         for s in seqs:

@@ -90,6 +90,9 @@ class MockProposer:
         self.runner = runner
         self.acceptance = acceptance
 
+    def may_propose_next(self, seq: Sequence) -> bool:
+        return True  # every row proposes
+
     def propose(self, seqs: list[Sequence], ks: list[int], rows: RowsFn) -> list[list[int]]:
         span = self.runner.vocab_size - NUM_SPECIAL
         out = []

@@ -114,6 +114,37 @@ def test_ngram_index_matches_a_brute_force_scan(tokens: list[int], k: int, grow:
     assert index.propose(tokens, k) == brute_propose(tokens, k, 2, 4)
 
 
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.integers(0, 5), min_size=0, max_size=30), st.integers(2, 3), st.integers(0, 8))
+def test_ngram_index_says_no_proposal_can_follow_only_when_none_can(tokens: list[int], min_n: int, grow: int) -> None:
+    """may_propose_after(t) is False only if no next token x gives t + [x] a proposal (so the step after may be
+    launched ahead without losing one)."""
+    index = NgramIndex(min_n=min_n, max_n=4)
+    index.update(tokens[: max(0, len(tokens) - grow)])
+    index.update(tokens)
+    if not index.may_propose_after(tokens):
+        for x in range(6):
+            after = NgramIndex(min_n=min_n, max_n=4)
+            after.update(tokens + [x])
+            assert after.propose(tokens + [x], 2) == [], x
+
+
+def test_ngram_index_knows_when_no_proposal_can_follow() -> None:
+    index = NgramIndex(min_n=2, max_n=3)
+    t = [1, 2, 3, 4]
+    index.update(t)
+    assert not index.may_propose_after(t)  # 4 never began a bigram: nothing can match "4 x"
+    t2 = t + [2]
+    index.update(t2)
+    assert index.may_propose_after(t2) and index.propose(t2 + [3], 2) == [4, 2]  # "2 3" was seen: "2 x" may match
+    loop = [7, 7]
+    index3 = NgramIndex(2, 3)
+    index3.update(loop)
+    assert index3.may_propose_after(loop)  # nothing indexed, but "7 7" is, once the next token is known
+    index3.update(loop + [7])
+    assert index3.propose(loop + [7], 1) == [7]
+
+
 def test_ngram_index_examples() -> None:
     index = NgramIndex(min_n=2, max_n=3)
     t = [1, 2, 3, 4, 9, 2, 3, 5, 7, 1, 2, 3]
@@ -306,6 +337,9 @@ def test_preemption_while_speculating_recomputes_identically(tiny_model: LoadedM
 # ---- control ------------------------------------------------------------------------------------------------
 def test_rows_back_off_when_proposals_fail_and_large_batches_do_not_speculate(tiny_model: LoadedModel) -> None:
     class Wrong:
+        def may_propose_next(self, seq: Sequence) -> bool:
+            return True
+
         def propose(self, seqs: list[Sequence], ks: list[int], rows: object) -> list[list[int]]:
             # almost never the model's choice
             return [[(seq.token_ids[-1] + 1 + j) % 300 for j in range(k)] for seq, k in zip(seqs, ks)]
