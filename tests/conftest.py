@@ -53,8 +53,11 @@ def default_model() -> Iterator[LoadedModel]:
 def pytest_collection_finish(session: pytest.Session) -> None:
     """Start, at low priority, the builds the collected tests will wait for (tests/background_builds.py)."""
     wider = cpu_ext.native_isa() == "avx512"  # elsewhere the AVX2 build is the native one, or none runs
-    if wider and any(item.name == "test_avx2_build_matches_the_references_on_a_wider_cpu" for item in session.items):
+    names = {item.name for item in session.items}
+    if wider and "test_avx2_build_matches_the_references_on_a_wider_cpu" in names:
         background_builds.start(background_builds.AVX2_EXTENSION)
+    if "test_mypy_clean" in names:
+        background_builds.start(background_builds.MYPY)
 
 
 def pytest_sessionfinish(session: pytest.Session) -> None:
