@@ -37,10 +37,15 @@ class ToolUseBlock(StrictModel):
     cache_control: CacheControl = None
 
 
+# The block kinds with their own models; the published schema's catch-all excludes them, so a named block is valid
+# under exactly one member of its oneOf, as the tagged union routes it ({"type": "redacted_thinking"} alone fits both).
+BLOCK_KINDS = ("redacted_thinking", "text", "thinking", "tool_result", "tool_use")
+
+
 class OtherBlock(StrictModel):
     """A block type only named here (image, document, search_result, server tool results, ...)."""
 
-    type: Annotated[str, Field(max_length=64)]
+    type: Annotated[str, Field(max_length=64, json_schema_extra={"not": {"enum": list(BLOCK_KINDS)}})]
 
 
 ToolResultContent = Annotated[
@@ -70,7 +75,7 @@ ContentBlock = Annotated[
     Annotated[TextBlock, Tag("text")] | Annotated[ToolUseBlock, Tag("tool_use")]
     | Annotated[ToolResultBlock, Tag("tool_result")] | Annotated[ThinkingBlock, Tag("thinking")]
     | Annotated[RedactedThinkingBlock, Tag("redacted_thinking")] | Annotated[OtherBlock, Tag("other")],
-    type_tag(frozenset({"text", "tool_use", "tool_result", "thinking", "redacted_thinking"})),
+    type_tag(frozenset(BLOCK_KINDS)),
 ]
 
 

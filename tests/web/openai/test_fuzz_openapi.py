@@ -65,3 +65,19 @@ def test_catch_all_members_do_not_overlap_the_named_ones(server_url: str) -> Non
             "tools": [{"type": "function", "name": "f"}]}
     assert [e.message for e in validator.iter_errors(body)] == []
     assert httpx.post(server_url + "/v1/responses", json=body | {"max_output_tokens": 2}).status_code == 200
+
+
+def test_a_bare_named_anthropic_block_is_not_also_the_catch_all(server_url: str) -> None:
+    """{"type": "redacted_thinking"} (its data defaults) fits the named member only, as the server routes it."""
+    spec = httpx.get(server_url + "/openapi.json").json()
+    schema = spec["paths"]["/v1/messages"]["post"]["requestBody"]["content"]["application/json"]["schema"]
+    validator = jsonschema.Draft202012Validator({**schema, "components": spec["components"]})
+    body = {"model": "m", "max_tokens": 2, "messages": [
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": [{"type": "redacted_thinking"}, {"type": "text", "text": "a"}]},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t", "content": [{"type": "text", "text": "b"}]}]}]}
+    assert [e.message for e in validator.iter_errors(body)] == []
+    assert httpx.post(server_url + "/v1/messages", json=body).status_code == 200
+    image = body | {"messages": [{"role": "user", "content": [{"type": "image"}]}]}
+    assert [e.message for e in validator.iter_errors(image)] == []  # the catch-all takes the other kinds
+    assert httpx.post(server_url + "/v1/messages", json=image).status_code == 400  # (refused: text only)
