@@ -30,6 +30,7 @@ from trillm.kernels.layout import RESERVED_BLOCK
 # SmolLM2 from ~50 to ~42 ms and a decode step that is not launched ahead from ~28 to ~21 ms.
 KICK_EVERY_NORMS = 6
 
+
 @dataclass(slots=True)
 class ForwardInputs:
     tokens: mx.array  # int32 [B, L], rows right-padded to the longest

@@ -50,9 +50,9 @@ class NgramIndex:
     def may_propose_after(self, tokens: Seq[int]) -> bool:
         """Whether `propose` could return anything once one more token is appended to `tokens` (indexed up to
         its end), whatever that token is: False only when no gram it could then end with was seen. Every indexed
-        n-gram's last min_n tokens are an indexed min_n-gram too, so the suffix's last min_n - 1 tokens (which the
-        unknown token will follow) must head one: an indexed one, or the one appending the token indexes
-        (`tokens`' own last min_n, continued by it)."""
+        n-gram's last min_n tokens are an indexed min_n-gram too, so the last min_n - 1 tokens (which the unknown
+        token will follow) must begin one: one indexed already, or the one that appending the token indexes
+        (`tokens`' last min_n tokens, continued by it)."""
         h = self.min_n - 1
         if h == 0:
             return True
