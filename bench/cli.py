@@ -11,6 +11,7 @@ HELP = "benchmarks: `trillm bench --help`"
 # subcommand -> (module with main(argv), what it measures)
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "serve": ("trillm.bench.serve", "measure OpenAI-compatible servers (SSE or trillm's websocket), like vLLM"),
+    "serve-spec": ("trillm.bench.serve_spec", "two trillm servers, speculative decoding on and off, side by side"),
     "peers": ("trillm.bench.peers", "start trillm, mlx_lm.server and llama.cpp on one model and compare them"),
     "llama-cpp": ("trillm.bench.llama_cpp", "llama.cpp's server for bench peers: install it, export its F32 GGUF"),
     "engine": ("trillm.bench.engine", "the engine without HTTP"),

@@ -23,60 +23,12 @@ from pathlib import Path
 
 import trillm.kernels  # noqa: F401  (BLAS before mlx)
 from trillm.kernels import BLAS, cpu_ext
+from trillm.bench.harness.prompts import CHAT, CODE_TASK
 from trillm.engine.config import EngineConfig
 from trillm.engine.llm_engine import LLMEngine
 from trillm.engine.loader import LoadedModel
 from trillm.engine.paged_model import decoder_stack
 from trillm.engine.sampling_params import SamplingParams
-
-CODE_FILE = '''\
-import json
-from dataclasses import dataclass
-
-
-@dataclass
-class Item:
-    name: str
-    price: float
-    quantity: int = 1
-
-    def total(self) -> float:
-        return self.price * self.quantity
-
-
-class Cart:
-    def __init__(self) -> None:
-        self.items: list[Item] = []
-
-    def add(self, item: Item) -> None:
-        self.items.append(item)
-
-    def remove(self, name: str) -> None:
-        self.items = [i for i in self.items if i.name != name]
-
-    def total(self) -> float:
-        return sum(i.total() for i in self.items)
-
-    def to_json(self) -> str:
-        return json.dumps([i.__dict__ for i in self.items])
-
-
-def load_cart(text: str) -> Cart:
-    cart = Cart()
-    for row in json.loads(text):
-        cart.add(Item(row["name"], row["price"], row["quantity"]))
-    return cart
-'''
-
-CODE_TASK = ("Here is a Python file:\n\n```python\n" + CODE_FILE + "```\n\nRename the class `Cart` to "
-             "`ShoppingCart` everywhere. Reply with the whole updated file in one code block, nothing else.")
-
-CHAT = [
-    "What is the capital of France?", "Write a haiku about the sea.", "Explain photosynthesis briefly.",
-    "Give me three tips for learning Python.", "Why is the sky blue?", "Describe a cat to a child.",
-    "What is 17 times 23?", "Name the planets of the solar system.",
-]
-
 
 @dataclass(frozen=True, slots=True)
 class SpecRow:

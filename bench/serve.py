@@ -34,6 +34,8 @@ def add_workload_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("requests")
     g.add_argument("--temperature", type=float, default=0.0)
     g.add_argument("--ignore-eos", action="store_true", help="send vLLM's ignore_eos (servers may ignore it)")
+    g.add_argument("--keep-text", action="store_true",
+                   help="keep each request's generated text in the results (to compare servers' greedy outputs)")
     g.add_argument("--timeout", type=float, default=600.0, help="seconds per request")
     g.add_argument("--warmup", type=int, default=1, help="unrecorded short requests per server first")
     g.add_argument("--slo-ttft-ms", type=float, default=None, help="goodput SLO on TTFT")
@@ -59,7 +61,8 @@ def spec_from_args(args: argparse.Namespace) -> WorkloadSpec:
 
 
 def options_from_args(args: argparse.Namespace) -> GenerationOptions:
-    return GenerationOptions(temperature=args.temperature, ignore_eos=args.ignore_eos, timeout_s=args.timeout)
+    return GenerationOptions(temperature=args.temperature, ignore_eos=args.ignore_eos, timeout_s=args.timeout,
+                             keep_text=args.keep_text)
 
 
 def slo_from_args(args: argparse.Namespace) -> SLO | None:

@@ -37,6 +37,7 @@ def engine_stats_json(stats: EngineStatistics | None) -> dict[str, Any] | None:
         "num_preemptions": stats.num_preemptions, "num_steps": stats.num_steps,
         "spec_acceptance_rate": stats.spec_acceptance_rate, "spec_tokens_per_verify": stats.spec_tokens_per_verify,
         "spec_draft_tokens": stats.spec_draft_tokens, "spec_accepted_tokens": stats.spec_accepted_tokens,
+        "spec_verifies": stats.spec_verifies,
         "memory_rss_bytes": stats.memory_rss_bytes, "memory_peak_bytes": stats.memory_peak_bytes,
         "memory_limit_bytes": stats.memory_limit_bytes, "kv_pool_bytes": stats.kv_pool_bytes,
         "kv_pool_used_bytes": stats.kv_pool_used_bytes,

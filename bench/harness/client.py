@@ -47,6 +47,7 @@ class GenerationOptions:
     temperature: float = 0.0
     ignore_eos: bool = False  # vLLM's extension; servers that do not know it ignore it
     timeout_s: float = 600.0
+    keep_text: bool = False  # keep each request's generated text in its record (to compare servers' outputs)
     extra_body: dict[str, object] = field(default_factory=dict)
 
 
@@ -119,16 +120,19 @@ def _body(req: BenchRequest, chat: bool, target: Target, opts: GenerationOptions
 class _Timer:
     """Collects chunk times and usage for one request."""
 
-    def __init__(self, t0: float) -> None:
+    def __init__(self, t0: float, keep_text: bool = False) -> None:
         self.t0 = t0
         self.chunks: list[float] = []
         self.usage: dict[str, object] | None = None
         self.chars = 0
+        self.pieces: list[str] | None = [] if keep_text else None
 
     def text(self, s: str | None) -> None:
         if s:
             self.chunks.append(time.perf_counter() - self.t0)
             self.chars += len(s)
+            if self.pieces is not None:
+                self.pieces.append(s)
 
     def record(self, req: BenchRequest, run_t0: float, error: BaseException | None = None) -> RequestRecord:
         u = self.usage or {}
@@ -146,6 +150,7 @@ class _Timer:
             error_kind=None if error is None else classify_error(error),
             error=None if error is None else f"{type(error).__name__}: {error}"[:500],
             turn=req.turn,
+            text=None if self.pieces is None else "".join(self.pieces),
         )
 
 
@@ -168,7 +173,7 @@ async def send_sse(
     """POST one streaming request and time every chunk that carries text."""
     chat = target.api == "chat" or (target.api == "auto" and req.is_chat)
     path = "/v1/chat/completions" if chat else "/v1/completions"
-    timer = _Timer(time.perf_counter())
+    timer = _Timer(time.perf_counter(), opts.keep_text)
     try:
         body = _body(req, chat, target, opts)
         with trio.fail_after(opts.timeout_s):
@@ -199,7 +204,7 @@ async def send_sse(
 
 async def send_ws(target: Target, req: BenchRequest, opts: GenerationOptions, run_t0: float) -> RequestRecord:
     """One request over trillm's websocket API, on its own connection."""
-    timer = _Timer(time.perf_counter())
+    timer = _Timer(time.perf_counter(), opts.keep_text)
     msg: dict[str, object] = {"type": "generate", "id": req.request_id}
     msg.update(_body(req, req.is_chat, target, opts))
     for key in ("stream", "stream_options"):

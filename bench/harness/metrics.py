@@ -28,6 +28,7 @@ class RequestRecord:
     error_kind: str | None = None  # None when it succeeded
     error: str | None = None
     turn: int = 0
+    text: str | None = None  # the generated text, when the run kept it (GenerationOptions.keep_text)
 
     @property
     def success(self) -> bool:

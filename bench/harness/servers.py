@@ -35,9 +35,11 @@ def blas_env() -> dict[str, str]:
     return env
 
 
-def trillm_command(model: str, port: int, extra: Sequence[str] = ()) -> list[str]:
-    return [sys.executable, "-m", "trillm.web.cli", "serve", "--model", model, "--host", "127.0.0.1",
-            "--port", str(port), *extra]
+def trillm_command(model: str | None, port: int, extra: Sequence[str] = ()) -> list[str]:
+    """`trillm serve` on loopback; model None serves its default model."""
+    chosen = ["--model", model] if model is not None else []
+    return [sys.executable, "-m", "trillm.web.cli", "serve", *chosen, "--host", "127.0.0.1", "--port", str(port),
+            *extra]
 
 
 def mlx_lm_command(model: str, port: int, extra: Sequence[str] = ()) -> list[str]:

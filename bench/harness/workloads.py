@@ -3,7 +3,8 @@
 Prompts are built from a fixed list of common English words. Each word with its leading space is one token
 for byte-level BPE tokenizers such as SmolLM2's, so a prompt of N words is about N tokens; the server's usage
 reports the exact count. Every prompt starts with words unique to it, so unrelated requests never share a
-cacheable prefix by accident.
+cacheable prefix by accident. The exceptions are code-edit and chat: real text (harness/prompts.py), for
+speculative decoding, whose gain depends on what the text is.
 """
 
 from __future__ import annotations
@@ -13,6 +14,8 @@ from collections.abc import Mapping
 import math
 import random
 from dataclasses import dataclass, field
+
+from trillm.bench.harness.prompts import CHAT, RENAMES, code_task
 
 _WORDS = (
     "the of and to in is was for on that with as by at from his her they this have are had not but be one "
@@ -30,7 +33,7 @@ _WORDS = (
 SHAREGPT_INPUT_MEAN, SHAREGPT_INPUT_SIGMA = 161.0, 1.0
 SHAREGPT_OUTPUT_MEAN, SHAREGPT_OUTPUT_SIGMA = 338.0, 0.9
 
-WORKLOADS = ("random", "short", "long", "multi-turn", "shared-prefix", "sharegpt")
+WORKLOADS = ("random", "short", "long", "multi-turn", "shared-prefix", "sharegpt", "code-edit", "chat")
 
 
 @dataclass(frozen=True, slots=True)
@@ -176,6 +179,28 @@ def sharegpt_like(
     return Workload("sharegpt", tuple(reqs), params)
 
 
+def code_edit(num_prompts: int, output_len: int, seed: int = 0) -> Workload:
+    """Chat requests whose user message is a Python file and a rename in it: the answer repeats the prompt.
+
+    The renames cycle from `seed` on; every prompt shares the file, as edits of one file do.
+    """
+    reqs = []
+    for i in range(num_prompts):
+        text = code_task(*RENAMES[(seed + i) % len(RENAMES)])
+        reqs.append(BenchRequest(f"code-edit-{i}", output_len, messages=(("user", text),),
+                                 prompt_words=len(text.split())))
+    return Workload("code-edit", tuple(reqs), dict(output_len=output_len, seed=seed))
+
+
+def chat(num_prompts: int, output_len: int, seed: int = 0) -> Workload:
+    """Plain chat questions (prompts.CHAT, cycled from `seed` on), each tagged with its number so no two are equal."""
+    reqs = []
+    for i in range(num_prompts):
+        text = f"{CHAT[(seed + i) % len(CHAT)]} (#{i})"
+        reqs.append(BenchRequest(f"chat-{i}", output_len, messages=(("user", text),), prompt_words=len(text.split())))
+    return Workload("chat", tuple(reqs), dict(output_len=output_len, seed=seed))
+
+
 @dataclass(frozen=True, slots=True)
 class WorkloadSpec:
     """The knobs `bench serve` exposes, shared by every workload generator."""
@@ -208,4 +233,8 @@ def build(name: str, spec: WorkloadSpec) -> Workload:
         return shared_prefix(s.num_prompts, s.system_len, max(1, s.input_len // 4), s.output_len, s.seed)
     if name == "sharegpt":
         return sharegpt_like(s.num_prompts, s.scale, seed=s.seed)
+    if name == "code-edit":
+        return code_edit(s.num_prompts, s.output_len, s.seed)
+    if name == "chat":
+        return chat(s.num_prompts, s.output_len, s.seed)
     raise ValueError(f"unknown workload {name!r}; choose from {', '.join(WORKLOADS)}")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 
 import json
@@ -13,11 +14,12 @@ import pytest
 import trio
 
 from bench_standin import StandIn, serve
-from trillm.bench import cli
+from trillm.bench import cli, serve_spec
 from trillm.bench.harness.arrival import Arrival
 from trillm.bench.harness.client import GenerationOptions, Target
+from trillm.bench.harness.run import run_workload
 from trillm.bench.serve import run_matrix
-from trillm.bench.harness.workloads import multi_turn, random_lengths
+from trillm.bench.harness.workloads import code_edit, multi_turn, random_lengths
 
 
 async def test_sse_and_ws_runs_time_every_token(nursery: trio.Nursery) -> None:
@@ -126,3 +128,48 @@ def test_cli_reports_unknown_subcommands(capsys: pytest.CaptureFixture[str]) -> 
     assert cli.main([]) == 2 and cli.main(["--help"]) == 0
     for name, (module, _) in cli.SUBCOMMANDS.items():  # every listed subcommand exists and has main(argv)
         assert callable(importlib.import_module(module).main), name
+
+
+async def test_keep_text_records_what_was_generated(nursery: trio.Nursery) -> None:
+    http_port, ws_port = await nursery.start(serve, StandIn(ttft_s=0.0, itl_s=0.0))
+    wl = code_edit(2, 3)
+    for target in (Target("sse", f"http://127.0.0.1:{http_port}"), Target("ws", f"http://127.0.0.1:{ws_port}",
+                                                                             transport="ws")):
+        kept = await run_workload(target, wl, Arrival("concurrency", 1), GenerationOptions(keep_text=True),
+                                  progress=False)
+        assert [r.text for r in kept.records] == [" w0 w1 w2"] * 2
+        plain = await run_workload(target, wl, Arrival("concurrency", 1), GenerationOptions(), progress=False)
+        assert all(r.text is None for r in plain.records)
+
+
+async def test_serve_spec_compares_two_servers(nursery: trio.Nursery) -> None:
+    ports = [(await nursery.start(serve, StandIn(ttft_s=0.0, itl_s=0.001)))[0] for _ in range(2)]
+    args = serve_spec.build_parser().parse_args(
+        ["--code-prompts", "2", "--code-tokens", "5", "--chat-prompts", "2", "--chat-tokens", "4",
+         "--high-prompts", "4", "--high-concurrency", "4", "--trials", "2"])
+    cases = serve_spec.plan(args)
+    assert [(c.name, c.arrival.max_concurrency, len(c.workload.requests)) for c in cases] == [
+        ("code-edit", 1, 2), ("chat", 1, 2), ("chat-c16", 4, 4)]
+    targets = {serve_spec.OFF: Target("off", f"http://127.0.0.1:{ports[0]}"),
+               serve_spec.ON: Target("on", f"http://127.0.0.1:{ports[1]}")}
+    results, runs = await serve_spec.run_cases(targets, cases, GenerationOptions(keep_text=True), 2, 1, False)
+    assert len(runs) == 3 * 2 * 2  # cases x trials x servers
+    for r in results:
+        assert r.identical and r.off.completed == r.on.completed == r.num_requests
+        assert r.spec == serve_spec.SpecCounts()  # the stand-in has no /stats counters
+    assert "| code-edit | 1 | 2 |" in serve_spec.markdown(results)
+    # a text that differs, or a request that failed on one side, is reported by id
+    a = runs[0]
+    changed = dataclasses.replace(a.records[1], text="other")
+    b = dataclasses.replace(a, records=(a.records[0], changed))
+    assert serve_spec.differing_texts(a, b) == [a.records[1].request_id]
+    assert serve_spec.differing_texts(a, dataclasses.replace(a, records=a.records[:1])) == [a.records[1].request_id]
+
+
+def test_spec_counts_read_the_stats_page() -> None:
+    engine = {"spec_draft_tokens": 80, "spec_accepted_tokens": 50, "spec_verifies": 10}
+    now = serve_spec.SpecCounts.of_stats({"models": [{"engine": engine}, {"engine": None}]})
+    delta = now - serve_spec.SpecCounts(40, 20, 5)
+    assert delta == serve_spec.SpecCounts(40, 30, 5)
+    assert delta.acceptance_rate == 0.75 and delta.tokens_per_forward == 7.0
+    assert serve_spec.SpecCounts().tokens_per_forward == 1.0

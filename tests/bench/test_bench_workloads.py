@@ -91,3 +91,26 @@ def test_arrival_validation_and_labels() -> None:
         Arrival("concurrency")
     with pytest.raises(ValueError):
         Arrival("sometimes")
+
+
+def test_code_edit_asks_to_rewrite_the_file_it_sends() -> None:
+    from trillm.bench.harness.prompts import CODE_FILE, CODE_TASK
+
+    wl = W.build("code-edit", W.WorkloadSpec(num_prompts=5, output_len=160))
+    assert wl.name == "code-edit" and len(wl.requests) == 5
+    for r in wl.requests:
+        assert r.is_chat and r.max_tokens == 160 and r.messages is not None and len(r.messages) == 1
+        role, text = r.messages[0]
+        assert role == "user" and CODE_FILE in text and "Reply with the whole updated file" in text
+        assert r.prompt_words == len(text.split())
+    assert wl.requests[0].messages == (("user", CODE_TASK),)  # seed 0 starts with the engine benchmark's edit
+    assert len({r.messages for r in wl.requests[:4]}) == 4  # four different renames, then they cycle
+
+
+def test_chat_sends_each_question_once() -> None:
+    from trillm.bench.harness.prompts import CHAT
+
+    wl = W.chat(16, output_len=128)
+    texts = [r.messages[0][1] for r in wl.requests]  # type: ignore[index]
+    assert len(set(texts)) == 16 and all(r.max_tokens == 128 and r.is_chat for r in wl.requests)
+    assert texts[0] == f"{CHAT[0]} (#0)" and texts[9] == f"{CHAT[1]} (#9)"

@@ -195,6 +195,7 @@ def render_metrics(
         ("trillm_num_preemptions", "num_preemptions", "Preemptions so far."),
         ("trillm_spec_draft_tokens", "spec_draft_tokens", "Speculative decoding: proposed tokens verified so far."),
         ("trillm_spec_accepted_tokens", "spec_accepted_tokens", "Speculative decoding: of those, accepted."),
+        ("trillm_spec_verifies", "spec_verifies", "Speculative decoding: row-steps that verified proposals so far."),
         ("trillm_spec_acceptance_rate", "spec_acceptance_rate", "Speculative decoding: accepted / proposed tokens."),
         ("trillm_spec_tokens_per_verify", "spec_tokens_per_verify",
          "Speculative decoding: tokens a speculating row got per forward (1: none)."),
