@@ -1,9 +1,9 @@
-"""trillm's ops inside an mlx-lm model: linear layers (and a tied LM head), RMSNorm, RoPE and the SwiGLU
-activation, through trillm.kernels.
+"""trillm's ops inside an mlx-lm model: linear layers (and a tied LM head), RMSNorm, RoPE, the SwiGLU
+activation and the recurrent mixers' depthwise convolution, through trillm.kernels.
 
-`install_fused_ops(model)` swaps the model's `nn.Linear`, `nn.Embedding`, `nn.RMSNorm` and `nn.RoPE` modules
-for subclasses (same parameters, same attributes; quantized linear layers and embeddings, kept quantized,
-run `quant_linear`) and rebinds `swiglu`, `gated_delta_update` (the delta-net layers' recurrence: Qwen3-Next,
+`install_fused_ops(model)` swaps the model's `nn.Linear`, `nn.Embedding`, `nn.RMSNorm`, `nn.RoPE` and
+depthwise `nn.Conv1d` modules for subclasses (same parameters, same attributes; quantized linear layers and
+embeddings, kept quantized, run `quant_linear`) and rebinds `swiglu`, `gated_delta_update` (the delta-net layers' recurrence: Qwen3-Next,
 Qwen3.5) and `ssm_update` (Mamba-2 mixers: Mamba-2, Nemotron-H, Falcon-H1), once, at load, in the model's own
 mlx-lm modules, the way `install_paged_attention` rebinds attention.
 They run trillm's ops only inside `fused_ops(kernels)`, which ModelRunner.forward enters with the implementations the engine's start-up
@@ -202,6 +202,29 @@ class FusedRoPE(nn.RoPE):
         return out
 
 
+def is_depthwise(conv: nn.Conv1d) -> bool:
+    """A causal mixer's short convolution: one filter per channel, unpadded, stride and dilation 1."""
+    w = conv.weight
+    return bool(w.ndim == 3 and w.shape[2] == 1 and conv.groups == w.shape[0] and conv.padding == 0
+                and conv.stride == 1 and conv.dilation == 1)  # fmt: skip
+
+
+def depthwise_conv_shape(model: nn.Module) -> tuple[int, ...]:
+    """(channels, kernel width) of the model's first depthwise `nn.Conv1d`; () when it has none."""
+    return next(((int(m.weight.shape[0]), int(m.weight.shape[1])) for _, m in model.named_modules()
+                 if isinstance(m, nn.Conv1d) and is_depthwise(m)), ())
+
+
+class FusedConv1d(nn.Conv1d):
+    """A depthwise `nn.Conv1d` (see `is_depthwise`), through `depthwise_conv1d`."""
+
+    def __call__(self, x: mx.array) -> mx.array:
+        if (k := _ACTIVE.get()) is not None:
+            return k.depthwise_conv1d(x, self.weight, self["bias"] if "bias" in self else None)
+        out: mx.array = super().__call__(x)
+        return out
+
+
 def _fused_swiglu(original: Callable[[mx.array, mx.array], mx.array]) -> Callable[[mx.array, mx.array], mx.array]:
     def swiglu(gate: mx.array, x: mx.array) -> mx.array:
         k = _ACTIVE.get()
@@ -326,6 +349,10 @@ def _replacement(child: object) -> nn.Module | None:
         return norm
     if type(child) is nn.RoPE:
         return FusedRoPE(child.dims, traditional=child.traditional, base=child.base, scale=child.scale)
+    if type(child) is nn.Conv1d and is_depthwise(child):
+        # The same object, its class swapped (as quantized layers): parameters and attributes stay.
+        child.__class__ = FusedConv1d
+        return child
     return None
 
 
