@@ -331,24 +331,32 @@ def _fused_gated_delta(original: Callable[..., tuple[mx.array, mx.array]]) -> Ca
 
 def _fused_ssm_update(original: Callable[..., tuple[mx.array, mx.array]]) -> Callable[..., tuple[mx.array, mx.array]]:
     """mlx-lm's ssm_update with its decode step (one token, a state) run by the selection's `ssm_update` (the
-    CPU primitive, or the Metal/CUDA kernel the self-check chose). Prefill, a call without a state, outside
-    fused_ops(), where the selection runs mlx-lm's own (None: no kernel was chosen) or with parameters this
-    version does not know: the original."""
+    CPU primitive, or the Metal/CUDA kernel the self-check chose). Prefill, a call without a state, where the
+    selection runs mlx-lm's own (None: no kernel was chosen): the original; outside fused_ops() or with
+    parameters this version does not know: the original as called.
+
+    Inside fused_ops() a call with a mask and no lengths gets the lengths the mask says (its True count per
+    row): the engine's rows are right-padded and its mask is True at each row's real tokens, so this is what
+    mlx-lm's batched path would pass. Nemotron-H's mixer passes the mask alone; without the lengths its scan
+    reads the state's decay at the padding's end and drops a padded row's prompt from its state."""
     sig = inspect.signature(original)
     known = set(sig.parameters) <= _SSM_UPDATE_PARAMS
     arguments = _binder(sig)
+    takes_lengths = "lengths" in sig.parameters
 
     def ssm_update(*args: object, **kwargs: object) -> tuple[mx.array, mx.array]:
         k = _ACTIVE.get()
-        run = k.ssm_update if k is not None else None
-        if run is None or not known:
+        if k is None or not known:
             return original(*args, **kwargs)
         p = arguments(args, kwargs)
-        x, state = p["hidden_states"], p.get("state")
-        if not isinstance(x, mx.array) or x.shape[1] != 1 or not isinstance(state, mx.array):
-            return original(*args, **kwargs)
+        mask = p.get("mask")
+        if takes_lengths and isinstance(mask, mx.array) and p.get("lengths") is None:
+            p["lengths"] = mask.reshape(mask.shape[0], -1).astype(mx.int32).sum(axis=-1)
+        x, state, run = p["hidden_states"], p.get("state"), k.ssm_update
+        if run is None or not isinstance(x, mx.array) or x.shape[1] != 1 or not isinstance(state, mx.array):
+            return original(**p)
         return run(x, p["A_log"], p["B"], p["C"], p["D"], p["dt"], p["dt_bias"], state,
-                   p["time_step_limit"], p.get("mask"), p.get("lengths"))
+                   p["time_step_limit"], mask, p.get("lengths"))
 
     ssm_update.__trillm_original__ = original  # type: ignore[attr-defined]
     return ssm_update
