@@ -3,10 +3,11 @@ activation and the recurrent mixers' depthwise convolution, through trillm.kerne
 
 `install_fused_ops(model)` swaps the model's `nn.Linear`, `nn.Embedding`, `nn.RMSNorm`, `nn.RoPE` and
 depthwise `nn.Conv1d` modules for subclasses (same parameters, same attributes; quantized linear layers and
-embeddings, kept quantized, run `quant_linear`) and rebinds `swiglu`, `gated_delta_update` (the delta-net layers' recurrence: Qwen3-Next,
-Qwen3.5), `ssm_update` (Mamba-2 mixers: Mamba-2, Nemotron-H, Falcon-H1) and `nn` (mlx.nn with its `silu`
-through `silu_mul`: the mixers' SiLU on their conv output, MLX's a scalar exp on one thread), once, at load,
-in the model's own mlx-lm modules, the way `install_paged_attention` rebinds attention.
+embeddings, kept quantized, run `quant_linear`) and rebinds `swiglu`, `gated_delta_update` (the delta-net
+layers' recurrence: Qwen3-Next, Qwen3.5), `ssm_update` (Mamba-2 mixers: Mamba-2, Nemotron-H, Falcon-H1) and
+`nn` (mlx.nn with its `silu` through `silu_mul`: the mixers' SiLU on their conv output, MLX's a scalar exp
+on one thread), once, at load, in the model's own mlx-lm modules, the way `install_paged_attention` rebinds
+attention.
 They run trillm's ops only inside `fused_ops(kernels)`, which ModelRunner.forward enters with the implementations the engine's start-up
 self-check chose (`trillm.kernels.selfcheck`; without a selection, the per-call dispatchers): anything else
 that runs the same model object or module (mlx-lm's own generate, a benchmark's peer) keeps mlx-lm's
