@@ -1,11 +1,13 @@
-"""trillm's ops inside an mlx-lm model: linear layers (and a tied LM head), RMSNorm, RoPE and the SwiGLU
-activation, through trillm.kernels.
+"""trillm's ops inside an mlx-lm model: linear layers (and a tied LM head), RMSNorm, RoPE, the SwiGLU
+activation and the recurrent mixers' depthwise convolution, through trillm.kernels.
 
-`install_fused_ops(model)` swaps the model's `nn.Linear`, `nn.Embedding`, `nn.RMSNorm` and `nn.RoPE` modules
-for subclasses (same parameters, same attributes; quantized linear layers and embeddings, kept quantized,
-run `quant_linear`) and rebinds `swiglu`, `gated_delta_update` (the delta-net layers' recurrence: Qwen3-Next,
-Qwen3.5) and `ssm_update` (Mamba-2 mixers: Mamba-2, Nemotron-H, Falcon-H1), once, at load, in the model's own
-mlx-lm modules, the way `install_paged_attention` rebinds attention.
+`install_fused_ops(model)` swaps the model's `nn.Linear`, `nn.Embedding`, `nn.RMSNorm`, `nn.RoPE` and
+depthwise `nn.Conv1d` modules for subclasses (same parameters, same attributes; quantized linear layers and
+embeddings, kept quantized, run `quant_linear`) and rebinds `swiglu`, `gated_delta_update` (the delta-net
+layers' recurrence: Qwen3-Next, Qwen3.5), `ssm_update` (Mamba-2 mixers: Mamba-2, Nemotron-H, Falcon-H1) and
+`nn` (mlx.nn with its `silu` through `silu_mul`: the mixers' SiLU on their conv output, MLX's a scalar exp
+on one thread), once, at load, in the model's own mlx-lm modules, the way `install_paged_attention` rebinds
+attention.
 They run trillm's ops only inside `fused_ops(kernels)`, which ModelRunner.forward enters with the implementations the engine's start-up
 self-check chose (`trillm.kernels.selfcheck`; without a selection, the per-call dispatchers): anything else
 that runs the same model object or module (mlx-lm's own generate, a benchmark's peer) keeps mlx-lm's
@@ -22,6 +24,7 @@ from __future__ import annotations
 
 import inspect
 import sys
+import types
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from contextvars import ContextVar
@@ -32,6 +35,7 @@ import mlx.nn as nn
 
 from trillm.kernels import hugepages
 from trillm.kernels.selfcheck import KernelSelection, unchecked
+from trillm.kernels.silu_mul import silu_mul_ref
 
 _ACTIVE: ContextVar[KernelSelection | None] = ContextVar("trillm_fused_ops", default=None)
 _SWIGLU = "swiglu"
@@ -228,6 +232,29 @@ class FusedRoPE(nn.RoPE):
         return out
 
 
+def is_depthwise(conv: nn.Conv1d) -> bool:
+    """A causal mixer's short convolution: one filter per channel, unpadded, stride and dilation 1."""
+    w = conv.weight
+    return bool(w.ndim == 3 and w.shape[2] == 1 and conv.groups == w.shape[0] and conv.padding == 0
+                and conv.stride == 1 and conv.dilation == 1)  # fmt: skip
+
+
+def depthwise_conv_shape(model: nn.Module) -> tuple[int, ...]:
+    """(channels, kernel width) of the model's first depthwise `nn.Conv1d`; () when it has none."""
+    return next(((int(m.weight.shape[0]), int(m.weight.shape[1])) for _, m in model.named_modules()
+                 if isinstance(m, nn.Conv1d) and is_depthwise(m)), ())
+
+
+class FusedConv1d(nn.Conv1d):
+    """A depthwise `nn.Conv1d` (see `is_depthwise`), through `depthwise_conv1d`."""
+
+    def __call__(self, x: mx.array) -> mx.array:
+        if (k := _ACTIVE.get()) is not None:
+            return k.depthwise_conv1d(x, self.weight, self["bias"] if "bias" in self else None)
+        out: mx.array = super().__call__(x)
+        return out
+
+
 def _fused_swiglu(original: Callable[[mx.array, mx.array], mx.array]) -> Callable[[mx.array, mx.array], mx.array]:
     def swiglu(gate: mx.array, x: mx.array) -> mx.array:
         k = _ACTIVE.get()
@@ -235,6 +262,30 @@ def _fused_swiglu(original: Callable[[mx.array, mx.array], mx.array]) -> Callabl
 
     swiglu.__trillm_original__ = original  # type: ignore[attr-defined]
     return swiglu
+
+
+class FusedNn(types.ModuleType):
+    """mlx.nn as a model's own module sees it: every name mlx.nn's, but `silu` runs the selection's
+    `silu_mul` (against ones) inside fused_ops(). MLX's `nn.silu` on CPU is a scalar exp on one thread: 76 ms
+    on a Mamba-2 mixer's [16, 44, 6144] prefill conv output, 1.6 ms on a batch-16 decode's, against 2 ms
+    and 0.05 ms through the primitive."""
+
+    def __init__(self, original: types.ModuleType) -> None:
+        super().__init__(original.__name__, original.__doc__)
+        self.__trillm_original__ = original
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.__trillm_original__, name)
+
+    def silu(self, x: mx.array) -> mx.array:
+        k = _ACTIVE.get()
+        if k is None or k.silu_mul is silu_mul_ref or not mx.issubdtype(x.dtype, mx.floating):
+            out: mx.array = self.__trillm_original__.silu(x)
+            return out
+        return k.silu_mul(x, mx.ones_like(x))
+
+
+_FUSED_NN = FusedNn(nn)
 
 
 # Argument values are whatever the caller passed (Signature.bind's are Any too); the wrappers check the arrays.
@@ -307,24 +358,32 @@ def _fused_gated_delta(original: Callable[..., tuple[mx.array, mx.array]]) -> Ca
 
 def _fused_ssm_update(original: Callable[..., tuple[mx.array, mx.array]]) -> Callable[..., tuple[mx.array, mx.array]]:
     """mlx-lm's ssm_update with its decode step (one token, a state) run by the selection's `ssm_update` (the
-    CPU primitive, or the Metal/CUDA kernel the self-check chose). Prefill, a call without a state, outside
-    fused_ops(), where the selection runs mlx-lm's own (None: no kernel was chosen) or with parameters this
-    version does not know: the original."""
+    CPU primitive, or the Metal/CUDA kernel the self-check chose). Prefill, a call without a state, where the
+    selection runs mlx-lm's own (None: no kernel was chosen): the original; outside fused_ops() or with
+    parameters this version does not know: the original as called.
+
+    Inside fused_ops() a call with a mask and no lengths gets the lengths the mask says (its True count per
+    row): the engine's rows are right-padded and its mask is True at each row's real tokens, so this is what
+    mlx-lm's batched path would pass. Nemotron-H's mixer passes the mask alone; without the lengths its scan
+    reads the state's decay at the padding's end and drops a padded row's prompt from its state."""
     sig = inspect.signature(original)
     known = set(sig.parameters) <= _SSM_UPDATE_PARAMS
     arguments = _binder(sig)
+    takes_lengths = "lengths" in sig.parameters
 
     def ssm_update(*args: object, **kwargs: object) -> tuple[mx.array, mx.array]:
         k = _ACTIVE.get()
-        run = k.ssm_update if k is not None else None
-        if run is None or not known:
+        if k is None or not known:
             return original(*args, **kwargs)
         p = arguments(args, kwargs)
-        x, state = p["hidden_states"], p.get("state")
-        if not isinstance(x, mx.array) or x.shape[1] != 1 or not isinstance(state, mx.array):
-            return original(*args, **kwargs)
+        mask = p.get("mask")
+        if takes_lengths and isinstance(mask, mx.array) and p.get("lengths") is None:
+            p["lengths"] = mask.reshape(mask.shape[0], -1).astype(mx.int32).sum(axis=-1)
+        x, state, run = p["hidden_states"], p.get("state"), k.ssm_update
+        if run is None or not isinstance(x, mx.array) or x.shape[1] != 1 or not isinstance(state, mx.array):
+            return original(**p)
         return run(x, p["A_log"], p["B"], p["C"], p["D"], p["dt"], p["dt_bias"], state,
-                   p["time_step_limit"], p.get("mask"), p.get("lengths"))
+                   p["time_step_limit"], mask, p.get("lengths"))
 
     ssm_update.__trillm_original__ = original  # type: ignore[attr-defined]
     return ssm_update
@@ -352,6 +411,10 @@ def _replacement(child: object) -> nn.Module | None:
         return norm
     if type(child) is nn.RoPE:
         return FusedRoPE(child.dims, traditional=child.traditional, base=child.base, scale=child.scale)
+    if type(child) is nn.Conv1d and is_depthwise(child):
+        # The same object, its class swapped (as quantized layers): parameters and attributes stay.
+        child.__class__ = FusedConv1d
+        return child
     return None
 
 
@@ -440,4 +503,9 @@ def install_fused_ops(model: nn.Module) -> list[str]:
             if not hasattr(fn, "__trillm_original__"):
                 setattr(mod, attr, wrap(fn))
             counts[label] = counts.get(label, 0) + 1
+    for name in sorted({type(m).__module__ for _, m in model.named_modules()}):
+        mod = sys.modules.get(name)
+        if mod is not None and getattr(mod, "nn", None) in (nn, _FUSED_NN) and name.startswith("mlx_lm."):
+            setattr(mod, "nn", _FUSED_NN)
+            counts["nn.silu"] = counts.get("nn.silu", 0) + 1
     return [f"{name} x{n}" for name, n in sorted(counts.items())] + notes

@@ -140,7 +140,7 @@ def make_kv_pool(lm: LoadedModel, config: EngineConfig, num_blocks: int, max_mod
     from trillm.kernels.mla_attention import OP as MLA_ATTENTION
     from trillm.kernels.paged_attention import OP as PAGED_ATTENTION
     from trillm.kernels.selfcheck import KernelCheckError, KernelSelection, select_kernels
-    from trillm.engine.fused_ops import quantization_formats
+    from trillm.engine.fused_ops import depthwise_conv_shape, quantization_formats
 
     layout = layout or with_kv_dtype(kv_layout(lm.model, lm.name), config, lm)
     # The check runs each kernel on the pool's dtype where it is not the model's (kernels.layout).
@@ -162,6 +162,8 @@ def make_kv_pool(lm: LoadedModel, config: EngineConfig, num_blocks: int, max_mod
     mixers = (m for _, m in lm.model.named_modules()
               if all(hasattr(m, a) for a in ("num_heads", "n_groups", "head_dim", "ssm_state_size")))
     ssm = next(((int(m.num_heads), int(m.n_groups), int(m.head_dim), int(m.ssm_state_size)) for m in mixers), ())
+    # Depthwise causal convolutions (the recurrent mixers' short conv): channels and width, for their kernel.
+    conv = depthwise_conv_shape(lm.model)
     selections: dict[tuple[int, int, int | None, int | None], KernelSelection] = {}
     primary: KernelSelection | None = None
     per_layer = []
@@ -181,7 +183,7 @@ def make_kv_pool(lm: LoadedModel, config: EngineConfig, num_blocks: int, max_mod
                                  max_context=max_model_len, hidden_size=int(getattr(args, "hidden_size", 0) or 0),
                                  intermediate_size=int(getattr(args, "intermediate_size", 0) or 0),
                                  vocab_size=int(getattr(args, "vocab_size", 0) or 0),
-                                 quantization=quantization_formats(lm.model), delta_net=delta_net, ssm=ssm,
+                                 quantization=quantization_formats(lm.model), delta_net=delta_net, ssm=ssm, conv=conv,
                                  kv_dtype=kv_dtype)  # fmt: skip
             try:
                 if primary is None:

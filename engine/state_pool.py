@@ -17,9 +17,10 @@ sets them with right padding) make `make_mask` mask the padding, so padding neve
 each row's conv window is read at its last real token.
 
 Not every mlx-lm model masks padding in every recurrent layer (Nemotron-H's Mamba-2 mixer does not pass the
-lengths to its scan, so padding after a row's last token leaks into its state): only the families listed in
-`RAGGED_OK`, each checked by the test matrix's ragged batches, batch prefill rows of different lengths; every
-other model with recurrent layers batches only chunks of equal length (no padding at all, so nothing to mask).
+lengths to its scan: the engine's ssm_update seam adds them from the mask, engine/fused_ops.py): only the
+families listed in `RAGGED_OK`, each checked by the test matrix's ragged batches, batch prefill rows of
+different lengths; every other model with recurrent layers batches only chunks of equal length (no padding at
+all, so nothing to mask).
 
 Prefix caching: the state cannot be rebuilt from a shared KV prefix, so the pool saves checkpoints of it at
 block boundaries and writes a hit's checkpoint into the sequence's slot before its first forward
@@ -42,8 +43,10 @@ if TYPE_CHECKING:
 
 # mlx-lm model modules whose recurrent layers mask right padding themselves (through `lengths` and the mask),
 # checked by tests/engine/test_model_matrix.py's ragged batches.
+# Nemotron-H's mixer passes the mask alone; the engine's ssm_update seam adds the lengths the mask says
+# (engine/fused_ops.py), which every forward of the engine runs inside.
 RAGGED_OK = frozenset({"mlx_lm.models.qwen3_next", "mlx_lm.models.qwen3_5", "mlx_lm.models.lfm2",
-                       "mlx_lm.models.falcon_h1", "mlx_lm.models.mamba2"})
+                       "mlx_lm.models.falcon_h1", "mlx_lm.models.mamba2", "mlx_lm.models.nemotron_h"})
 
 
 def pads_safely(model: Any) -> bool:

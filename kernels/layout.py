@@ -112,6 +112,9 @@ class ModelShapes:
     # Mamba-2 mixers (Mamba-2, Nemotron-H, Falcon-H1; trillm.kernels.ssm_update): (heads, groups, head dim,
     # state size); (): none.
     ssm: tuple[int, ...] = ()
+    # Depthwise causal convolutions (recurrent mixers' short conv; trillm.kernels.conv1d): (channels, kernel
+    # width) of the first; (): none.
+    conv: tuple[int, ...] = ()
     # The KV pool's dtype, by name ("float32", "float16", "bfloat16", or "int8": int8 values beside float32
     # scales, see the module docstring); None: `dtype`, the model's.
     kv_dtype: str | None = None

@@ -57,6 +57,7 @@ import mlx.core as mx
 
 from trillm.kernels import cpu_ext
 from trillm.kernels.backend import Case, Kernel, KernelOp, forced_reference, kernel_backend
+from trillm.kernels import conv1d as conv1d_op
 from trillm.kernels import gated_delta as gated_delta_op
 from trillm.kernels.gated_delta import GatedDeltaFn
 from trillm.kernels import ssm_update as ssm_update_op
@@ -84,8 +85,8 @@ FAILURE_TTL_S = 3600.0  # how long a failure that raised stays cached (a mismatc
 ISOLATE_ENV = "TRILLM_KERNEL_ISOLATE"  # "1": uncached checks run in a child first; "0": never; unset: on GPU
 CHILD_TIMEOUT_S = 300.0  # one child's limit (a first Metal/CUDA compile of every variant takes seconds, not minutes)
 ENGINE_OPS: tuple[KernelOp, ...] = (PAGED_ATTENTION, KV_GATHER, kv_quantize_op.OP, rms_norm_op.OP, rope_op.OP,
-                                    silu_mul_op.OP, linear_op.OP, mla_op.OP, quant_linear_op.OP, gated_delta_op.OP,
-                                    ssm_update_op.OP)  # fmt: skip
+                                    silu_mul_op.OP, linear_op.OP, mla_op.OP, quant_linear_op.OP, conv1d_op.OP,
+                                    gated_delta_op.OP, ssm_update_op.OP)  # fmt: skip
 REFERENCE = "reference"
 MLX_VERSION = str(getattr(mx, "__version__", "unknown"))  # (mlx's stubs omit __version__)
 _PACKAGE_DIR = Path(__file__).resolve().parent
@@ -155,6 +156,8 @@ class KernelSelection:
     mla_attention: MlaAttentionFn = mla_op.mla_attention  # MLA models' attention (trillm.kernels.mla_attention)
     # Linear layers on weights kept quantized (trillm.kernels.quant_linear)
     quant_linear: Callable[..., mx.array] = quant_linear_op.quant_linear
+    # Recurrent mixers' depthwise causal convolution (trillm.kernels.conv1d)
+    depthwise_conv1d: Callable[..., mx.array] = conv1d_op.depthwise_conv1d
     # Delta-net layers' recurrence (trillm.kernels.gated_delta); None: mlx-lm's own gated_delta_update runs
     # (its Metal kernel on Metal, its ops elsewhere).
     gated_delta: GatedDeltaFn | None = None
@@ -233,6 +236,7 @@ def select_kernels(
         linear=chosen.get(linear_op.OP.name, linear_op.linear_ref),
         mla_attention=chosen.get(mla_op.OP.name, mla_op.mla_attention_ref),
         quant_linear=chosen.get(quant_linear_op.OP.name, quant_linear_op.quant_linear),
+        depthwise_conv1d=chosen.get(conv1d_op.OP.name, conv1d_op.depthwise_conv1d_ref),
         gated_delta=None if _runs_reference(reports, gated_delta_op.OP) else chosen[gated_delta_op.OP.name],
         ssm_update=None if _runs_reference(reports, ssm_update_op.OP) else chosen[ssm_update_op.OP.name],
         kv_write_int8=chosen.get(kv_quantize_op.OP.name, kv_quantize_op.OP.reference),
@@ -454,7 +458,7 @@ def _shapes_from_json(fields: dict[str, Any]) -> ModelShapes:
                           "layer_windows": tuple(fields["layer_windows"]),
                           "quantization": tuple(tuple(f) for f in fields.get("quantization", ())),
                           "delta_net": tuple(fields.get("delta_net", ())),
-                          "ssm": tuple(fields.get("ssm", ()))})  # fmt: skip
+                          "ssm": tuple(fields.get("ssm", ())), "conv": tuple(fields.get("conv", ()))})  # fmt: skip
 
 
 def check_in_child(
@@ -671,11 +675,11 @@ PRESETS: dict[str, ModelShapes] = {
     # MLA: the latent pool is one 512-wide head (kv_lora_rank), k_pe 64 wide; 16 query heads
     "deepseek-v2-lite": ModelShapes(16, 1, 512, 16, mx.float32, kv_lora_rank=512, qk_rope_head_dim=64),
     # Qwen3-Next-80B-A3B's delta-net layers: 16 key heads, 32 value heads of 128 (its attention beside them)
-    "qwen3-next": ModelShapes(16, 2, 256, 16, mx.float32, delta_net=(16, 32, 128, 128)),
-    # Mamba-2 2.7B's mixers: 80 heads of 64, one group, state 128
-    "mamba2": ModelShapes(8, 8, 64, 16, mx.float32, ssm=(80, 1, 64, 128)),
+    "qwen3-next": ModelShapes(16, 2, 256, 16, mx.float32, delta_net=(16, 32, 128, 128), conv=(8192, 4)),
+    # Mamba-2 2.7B's mixers: 80 heads of 64, one group, state 128 (a conv over 5,120 + 2 x 128 channels)
+    "mamba2": ModelShapes(8, 8, 64, 16, mx.float32, ssm=(80, 1, 64, 128), conv=(5376, 4)),
     # Nemotron-H 8B's mixers: 128 heads of 64 reading 8 groups of B and C (state 128), its attention beside them
-    "nemotron-h": ModelShapes(32, 8, 128, 16, mx.float32, ssm=(128, 8, 64, 128)),
+    "nemotron-h": ModelShapes(32, 8, 128, 16, mx.float32, ssm=(128, 8, 64, 128), conv=(10240, 4)),
     # SmolLM2's heads over the int8 KV cache (--kv-cache-dtype int8): the int8 attention variants, the gather
     # of int8 pools and the quantize-on-write
     "smollm2-135m-int8": ModelShapes(9, 3, 64, 16, mx.float32, kv_dtype="int8"),

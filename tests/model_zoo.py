@@ -206,7 +206,7 @@ FAMILIES: tuple[Family, ...] = (
         "num_hidden_layers": 4, "norm_eps": 1e-5, "conv_bias": False, "conv_L_cache": 3, "block_dim": 64,
         "block_multiple_of": 16, "block_ffn_dim_multiplier": 1.0, "block_auto_adjust_ff_dim": False,
         "block_ff_dim": 128, "full_attn_idxs": [1, 3]}),
-    Family("nemotron_h", "nemotron_h", _HYBRID + ": mamba2 + full (prefill rows of one length per forward)", {
+    Family("nemotron_h", "nemotron_h", _HYBRID + ": mamba2 + full", {
         "num_hidden_layers": 4, "hybrid_override_pattern": "M*M-", "mamba_num_heads": 4, "mamba_head_dim": 16,
         "mamba_proj_bias": False, "ssm_state_size": 16, "conv_kernel": 4, "n_groups": 1, "mlp_bias": False,
         "layer_norm_epsilon": 1e-5, "use_bias": False, "use_conv_bias": True, "attention_bias": False}),

@@ -77,7 +77,7 @@ def test_no_kernel_means_the_reference_and_no_check(monkeypatch: pytest.MonkeyPa
     assert sel.report.implementations() == {op.name: "reference" for op in selfcheck.ENGINE_OPS}
     assert sel.paged_attention is paged_attention_ref and sel.kv_gather is kv_gather_ref
     assert (sel.kv_write_int8, sel.rms_norm, sel.rope, sel.silu_mul, sel.linear, sel.mla_attention,
-            sel.quant_linear) == tuple(op.runs_instead for op in selfcheck.ENGINE_OPS[2:-2])  # or MLX's quantized matmul
+            sel.quant_linear, sel.depthwise_conv1d) == tuple(op.runs_instead for op in selfcheck.ENGINE_OPS[2:-2])  # or MLX's quantized matmul
     assert [op.name for op in selfcheck.ENGINE_OPS[-2:]] == ["gated_delta", "ssm_update"]
     assert sel.gated_delta is None and sel.ssm_update is None  # mlx-lm's own runs
     json.dumps(sel.report.as_dict())
