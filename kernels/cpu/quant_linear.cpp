@@ -292,7 +292,7 @@ void prefill_impl(const QArgs<S>& a) {
 // ------------------------------------------------------------ decode rows in integer dot products
 
 constexpr int QB = 32;  // elements per activation block
-constexpr int kMaxRowsInt = 64;  // rows of x the integer path takes (run() sends more to the others)
+constexpr int kRowTile = 64;  // rows of x the integer path keeps accumulators for at once
 
 struct XQ {
   const void* q;  // [M, K] int8 or int16, each block in the order the weights' blocks unpack to
@@ -569,12 +569,22 @@ void decode_int(const QArgs<S>& a) {
   // holds a core.
   const int rows = std::max(16, (a.N / (8 * pool.size())) / 16 * 16);
   const int bands = (a.N + rows - 1) / rows;
+  using Q = std::conditional_t<XB == 8, int8_t, int16_t>;
+  const int nb = a.K / QB, ng = a.K / a.G;
   pool.parallel_for(bands, [&](int i) {
     const int n0 = i * rows, n1 = std::min(a.N, n0 + rows);
-    __m256 acc[kMaxRowsInt], bacc[kMaxRowsInt];
-    int n = n0;
-    for (; n + 8 <= n1; n += 8) group8_int<BITS, XB>(a, xq, n, acc, bacc);
-    for (; n < n1; ++n) row_int<BITS, XB>(a, xq, n);
+    __m256 acc[kRowTile], bacc[kRowTile];
+    for (int m0 = 0; m0 < a.M; m0 += kRowTile) {  // rows of x in tiles (a prefill chunk's hundreds)
+      QArgs<S> t = a;
+      t.x = a.x + static_cast<size_t>(m0) * a.K;
+      t.y = a.y + static_cast<size_t>(m0) * a.N;
+      t.M = std::min(kRowTile, a.M - m0);
+      const XQ tq{static_cast<const Q*>(xq.q) + static_cast<size_t>(m0) * a.K, xq.d + static_cast<size_t>(m0) * nb,
+                  xq.sum + static_cast<size_t>(m0) * ng};
+      int n = n0;
+      for (; n + 8 <= n1; n += 8) group8_int<BITS, XB>(t, tq, n, acc, bacc);
+      for (; n < n1; ++n) row_int<BITS, XB>(t, tq, n);
+    }
   });
 }
 #endif
@@ -583,7 +593,9 @@ template <typename S>
 void run(const QArgs<S>& a, int max_rows, int x_bits) {
   const bool decode = a.M <= max_rows;
 #if defined(TRILLM_Q8_DOT)
-  if (decode && a.M <= kMaxRowsInt && (x_bits == 8 || x_bits == 16) && a.G % QB == 0) {
+  // Every row count, prefill chunks too: one arithmetic, so a row's y never depends on what it is batched with
+  // (the dequantize + sgemm path below multiplies fp32 x, ~1e-3 away from the rounded x's).
+  if ((x_bits == 8 || x_bits == 16) && a.G % QB == 0) {
     if (x_bits == 16) {
       a.bits == 4 ? decode_int<4, 16>(a) : decode_int<8, 16>(a);
     } else {
