@@ -8,10 +8,11 @@ are repacked into it exactly (engine/gguf.py), and MLX's quantized folders are s
 On CPU, MLX's own quantized matmul reads the weights slower than the fp32 BLAS path does (platform notes;
 measured here: ~25-50 ms at one row on a 49152 x 576 4-bit weight, about the fp32 matvec's time, and
 4-20x slower than fp32 at 8-32 rows), and `mx.dequantize` runs at ~65M elements/s. The CPU primitive
-(kernels/cpu/quant_linear.cpp) takes up to `MAX_ROWS` rows in registers: on x86 (AVX2, AVX-512) as llama.cpp
-does, x rounded per block of 32 (`quantize_x_ref`; to int16 by default, int8 as llama.cpp) and integer dot
-products, elsewhere (or `x_bits=32`) the weights unpacked to fp32; past them it dequantizes blocks of weight
-rows to fp32 and calls cblas_sgemm. It handles 4- and 8-bit weights with group sizes of 32, 64 or 128; other widths (5-, 6-bit) run mx.quantized_matmul.
+(kernels/cpu/quant_linear.cpp), on x86 (AVX2, AVX-512), takes every row count as llama.cpp does: x rounded
+per block of 32 (`quantize_x_ref`; to int16 by default, int8 as llama.cpp) and integer dot products, one
+arithmetic whatever the row count, so a row's output does not depend on what it is batched with. Elsewhere (or
+`x_bits=32`) up to `MAX_ROWS` rows unpack the weights to fp32 in registers, and past them it dequantizes blocks
+of weight rows to fp32 and calls cblas_sgemm. It handles 4- and 8-bit weights with group sizes of 32, 64 or 128; other widths (5-, 6-bit) run mx.quantized_matmul.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from trillm.kernels import cpu_ext
 from trillm.kernels.backend import Case, Kernel, KernelOp, random_array
 from trillm.kernels.layout import ModelShapes
 
-XBITS_ENV = "TRILLM_QUANT_LINEAR_XBITS"  # decode rows' x rounded to 16 (default) or 8 bits; 32: the fp32 path
+XBITS_ENV = "TRILLM_QUANT_LINEAR_XBITS"  # x rounded to 16 (default) or 8 bits on x86; 32: the fp32 paths
 X_BITS = (8, 16, 32)
 MAX_ROWS = 32  # rows the register kernel takes; more rows go to the primitive's dequantize + sgemm path
 BITS = (4, 8)

@@ -21,8 +21,11 @@
 // x's rounding meets w itself, not the larger scale * q. int16's rounding is ~1e-5 of |x| (greedy decode
 // stays the fp32 path's); int8's, ~0.3%, moves SmolLM2-135M's greedy tokens. x_bits 32: the fp32 path.
 //
-// Many rows (prefill): compute, not memory, bounds the matmul, and BLAS's packed sgemm is far ahead of
-// any unpack-in-registers tile. Blocks of weight rows are dequantized to an fp32 scratch (~4 MB, split
+// On x86 the integer path takes every row count (prefill chunks in row tiles of 64), so a row's y is the
+// same whatever it is batched with; it keeps up with the sgemm path below on prefill.
+//
+// Many rows elsewhere (or x_bits 32): compute, not memory, bounds the matmul, and BLAS's packed sgemm is far
+// ahead of any unpack-in-fp32-registers tile. Blocks of weight rows are dequantized to an fp32 scratch (~4 MB, split
 // across the cores) and handed to cblas_sgemm, the BLAS MLX itself links (the same symbol resolves to the
 // library MLX uses: OpenBLAS or MKL when trillm loaded one first).
 #include <algorithm>
