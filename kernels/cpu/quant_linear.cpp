@@ -474,7 +474,7 @@ inline __m256i reduce8(const __m256i* v) {
   return _mm256_add_epi32(_mm256_permute2x128_si256(q0, q1, 0x20), _mm256_permute2x128_si256(q0, q1, 0x31));
 }
 
-// The integer decode rows' arithmetic, the same for every row count and weight row (so a row's y does not
+// The integer path's arithmetic, the same for every row count and weight row (so a row's y does not
 // depend on what else is in the call: a verify step's rows equal plain decode's): per weight block, the
 // exact int32 dot of the block with x's block, one conversion, one FMA by d_x * scale into y's accumulator;
 // per group one FMA of bias * (the rounded x's sum) into a second accumulator; y = the two's sum.
@@ -559,7 +559,7 @@ void row_int(const QArgs<S>& a, const XQ& xq, int n) {
 }
 
 template <int BITS, int XB, typename S>
-void decode_int(const QArgs<S>& a) {
+void int_impl(const QArgs<S>& a) {
   auto& pool = ThreadPool::get();
   thread_local std::vector<int16_t> q;  // MLX runs a stream's primitives one at a time on its thread
   thread_local std::vector<float> d, sum;
@@ -600,9 +600,9 @@ void run(const QArgs<S>& a, int max_rows, int x_bits) {
   // (the dequantize + sgemm path below multiplies fp32 x, ~1e-3 away from the rounded x's).
   if ((x_bits == 8 || x_bits == 16) && a.G % QB == 0) {
     if (x_bits == 16) {
-      a.bits == 4 ? decode_int<4, 16>(a) : decode_int<8, 16>(a);
+      a.bits == 4 ? int_impl<4, 16>(a) : int_impl<8, 16>(a);
     } else {
-      a.bits == 4 ? decode_int<4, 8>(a) : decode_int<8, 8>(a);
+      a.bits == 4 ? int_impl<4, 8>(a) : int_impl<8, 8>(a);
     }
     return;
   }
