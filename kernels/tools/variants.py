@@ -16,6 +16,8 @@ from typing import Any
 import mlx.core as mx
 
 from trillm.kernels import backend as kb
+from trillm.kernels.conv1d import OP as DEPTHWISE_CONV1D
+from trillm.kernels.conv1d import depthwise_conv1d_kernel
 from trillm.kernels.gated_delta import OP as GATED_DELTA
 from trillm.kernels.gated_delta import gated_delta_kernel
 from trillm.kernels.kv_gather import OP as KV_GATHER
@@ -31,7 +33,7 @@ from trillm.kernels.ssm_update import ssm_update_kernel
 TemplateArg = tuple[str, "int | bool | mx.Dtype"]
 MAX_CONSTANT_ARRAY_SIZE = 8  # MLX's Metal wrapper passes inputs under this many elements as `constant`
 
-OPS = (PAGED_ATTENTION, KV_GATHER, GATED_DELTA, KV_WRITE_INT8, SSM_UPDATE)
+OPS = (PAGED_ATTENTION, KV_GATHER, GATED_DELTA, KV_WRITE_INT8, SSM_UPDATE, DEPTHWISE_CONV1D)
 # Each op's launcher: (backend, *case.args, **case.kwargs) -> outputs.
 LAUNCHERS: dict[str, Callable[..., Any]] = {
     PAGED_ATTENTION.name: paged_attention_kernel,
@@ -39,6 +41,7 @@ LAUNCHERS: dict[str, Callable[..., Any]] = {
     GATED_DELTA.name: gated_delta_kernel,
     KV_WRITE_INT8.name: kv_write_int8_kernel,
     SSM_UPDATE.name: ssm_update_kernel,
+    DEPTHWISE_CONV1D.name: depthwise_conv1d_kernel,
 }
 
 
@@ -131,12 +134,12 @@ def record(target: str, shapes: Iterable[ModelShapes]) -> list[Variant]:
 # cache (its attention pair, the gather of int8 pools, the quantize-on-write): GQA 3 in f16, and GQA 4 with
 # D = 128, sinks and a window in bf16. Mamba-2 mixers beside the second and the third: Mamba-2 2.7B's (80
 # heads of 64, one group, state 128), and Nemotron-H's 128 heads in 8 groups with a state of 64 (two floats
-# a lane, where 128 holds four).
+# a lane, where 128 holds four), each with its depthwise convolution (width 4).
 DEFAULT_SHAPES = (
     ModelShapes(9, 3, 64, 16, mx.float32, chunk=64, max_batch=9, delta_net=(2, 6, 64, 32)),
-    ModelShapes(14, 2, 64, 32, mx.float16, chunk=64, max_batch=9, ssm=(80, 1, 64, 128)),
+    ModelShapes(14, 2, 64, 32, mx.float16, chunk=64, max_batch=9, ssm=(80, 1, 64, 128), conv=(5376, 4)),
     ModelShapes(32, 8, 128, 16, mx.bfloat16, chunk=64, max_batch=9, delta_net=(16, 32, 128, 128),
-                ssm=(128, 8, 64, 64)),
+                ssm=(128, 8, 64, 64), conv=(9216, 4)),
     ModelShapes(16, 2, 64, 16, mx.float16, window=128, sinks=True, chunk=64, max_batch=9),
     ModelShapes(9, 3, 64, 16, mx.float16, chunk=64, max_batch=9, kv_dtype="int8"),
     ModelShapes(32, 8, 128, 32, mx.bfloat16, window=128, sinks=True, chunk=64, max_batch=9, kv_dtype="int8"),

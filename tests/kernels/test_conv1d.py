@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
+import shutil
 
 import numpy as np
 import pytest
@@ -17,7 +18,9 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from trillm.kernels import selfcheck
-from trillm.kernels.conv1d import OP, TOLERANCES, depthwise_conv1d_ref, depthwise_conv1d_taps
+from trillm.kernels.conv1d import (
+    OP, TOLERANCES, depthwise_conv1d_kernel, depthwise_conv1d_ref, depthwise_conv1d_taps,
+)  # fmt: skip
 from trillm.kernels.layout import ModelShapes
 
 DTYPES = [mx.float32, mx.float16, mx.bfloat16]
@@ -48,6 +51,21 @@ def test_kernel_matches_nn_conv1d(dtype: mx.Dtype, B: int, L: int, C: int, K: in
     b = conv.bias if bias else None
     _close(depthwise_conv1d_taps(x, conv.weight, b), want, TOLERANCES[dtype])
     _close(depthwise_conv1d_ref(x, conv.weight, b), want, (0.0, 0.0))
+
+
+@pytest.mark.skipif(shutil.which("g++") is None, reason="g++ not found: the CPU kernel emulator needs it")
+@pytest.mark.parametrize("dtype", [mx.float32, mx.float16], ids=["f32", "f16"])
+@pytest.mark.parametrize("B,L,C,K,bias", [(2, 1, 300, 4, True), (1, 6, 40, 4, False), (2, 3, 33, 2, True)])
+def test_gpu_body_under_the_emulator(dtype: mx.Dtype, B: int, L: int, C: int, K: int, bias: bool) -> None:
+    # The shared Metal/CUDA body, its template and grid as on a GPU, run by the g++ thread emulator: channels
+    # past one threadgroup (300 > 256) and fewer than one, a decode window and prefill lengths.
+    import kernel_emulator
+
+    kernel_emulator.install()
+    conv = _conv(C, K, bias, dtype, seed=L * C)
+    x = mx.random.normal((B, L + K - 1, C), key=mx.random.key(L)).astype(dtype)
+    got = depthwise_conv1d_kernel(kernel_emulator.BACKEND, x, conv.weight, conv.bias if bias else None)
+    _close(got, conv(x), TOLERANCES[dtype])
 
 
 def test_calls_it_does_not_take_run_the_reference() -> None:

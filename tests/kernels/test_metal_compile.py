@@ -34,7 +34,7 @@ def test_every_variant_is_recorded(variants: list[Variant]) -> None:
     names = {v.spec.name for v in variants}
     assert names == {"paged_attn_final", "paged_attn_partial", "paged_attn_reduce", "kv_gather", "gated_delta",
                      "paged_attn_final_int8", "paged_attn_partial_int8", "kv_quantize_int8",  # these three: int8 cache
-                     "ssm_update"}
+                     "ssm_update", "depthwise_conv1d"}
     delta = {(dict(v.template)["Dk"], dict(v.template)["VEC_G"], dict(v.template)["HAS_MASK"], v.input_dtypes[0])
              for v in variants if v.spec.name == "gated_delta"}
     assert {(128, False, True, mx.bfloat16), (64, True, False, mx.float16), (128, False, False, mx.float32)} <= delta
