@@ -34,10 +34,18 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from trillm.kernels import hugepages
+from trillm.kernels.quant_linear import quant_linear_ref
 from trillm.kernels.selfcheck import KernelSelection, unchecked
 from trillm.kernels.silu_mul import silu_mul_ref
 
 _ACTIVE: ContextVar[KernelSelection | None] = ContextVar("trillm_fused_ops", default=None)
+_DEQUANTIZED: ContextVar[bool] = ContextVar("trillm_dequantized_matmuls", default=False)
+# Float32 weight elements dequantized at a time (64 MiB) by dequantized_matmuls(): a 7B model's LM head
+# dequantized whole would be 2 GiB.
+DEQUANTIZE_ELEMENTS = 1 << 24
+# Fewer rows of x than this keep MLX's quantized matmul under dequantized_matmuls(): its one-row path is fast
+# on CPU (the default model's forward: 0.15 s at 1 row, 0.63 s at 5, 4.5 s at 35; dequantized ~0.5 s at any).
+DEQUANTIZE_MIN_ROWS = 4
 _SWIGLU = "swiglu"
 _GATED_DELTA = "gated_delta_update"
 # gated_delta_update's parameters the fused one understands; a version of mlx-lm with others runs its own.
@@ -176,6 +184,32 @@ class FusedEmbedding(nn.Embedding):
         return out
 
 
+@contextmanager
+def dequantized_matmuls() -> Iterator[None]:
+    """Outside fused_ops(), in this thread: quantized layers multiply by their weights dequantized to float32
+    (`quant_linear_ref`, a slice of output rows at a time) instead of by MLX's quantized matmul, for calls of
+    at least DEQUANTIZE_MIN_ROWS rows: the same products to float32 rounding, and MLX's CPU quantized matmul
+    grows with the rows (the load-time probe's mlx-lm forwards on the default model's Q4_1 weights: 9.2 s)."""
+    token = _DEQUANTIZED.set(True)
+    try:
+        yield
+    finally:
+        _DEQUANTIZED.reset(token)
+
+
+def _dequantized_matmul(layer: nn.Module, x: mx.array) -> mx.array | None:
+    """x times `layer`'s weight as dequantized_matmuls() computes it; None outside it or for a layout other
+    than MLX's affine one (which then runs MLX's own)."""
+    if (not _DEQUANTIZED.get() or layer.mode != "affine" or "biases" not in layer
+            or x.size // max(x.shape[-1], 1) < DEQUANTIZE_MIN_ROWS):  # fmt: skip
+        return None
+    w, scales, biases = layer["weight"], layer["scales"], layer["biases"]
+    rows = max(1, DEQUANTIZE_ELEMENTS // (scales.shape[-1] * layer.group_size))
+    parts = [quant_linear_ref(x, w[i : i + rows], scales[i : i + rows], biases[i : i + rows], layer.group_size,
+                              layer.bits) for i in range(0, w.shape[0], rows)]  # fmt: skip
+    return (parts[0] if len(parts) == 1 else mx.concatenate(parts, axis=-1)).astype(x.dtype)
+
+
 class FusedQuantizedLinear(nn.QuantizedLinear):
     """A linear layer on weights kept quantized (MLX's affine layout), through `quant_linear`."""
 
@@ -188,6 +222,8 @@ class FusedQuantizedLinear(nn.QuantizedLinear):
             else:
                 y = k.quant_linear(x, self["weight"], self["scales"], self["biases"], self.group_size, self.bits)
             return y + self["bias"] if "bias" in self else y
+        if (d := _dequantized_matmul(self, x)) is not None:
+            return d + self["bias"] if "bias" in self else d
         out: mx.array = super().__call__(x)
         return out
 
@@ -199,6 +235,8 @@ class FusedQuantizedEmbedding(nn.QuantizedEmbedding):
         if (k := _ACTIVE.get()) is not None and self.mode == "affine" and "biases" in self:
             out: mx.array = k.quant_linear(x, self["weight"], self["scales"], self["biases"], self.group_size, self.bits)
             return out
+        if (d := _dequantized_matmul(self, x)) is not None:
+            return d
         out = super().as_linear(x)
         return out
 

@@ -4,12 +4,15 @@ model object with its own caches.
 A few prompts of ragged lengths (one longer than every sliding window, up to a cap) run through the engine
 itself: batched, with prompt logprobs and a few greedy tokens each, then the first one again alone (a prefix
 cache hit). mlx-lm's forward, teacher-forced on the same tokens, gives the reference log-probabilities of every
-prompt token and every generated one. A model whose paged forward disagrees is refused (`UnverifiedModel`) in
-one line naming the first disagreement, unless the operator allows it.
+prompt token and every generated one (on CPU with quantized layers multiplying by their dequantized weights,
+`fused_ops.dequantized_matmuls`: MLX's CPU quantized matmul made the probe of the default model take 10 s). A
+model whose paged forward disagrees is refused (`UnverifiedModel`) in one line naming the first disagreement,
+unless the operator allows it.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import time
 from dataclasses import asdict, dataclass
@@ -105,10 +108,13 @@ def reference_logprobs(model: Any, prompt: list[int], generated: list[int],
     padded embedding rows are never sampled)."""
     from mlx_lm.models.cache import make_prompt_cache
 
+    from trillm.engine.fused_ops import dequantized_matmuls
+
     cache = make_prompt_cache(model)
-    rows = [model(mx.array([prompt]), cache=cache)[0]]
-    if len(generated) > 1:  # teacher-forced in one call on the same caches (one mlx-lm decode step per token
-        rows.append(model(mx.array([generated[:-1]]), cache=cache)[0])  # costs ~8x more at start, same truth)
+    with dequantized_matmuls() if mx.default_device() == mx.cpu else contextlib.nullcontext():
+        rows = [model(mx.array([prompt]), cache=cache)[0]]
+        if len(generated) > 1:  # teacher-forced in one call on the same caches (one mlx-lm decode step per token
+            rows.append(model(mx.array([generated[:-1]]), cache=cache)[0])  # costs ~8x more at start, same truth)
     logits = mx.concatenate(rows, axis=0).astype(mx.float32)
     full = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
     head = logits[:, :vocab_size]

@@ -105,3 +105,31 @@ def test_default_model_q4_1_kept_decodes_as_dequantized() -> None:
     assert (4, 32, "float16") in quantization_formats(kept.model)  # Q4_1
     assert kept.num_bytes < dense.num_bytes / 4
     assert _greedy(kept, 8) == _greedy(dense, 8)
+
+
+def test_dequantized_matmuls_equal_mlx_quantized_matmul(monkeypatch: pytest.MonkeyPatch) -> None:
+    # What the load-time probe's mlx-lm forward runs on CPU: dequantized weights, a slice of output rows at a
+    # time (four slices here), for calls of enough rows; one row, and code outside the block, keep MLX's own.
+    from trillm.engine import fused_ops
+
+    holder = nn.Module()
+    holder.lin = nn.QuantizedLinear(64, 40, bias=True, group_size=32, bits=4)
+    holder.emb = nn.QuantizedEmbedding(40, 64, group_size=32, bits=4)
+    fused_ops.install_fused_ops(holder)
+    lin, emb = holder.lin, holder.emb
+    assert isinstance(lin, fused_ops.FusedQuantizedLinear) and isinstance(emb, fused_ops.FusedQuantizedEmbedding)
+    monkeypatch.setattr(fused_ops, "DEQUANTIZE_ELEMENTS", 10 * 64)
+    x = mx.random.normal((2, 3, 64), key=mx.random.key(5))
+    want = (lin(x), emb.as_linear(x))
+    calls: list[int] = []
+    real = mx.quantized_matmul
+    monkeypatch.setattr(mx, "quantized_matmul", lambda *a, **k: calls.append(1) or real(*a, **k))
+    with fused_ops.dequantized_matmuls():
+        got = (lin(x), emb.as_linear(x))
+        assert calls == []
+        lin(x[:1, :1]), emb.as_linear(x[:1, :1])
+        assert len(calls) == 2  # under DEQUANTIZE_MIN_ROWS rows
+    lin(x)
+    assert len(calls) == 3
+    for g, w in zip(got, want):
+        assert g.shape == w.shape and g.dtype == w.dtype and mx.allclose(g, w, rtol=1e-5, atol=1e-5).item()
