@@ -30,7 +30,7 @@ LOGPROB_TOL = 1e-4  # fp32: the sharded matmuls sum their partial products in an
 
 
 def run_tp(size: int, config: EngineConfig, prompts: list[list[int]], max_tokens: int, tmp_path: Path,
-           kinds: tuple[str, ...] = KINDS) -> Any:
+           kinds: tuple[str, ...] = (*KINDS, "ahead")) -> Any:
     out = tmp_path / f"tp{size}.json"
     fields = {k: getattr(config, k) for k in config.__dataclass_fields__}
     subprocess.run([sys.executable, str(HARNESS), str(size), json.dumps(fields), json.dumps(prompts),
