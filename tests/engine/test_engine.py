@@ -198,7 +198,8 @@ def test_engine_never_imports_trio() -> None:
 
 @pytest.mark.slow
 def test_default_model_paris_and_matches_mlx_lm(default_model: LoadedModel) -> None:
-    eng = LLMEngine(EngineConfig(num_kv_blocks=64), loaded=default_model)
+    # The batch limits of the other default-model tests: one kernel self-check (~8 s) serves them all.
+    eng = LLMEngine(EngineConfig(num_kv_blocks=64, max_num_seqs=4, max_num_batched_tokens=256), loaded=default_model)
     p = default_model.tokenizer.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}])
     out = eng.generate([p], SamplingParams(max_tokens=16, temperature=0.0))[0]
     assert "Paris" in out.new_text
