@@ -3,6 +3,7 @@ import trillm.kernels  # BLAS first  # noqa: F401, I001
 """Shared session fixtures: a tiny random llama folder, it loaded, and the real default model (SmolLM2)."""
 
 import os
+import shutil
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -58,6 +59,14 @@ def pytest_collection_finish(session: pytest.Session) -> None:
         background_builds.start(background_builds.AVX2_EXTENSION)
     if "test_mypy_clean" in names:
         background_builds.start(background_builds.MYPY)
+    if shutil.which("aarch64-linux-gnu-g++") is None:  # test_neon_cross skips
+        return
+    for item in session.items:
+        original = getattr(item, "originalname", item.name)
+        if original == "test_extension_sources_compile_for_aarch64":
+            background_builds.start(background_builds.NEON_SOURCES)
+        elif original == "test_neon_kernel_bodies_match_scalar_references_under_qemu":
+            background_builds.start(background_builds.neon_bodies(item.callspec.indices["march"]))
 
 
 def pytest_sessionfinish(session: pytest.Session) -> None:
