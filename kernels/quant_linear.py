@@ -10,9 +10,11 @@ measured here: ~25-50 ms at one row on a 49152 x 576 4-bit weight, about the fp3
 4-20x slower than fp32 at 8-32 rows), and `mx.dequantize` runs at ~65M elements/s. The CPU primitive
 (kernels/cpu/quant_linear.cpp), on x86 (AVX2, AVX-512), takes every row count as llama.cpp does: x rounded
 per block of 32 (`quantize_x_ref`; to int16 by default, int8 as llama.cpp) and integer dot products, one
-arithmetic whatever the row count, so a row's output does not depend on what it is batched with. Elsewhere (or
-`x_bits=32`) up to `MAX_ROWS` rows unpack the weights to fp32 in registers, and past them it dequantizes blocks
-of weight rows to fp32 and calls cblas_sgemm. It handles 4- and 8-bit weights with group sizes of 32, 64 or 128; other widths (5-, 6-bit) run mx.quantized_matmul.
+arithmetic whatever the row count, so a row's output does not depend on what it is batched with. NEON and
+generic builds take the same arithmetic (bit for bit x86's) for calls of up to `MAX_ROWS` rows (NEON's widening
+multiply-accumulate for int16 x, Armv8.2's sdot for int8), and past them dequantize blocks of weight rows to
+fp32 and call cblas_sgemm; with `x_bits=32`, every ISA unpacks the weights to fp32 in registers up to `MAX_ROWS`
+rows, and takes the sgemm path past them. It handles 4- and 8-bit weights with group sizes of 32, 64 or 128; other widths (5-, 6-bit) run mx.quantized_matmul.
 """
 
 from __future__ import annotations
@@ -63,8 +65,8 @@ def default_x_bits() -> int:
 def quant_linear_cpu(x: mx.array, w: mx.array, scales: mx.array, biases: mx.array, group_size: int,
                      bits: int, *, x_bits: int | None = None) -> mx.array:
     """The primitive of trillm's CPU extension. Shapes as the reference. `x_bits` (default
-    $TRILLM_QUANT_LINEAR_XBITS, else 16; x86 with AVX2 only): decode rows rounded to int16 or int8 per block
-    of 32 (`quantize_x_ref`), integer dot products; 32: the fp32 path, exact to float rounding."""
+    $TRILLM_QUANT_LINEAR_XBITS, else 16): rows rounded to int16 or int8 per block of 32 (`quantize_x_ref`),
+    integer dot products (where `rounded_x_bits` says); 32: the fp32 paths, exact to float rounding."""
     ext = cpu_ext.load()
     if ext is None:
         raise RuntimeError(f"trillm's CPU extension is unavailable: {cpu_ext.status().reason}")
@@ -73,11 +75,14 @@ def quant_linear_cpu(x: mx.array, w: mx.array, scales: mx.array, biases: mx.arra
     return out
 
 
-def rounded_x_bits() -> int | None:
-    """The bits the primitive's decode rows (up to MAX_ROWS) round x to by default (x86 builds with AVX2 or
-    AVX-512), or None where they run the fp32 path."""
+def rounded_x_bits(rows: int = 1) -> int | None:
+    """The bits the primitive rounds x to by default in a call of `rows` rows (every row count on x86 with
+    AVX2 or AVX-512; up to MAX_ROWS on NEON and generic builds), or None where the call runs an fp32 path."""
     bits = default_x_bits()
-    return bits if cpu_ext.isa() in ("avx2", "avx512") and bits < 32 else None
+    isa = cpu_ext.isa()
+    if bits == 32 or isa == "ref" or (isa not in ("avx2", "avx512") and rows > MAX_ROWS):
+        return None
+    return bits
 
 
 def quantize_x_ref(x: mx.array, x_bits: int) -> mx.array:

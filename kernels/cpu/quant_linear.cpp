@@ -22,7 +22,8 @@
 // stays the fp32 path's); int8's, ~0.3%, moves SmolLM2-135M's greedy tokens. x_bits 32: the fp32 path.
 //
 // On x86 the integer path takes every row count (prefill chunks in row tiles of 64), so a row's y is the
-// same whatever it is batched with; it keeps up with the sgemm path below on prefill.
+// same whatever it is batched with; it keeps up with the sgemm path below on prefill. Elsewhere (NEON, the
+// generic build) the same arithmetic takes calls of up to max_rows rows (see "the integer path elsewhere").
 //
 // Many rows elsewhere (or x_bits 32): compute, not memory, bounds the matmul, and BLAS's packed sgemm is far
 // ahead of any unpack-in-fp32-registers tile. Blocks of weight rows are dequantized to an fp32 scratch (~4 MB, split
@@ -30,6 +31,7 @@
 // library MLX uses: OpenBLAS or MKL when trillm loaded one first).
 #include <algorithm>
 #include <atomic>
+#include <cmath>
 #include <cstring>
 #include <stdexcept>
 #include <type_traits>
@@ -39,6 +41,8 @@
 #if defined(__AVX2__)
 #include <immintrin.h>
 #define TRILLM_Q8_DOT 1
+#elif defined(__ARM_NEON)
+#include <arm_neon.h>
 #endif
 
 #ifndef TRILLM_KERNEL_BODIES_ONLY  // tests/kernels/cpu_bodies.cpp compiles the kernel bodies alone, without mlx
@@ -590,6 +594,145 @@ void int_impl(const QArgs<S>& a) {
     }
   });
 }
+#else
+// ------------------------------------------------------------ the integer path elsewhere (NEON; scalar otherwise)
+// The x86 path's arithmetic exactly (the same rounded x, d and sums, the same exact int32 block dots, the same
+// float operations in the same order: a row's y is the x86 integer path's, bit for bit), for rows of x up to
+// max_rows (decode, a verify's few positions); more rows keep the dequantize + sgemm path (not measured on an
+// ARM CPU against it). Block dots: NEON's widening int16 multiply-accumulate (vmlal) for int16 x; for int8 x
+// the Armv8.2 dot product (sdot: vdotq_s32) where the build has it, else the same widening.
+
+constexpr int QB = 32;  // elements per activation block
+
+template <typename Q>
+struct XQ {
+  const Q* q;  // [M, K] in natural order
+  const float* d;  // [M, K / QB]
+  const float* sum;  // [M, K / G]: sums of the rounded x
+};
+
+template <typename Q>
+void quantize_rows(const float* x, int M, int K, int G, Q* q, float* d, float* sum) {
+  constexpr float kMax = sizeof(Q) == 1 ? 127.0f : 32767.0f;
+  const int nb = K / QB, ng = K / G;
+  std::fill(sum, sum + static_cast<size_t>(M) * ng, 0.0f);
+  for (int m = 0; m < M; ++m) {
+    for (int b = 0; b < nb; ++b) {
+      const float* p = x + static_cast<size_t>(m) * K + b * QB;
+      float amax = 0.0f;
+      for (int k = 0; k < QB; ++k) amax = std::max(amax, std::fabs(p[k]));
+      const float dq = amax / kMax, inv = amax > 0.0f ? kMax / amax : 0.0f;
+      d[static_cast<size_t>(m) * nb + b] = dq;
+      Q* out = q + static_cast<size_t>(m) * K + b * QB;
+      int32_t tot = 0;
+      for (int k = 0; k < QB; ++k) {
+        const int32_t v = static_cast<int32_t>(std::nearbyint(p[k] * inv));  // to nearest, ties even (x86's)
+        out[k] = static_cast<Q>(v);
+        tot += v;
+      }
+      sum[static_cast<size_t>(m) * ng + b * QB / G] += dq * static_cast<float>(tot);
+    }
+  }
+}
+
+// The exact int32 dot of one weight block of 32 (BITS-bit unsigned q, MLX's packing: 4 bits, element 2i in
+// the low nibble of byte i) with one block of x.
+template <int BITS, typename Q>
+inline int32_t block_dot(const uint8_t* w, const Q* x) {
+#if defined(__ARM_NEON)
+  if constexpr (sizeof(Q) == 2) {
+    int32x4_t acc = vdupq_n_s32(0);
+    auto mla = [&acc](uint8x8_t w8, int16x8_t xv) {
+      const int16x8_t w16 = vreinterpretq_s16_u16(vmovl_u8(w8));
+      acc = vmlal_s16(acc, vget_low_s16(w16), vget_low_s16(xv));
+      acc = vmlal_high_s16(acc, w16, xv);
+    };
+    if constexpr (BITS == 4) {
+      const uint8x16_t b = vld1q_u8(w);
+      const uint8x16_t e = vandq_u8(b, vdupq_n_u8(0x0F)), o = vshrq_n_u8(b, 4);  // elements 2i, 2i + 1
+      const int16x8x2_t x0 = vld2q_s16(x), x1 = vld2q_s16(x + 16);  // de-interleaved: evens, odds
+      mla(vget_low_u8(e), x0.val[0]);
+      mla(vget_low_u8(o), x0.val[1]);
+      mla(vget_high_u8(e), x1.val[0]);
+      mla(vget_high_u8(o), x1.val[1]);
+    } else {
+      const uint8x16_t b0 = vld1q_u8(w), b1 = vld1q_u8(w + 16);
+      mla(vget_low_u8(b0), vld1q_s16(x));
+      mla(vget_high_u8(b0), vld1q_s16(x + 8));
+      mla(vget_low_u8(b1), vld1q_s16(x + 16));
+      mla(vget_high_u8(b1), vld1q_s16(x + 24));
+    }
+    return vaddvq_s32(acc);
+  } else {
+#if defined(__ARM_FEATURE_DOTPROD)
+    int32x4_t acc = vdupq_n_s32(0);
+    if constexpr (BITS == 4) {
+      const uint8x16_t b = vld1q_u8(w);
+      const int8x16x2_t xv = vld2q_s8(x);  // evens, odds
+      acc = vdotq_s32(acc, vreinterpretq_s8_u8(vandq_u8(b, vdupq_n_u8(0x0F))), xv.val[0]);
+      acc = vdotq_s32(acc, vreinterpretq_s8_u8(vshrq_n_u8(b, 4)), xv.val[1]);
+      return vaddvq_s32(acc);
+    } else {
+      // q up to 255 is no int8: q - 128 (the bytes' top bit flipped), then 128 * sum(x), an exact identity
+      const int8x16_t x0 = vld1q_s8(x), x1 = vld1q_s8(x + 16);
+      const uint8x16_t flip = vdupq_n_u8(0x80);
+      acc = vdotq_s32(acc, vreinterpretq_s8_u8(veorq_u8(vld1q_u8(w), flip)), x0);
+      acc = vdotq_s32(acc, vreinterpretq_s8_u8(veorq_u8(vld1q_u8(w + 16), flip)), x1);
+      const int32_t xs = vaddlvq_s8(x0) + vaddlvq_s8(x1);
+      return vaddvq_s32(acc) + 128 * xs;
+    }
+#else
+    int16_t wide[QB];
+    for (int k = 0; k < QB; ++k) wide[k] = x[k];
+    return block_dot<BITS, int16_t>(w, wide);
+#endif
+  }
+#else
+  int32_t acc = 0;
+  for (int k = 0; k < QB; ++k) {
+    const int q = BITS == 4 ? (w[k / 2] >> (4 * (k % 2))) & 0x0F : w[k];
+    acc += q * static_cast<int32_t>(x[k]);
+  }
+  return acc;
+#endif
+}
+
+// Weight row n against every row of x, in the x86 path's arithmetic (see row_int there).
+template <int BITS, typename Q, typename S>
+void row_int(const QArgs<S>& a, const XQ<Q>& xq, int n) {
+  const int K = a.K, ng = K / a.G, nb = K / QB, per = a.G / QB;
+  const uint8_t* wr = a.w + static_cast<size_t>(n) * K * BITS / 8;
+  for (int i = 0; i < a.M; ++i) {
+    const Q* xr = xq.q + static_cast<size_t>(i) * K;
+    float acc = 0.0f, bacc = 0.0f;
+    for (int g = 0; g < ng; ++g) {
+      const float s = to_f32(a.scales[static_cast<size_t>(n) * ng + g]);
+      const float b = to_f32(a.biases[static_cast<size_t>(n) * ng + g]);
+      bacc = std::fma(b, xq.sum[static_cast<size_t>(i) * ng + g], bacc);
+      for (int blk = g * per; blk < (g + 1) * per; ++blk) {
+        const int32_t dot = block_dot<BITS>(wr + static_cast<size_t>(blk) * QB * BITS / 8, xr + blk * QB);
+        acc = std::fma(static_cast<float>(dot), xq.d[static_cast<size_t>(i) * nb + blk] * s, acc);
+      }
+    }
+    a.y[static_cast<size_t>(i) * a.N + n] = acc + bacc;
+  }
+}
+
+template <int BITS, typename Q, typename S>
+void int_impl(const QArgs<S>& a) {
+  auto& pool = ThreadPool::get();
+  thread_local std::vector<Q> q;  // MLX runs a stream's primitives one at a time on its thread
+  thread_local std::vector<float> d, sum;
+  q.resize(static_cast<size_t>(a.M) * a.K);
+  d.resize(static_cast<size_t>(a.M) * (a.K / QB));
+  sum.resize(static_cast<size_t>(a.M) * (a.K / a.G));
+  quantize_rows(a.x, a.M, a.K, a.G, q.data(), d.data(), sum.data());
+  const XQ<Q> xq{q.data(), d.data(), sum.data()};
+  const int rows = std::max(16, (a.N / (8 * pool.size())) / 16 * 16);  // bands, ~8 per thread, taken dynamically
+  pool.parallel_for((a.N + rows - 1) / rows, [&](int i) {
+    for (int n = i * rows; n < std::min(a.N, (i + 1) * rows); ++n) row_int<BITS>(a, xq, n);
+  });
+}
 #endif
 
 template <typename S>
@@ -607,7 +750,14 @@ void run(const QArgs<S>& a, int max_rows, int x_bits) {
     return;
   }
 #else
-  (void)x_bits;
+  if ((x_bits == 8 || x_bits == 16) && a.G % QB == 0 && decode) {
+    if (x_bits == 16) {
+      a.bits == 4 ? int_impl<4, int16_t>(a) : int_impl<8, int16_t>(a);
+    } else {
+      a.bits == 4 ? int_impl<4, int8_t>(a) : int_impl<8, int8_t>(a);
+    }
+    return;
+  }
 #endif
   if (a.bits == 4) {
     decode ? decode_impl<4>(a) : prefill_impl<4>(a);

@@ -223,12 +223,13 @@ double scale_value(S s) {
   }
 }
 
-// y = x . dequantize(w).T through quant_linear's fp32 paths (x_bits 32: the path every ISA runs), MLX's
-// packing (q little-endian in uint32 words along K), against the dequantized weights in double.
-// M <= max_rows: register tiles (M <= the tile's rows) or fp32 tiles over dequantized bands; else the
-// dequantize-then-sgemm rows.
+// y = x . dequantize(w).T through quant_linear, MLX's packing (q little-endian in uint32 words along K), against
+// the dequantized weights in double. x_bits 32, the fp32 paths: M <= max_rows register tiles (M <= the tile's
+// rows) or fp32 tiles over dequantized bands; else the dequantize-then-sgemm rows. x_bits 16 or 8, the integer
+// path (every row count on x86, M <= max_rows elsewhere): against x rounded per block of 32 as the kernel
+// rounds it, and each row's y bit for bit what that row alone gets.
 template <typename S>
-void check_quant_linear(int M, int N, int K, int G, int bits, int max_rows, const char* sname) {
+void check_quant_linear(int M, int N, int K, int G, int bits, int max_rows, const char* sname, int x_bits = 32) {
   std::uniform_int_distribution<uint32_t> qd(0, (1u << bits) - 1);
   std::vector<uint32_t> packed(static_cast<size_t>(N) * K * bits / 32, 0);
   std::vector<uint32_t> q(static_cast<size_t>(N) * K);
@@ -247,19 +248,40 @@ void check_quant_linear(int M, int N, int K, int G, int bits, int max_rows, cons
   std::vector<float> y(static_cast<size_t>(M) * N);
   const QArgs<S> a{x.data(), reinterpret_cast<const uint8_t*>(packed.data()), sc.data(), bi.data(), y.data(),
                    M, N, K, G, bits};
-  run(a, max_rows, 32);
+  run(a, max_rows, x_bits);
+  std::vector<float> xr = x;  // x as the integer path sees it
+  if (x_bits < 32) {
+    const float top = x_bits == 8 ? 127.0f : 32767.0f;
+    for (size_t b = 0; b < x.size(); b += 32) {
+      float amax = 0.0f;
+      for (int k = 0; k < 32; ++k) amax = std::max(amax, std::fabs(x[b + k]));
+      const float inv = amax > 0.0f ? top / amax : 0.0f;
+      for (int k = 0; k < 32; ++k) xr[b + k] = std::nearbyint(x[b + k] * inv) * (amax / top);
+    }
+  }
   std::vector<double> want(y.size());
   for (int n = 0; n < N; ++n) {
     for (int k = 0; k < K; ++k) {
       const size_t g = static_cast<size_t>(n) * (K / G) + k / G;
       const double w = scale_value(sc[g]) * q[static_cast<size_t>(n) * K + k] + scale_value(bi[g]);
-      for (int m = 0; m < M; ++m) want[static_cast<size_t>(m) * N + n] += w * x[static_cast<size_t>(m) * K + k];
+      for (int m = 0; m < M; ++m) want[static_cast<size_t>(m) * N + n] += w * xr[static_cast<size_t>(m) * K + k];
     }
   }
-  char what[112];
-  std::snprintf(what, sizeof what, "quant_linear %d-bit M=%d N=%d K=%d G=%d max_rows=%d %s scales", bits, M, N, K, G,
-                max_rows, sname);
+  char what[128];
+  std::snprintf(what, sizeof what, "quant_linear %d-bit M=%d N=%d K=%d G=%d max_rows=%d %s scales x_bits=%d", bits, M,
+                N, K, G, max_rows, sname, x_bits);
   expect_close(what, y, want, 1e-4, 1e-4);
+  if (x_bits == 32 || M == 1) return;
+  bool same = true;
+  for (int m = 0; m < M; ++m) {
+    std::vector<float> one(N);
+    QArgs<S> r = a;
+    r.x = x.data() + static_cast<size_t>(m) * K, r.y = one.data(), r.M = 1;
+    run(r, max_rows, x_bits);
+    same = same && std::memcmp(one.data(), y.data() + static_cast<size_t>(m) * N, N * sizeof(float)) == 0;
+  }
+  std::printf("%s %s: each row alone bit for bit\n", same ? "ok  " : "FAIL", what);
+  failures += !same;
 }
 
 // Paged attention with shuffled blocks against a dense softmax per (row, head, query).
@@ -445,6 +467,12 @@ int main() {
     check_quant_linear<mx::bfloat16_t>(4, 33, 384, 128, bits, 16, "bf16");
   }
   check_quant_linear<mx::float16_t>(6, 48, 2048, 32, 4, 16, "fp16");  // several K chunks per dequantized band
+  for (int bits : {4, 8}) {
+    for (int xb : {16, 8}) {
+      for (int M : {1, 3, 9}) check_quant_linear<mx::float16_t>(M, 37, 256, 32, bits, 16, "fp16", xb);
+      check_quant_linear<float>(5, 20, 384, 128, bits, 16, "fp32", xb);  // groups of four blocks
+    }
+  }
   check_gated_delta(2, 1, 2, 4, 128, 64, false);  // decode, GQA 2, Qwen3.5's Dk
   check_gated_delta(3, 9, 1, 2, 64, 16, true);    // a scan, a per-channel gate
   check_gated_delta(1, 5, 2, 2, 24, 8, false);    // Dk off every ISA's lanes: the scalar rows

@@ -35,7 +35,7 @@ def test_primitive_equals_dequantize_then_matmul(bits: int, group: int, scales: 
 
 def _expected(x: mx.array, w: mx.array, s: mx.array, b: mx.array, group: int, bits: int) -> mx.array:
     """What the primitive computes: x's rows (any number) rounded per block where the ISA does that, else exact."""
-    x_bits = ql.rounded_x_bits()
+    x_bits = ql.rounded_x_bits(x.size // x.shape[-1])
     if x_bits is None:
         return ql.quant_linear_ref(x, w, s, b, group, bits)
     return ql.quant_linear_xq_ref(x, w, s, b, group, bits, x_bits)
@@ -75,7 +75,7 @@ def test_a_rows_output_does_not_depend_on_the_other_rows(bits: int, group: int, 
     for rows in (2, 5, 9, ql.MAX_ROWS):
         together = np.array(ql.quant_linear_cpu(x[:rows], w, s, b, group, bits, x_bits=x_bits))
         assert np.array_equal(together, alone[:rows]), rows
-    if ql.rounded_x_bits() is not None and x_bits != 32:  # prefill-sized calls take the same arithmetic
+    if ql.rounded_x_bits(5 * ql.MAX_ROWS) is not None and x_bits != 32:  # prefill-sized calls: the same arithmetic
         many = mx.concatenate([x] * 5)  # 160 rows: past the kernel's row tiles of 64
         got = np.array(ql.quant_linear_cpu(many, w, s, b, group, bits, x_bits=x_bits))
         assert np.array_equal(got, np.concatenate([alone] * 5))
