@@ -17,8 +17,10 @@ committed tokens. Rejected positions' K/V stay behind in the row's last block, p
 are overwritten by the next step.
 
 Adaptive k: a row drafts at most `k` tokens: after a partial acceptance its accepted count + 1 (but at least half
-the bound), after a full one the bound; two verifications in a row with nothing accepted pause it for a number of decode steps that doubles
-up to 64 (while paused, decode steps pipeline as without speculation). Nothing speculates when more than
+the bound), after a full one the bound; three verifications in a row with nothing accepted pause it for a number of decode steps that doubles
+up to 64 (while paused, decode steps pipeline as without speculation). A row whose lookup finds nothing looks
+up again at its next token: the step after is launched ahead only when no proposal can follow whatever it
+samples (`Proposer.may_propose_next`). Nothing speculates when more than
 `max_batch` rows decode: the batch then already fills the compute that speculation would use.
 Not speculated: rows with a grammar (a proposal would need the grammar's mask at each position), and hybrid
 models (a recurrent state cannot be rolled back; the engine does not build a speculator for them).
@@ -35,7 +37,7 @@ import numpy as np
 
 from trillm.engine.block_manager import BlockManager
 from trillm.engine.config import EngineConfig
-from trillm.engine.ngram import FIRST_PAUSE, MAX_PAUSE, SpecState
+from trillm.engine.ngram import FIRST_PAUSE, MAX_PAUSE, MISSES_BEFORE_PAUSE, SpecState
 from trillm.engine.outputs import RequestOutput
 from trillm.engine.runner import RowsFn
 from trillm.engine.scheduler import SampledToken, ScheduledBatch
@@ -195,11 +197,8 @@ class Speculator:
             draft = draft[:k]
             if len(draft) < k:  # give back the slots of what was not proposed
                 bm.trim(seq, seq.num_computed_tokens + len(draft))
-            if not draft:
-                assert seq.spec is not None
-                seq.spec.pause = 1  # nothing to look up: let the next step pipeline
-                continue
-            batch.drafts[seq.request_id] = draft
+            if draft:  # else it looks up again at its next token (see holds_pipeline)
+                batch.drafts[seq.request_id] = draft
 
     def commit(self, batch: ScheduledBatch, sampled: list[SampledToken]) -> None:
         """After the runner's collect, before `Scheduler.postprocess`: advance each speculating row by what it
@@ -241,7 +240,7 @@ class Speculator:
             st.next_pause = FIRST_PAUSE
             return
         st.misses += 1
-        if st.misses >= 2:
+        if st.misses >= MISSES_BEFORE_PAUSE:
             st.pause, st.next_pause, st.misses = st.next_pause, min(MAX_PAUSE, 2 * st.next_pause), 0
 
 

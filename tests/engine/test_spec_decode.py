@@ -349,7 +349,8 @@ def test_rows_back_off_when_proposals_fail_and_large_batches_do_not_speculate(ti
     eng.speculator.proposer = Wrong()
     out = run(eng, [prompts(tiny_model)[0]], GREEDY)[0]
     assert out.new_token_ids == run(engine(tiny_model), [prompts(tiny_model)[0]], GREEDY)[0].new_token_ids
-    assert 2 <= eng.statistics().spec_verifies <= 10  # paused after two misses: 4, then 8, then 16 steps
+    # paused after three misses: 4, then 8, then 16 steps (3 + 4 + 3 + 8 + 3 + 16 of the 39 decode steps)
+    assert 3 <= eng.statistics().spec_verifies <= 12
 
     eng = engine(tiny_model, speculative="ngram", speculative_max_batch=2)
     run(eng, prompts(tiny_model), GREEDY)  # 5 rows decode together for most steps
@@ -357,6 +358,28 @@ def test_rows_back_off_when_proposals_fail_and_large_batches_do_not_speculate(ti
     eng2 = engine(tiny_model, speculative="ngram", speculative_max_batch=8)
     run(eng2, prompts(tiny_model), GREEDY)
     assert few < eng2.statistics().spec_verifies
+
+
+def test_a_row_whose_lookup_finds_nothing_looks_up_again_at_its_next_token(tiny_model: LoadedModel) -> None:
+    """No rest after an empty lookup: the next step asks again (launched ahead only when nothing can follow)."""
+    asked: list[int] = []
+
+    class Empty:
+        def may_propose_next(self, seq: Sequence) -> bool:
+            return True
+
+        def propose(self, seqs: list[Sequence], ks: list[int], rows: object) -> list[list[int]]:
+            asked.extend(s.num_output_tokens for s in seqs)
+            return [[] for _ in seqs]
+
+    eng = spec_engine(tiny_model)
+    assert eng.speculator is not None
+    eng.speculator.proposer = Empty()
+    out = run(eng, [prompts(tiny_model)[0]], GREEDY)[0]
+    assert out.new_token_ids == run(engine(tiny_model), [prompts(tiny_model)[0]], GREEDY)[0].new_token_ids
+    # every decode step but the last (k would be 0 there) asked, each at the next output index
+    assert asked == list(range(1, GREEDY.max_tokens - 1))
+    assert eng.statistics().spec_verifies == 0
 
 
 def test_config_and_flags() -> None:
