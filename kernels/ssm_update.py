@@ -254,10 +254,11 @@ def _case(label: str, shapes: ModelShapes, b: int, seed: int, masked: bool = Fal
 
 def _check_cases(shapes: ModelShapes) -> list[Case]:
     # Prefill: a short chunk carrying a state; ragged right-padded rows (one empty, one whose prompt ended in
-    # an earlier chunk); no state, across mlx-lm's 256-token chunks with padding in the second.
+    # an earlier chunk); no state, across mlx-lm's 256-token chunks with padding in the second (one row: the
+    # reference's [L, L] decay matrices make it the costliest case of the start-up check).
     return [_case("decode", shapes, 1, 60), _case("decode", shapes, 9, 70), _case("decode", shapes, 6, 80, True),
             _case("prefill", shapes, 1, 90, length=3), _case("prefill", shapes, 4, 95, length=19, lengths=[19, 7, 0, -3]),
-            _case("prefill", shapes, 2, 85, length=260, lengths=[260, 258], with_state=False)]  # fmt: skip
+            _case("prefill", shapes, 1, 85, length=260, lengths=[258], with_state=False)]  # fmt: skip
 
 
 def _timing_cases(shapes: ModelShapes) -> list[Case]:
