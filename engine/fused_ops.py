@@ -395,10 +395,10 @@ def _fused_gated_delta(original: Callable[..., tuple[mx.array, mx.array]]) -> Ca
 
 
 def _fused_ssm_update(original: Callable[..., tuple[mx.array, mx.array]]) -> Callable[..., tuple[mx.array, mx.array]]:
-    """mlx-lm's ssm_update with its decode step (one token, a state) run by the selection's `ssm_update` (the
-    CPU primitive, or the Metal/CUDA kernel the self-check chose). Prefill, a call without a state, where the
-    selection runs mlx-lm's own (None: no kernel was chosen): the original; outside fused_ops() or with
-    parameters this version does not know: the original as called.
+    """mlx-lm's ssm_update run by the selection's `ssm_update`: decode and prefill, with or without a state (the
+    CPU primitive's scan; on Metal/CUDA the kernel the self-check chose for decode, mlx-lm's ops for the
+    rest). Where the selection runs mlx-lm's own (None: no kernel was chosen): the original; outside
+    fused_ops() or with parameters this version does not know: the original as called.
 
     Inside fused_ops() a call with a mask and no lengths gets the lengths the mask says (its True count per
     row): the engine's rows are right-padded and its mask is True at each row's real tokens, so this is what
@@ -418,7 +418,7 @@ def _fused_ssm_update(original: Callable[..., tuple[mx.array, mx.array]]) -> Cal
         if takes_lengths and isinstance(mask, mx.array) and p.get("lengths") is None:
             p["lengths"] = mask.reshape(mask.shape[0], -1).astype(mx.int32).sum(axis=-1)
         x, state, run = p["hidden_states"], p.get("state"), k.ssm_update
-        if run is None or not isinstance(x, mx.array) or x.shape[1] != 1 or not isinstance(state, mx.array):
+        if run is None or not isinstance(x, mx.array) or not (state is None or isinstance(state, mx.array)):
             return original(**p)
         return run(x, p["A_log"], p["B"], p["C"], p["D"], p["dt"], p["dt_bias"], state,
                    p["time_step_limit"], mask, p.get("lengths"))

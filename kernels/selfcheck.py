@@ -161,8 +161,8 @@ class KernelSelection:
     # Delta-net layers' recurrence (trillm.kernels.gated_delta); None: mlx-lm's own gated_delta_update runs
     # (its Metal kernel on Metal, its ops elsewhere).
     gated_delta: GatedDeltaFn | None = None
-    # Mamba-2 mixers' decode step (trillm.kernels.ssm_update); None: mlx-lm's own ssm_update runs (its Metal
-    # kernel on Metal, its ops elsewhere).
+    # Mamba-2 mixers' state-space update, decode and prefill (trillm.kernels.ssm_update); None: mlx-lm's own
+    # ssm_update runs (its Metal kernel on Metal, its ops elsewhere).
     ssm_update: SsmUpdateFn | None = None
     # The int8 cache's quantize-on-write (trillm.kernels.kv_quantize)
     kv_write_int8: Callable[..., tuple[mx.array, mx.array, mx.array, mx.array]] = kv_quantize_op.kv_write_int8

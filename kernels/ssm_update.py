@@ -1,23 +1,30 @@
-"""Mamba-2's state-space update for one token (decode; Mamba-2, Nemotron-H, Falcon-H1): the reference, the CPU
-primitive, the shared Metal/CUDA body and the dispatcher.
+"""Mamba-2's state-space update (Mamba-2, Nemotron-H, Falcon-H1), for one token (decode) and over a prompt's
+tokens (prefill): the reference, the CPU primitive, the shared Metal/CUDA body (decode) and the dispatcher.
 
 Per head h a state [Dh, Ds] (float32) and, with dt already softplus'd and clipped (mlx-lm's `compute_dt`),
-A = -exp(A_log) and head h reading group h // (H // G) of B and C:
+A = -exp(A_log) and head h reading group h // (H // G) of B and C, token by token:
 
     dA = exp(dt * A);  state = dA * state + (dt * x) B^T;  y = state . C + D * x
 
-as mlx-lm's `ssm_attn` at seq_len 1, the path its `ssm_update` runs for decode everywhere but on Metal: on CPU a
-dozen small ops and full-state passes (66-75% of a batch-16 decode step of a Mamba-2 model). A masked token
-(mlx-lm's multiplicative mask) leaves the state as it was and reads y off it; a row with a negative length
-keeps its state (its y computed all the same). The CPU primitive (kernels/cpu/ssm_update.cpp) reads each state
-row once, updates it and dots it with C in registers, (b, h) items split across the cores. On Metal and CUDA
-one shared body (`SSM`): a 32-lane simdgroup per state row, each lane holding Ds / 32 of its floats (mlx-lm's
-own Metal kernel's layout, which ignores the mask and lengths; this body honours them); Ds a multiple of 32,
-else the reference. Compiled (Metal stand-in, nvcc) and emulated only: never run on a GPU. Multi-token calls
-(prefill) and calls without a state run mlx-lm's own `ssm_update`, and so does every call where the self-check
-does not choose a kernel (no kernel for the back-end, or it lost or mismatched): its Metal kernel on Metal.
+as mlx-lm's `ssm_attn`, the path its `ssm_update` runs everywhere but for decode on Metal. At seq_len 1 that is a
+dozen small ops and full-state passes (66-75% of a batch-16 decode step of a Mamba-2 model on CPU); over L
+tokens it is SSD's quadratic form in chunks of 256 (an [L, L] decay matrix and C B^T per head: 56% of a
+512-token Mamba-2 prefill step). The CPU primitive (kernels/cpu/ssm_update.cpp) is one sequential scan for
+both: per (b, h) and block of state rows, the rows stay in L1 while it walks the tokens, each row updated and
+dotted with C in registers, (b, h, row block) items split across the cores; no state: zeros.
 
-The engine routes the model's own `ssm_update` here (engine/fused_ops.py) for decode.
+mlx-lm's mask and lengths as its ssm_attn reads them: a masked token has no decay and no input (the state
+stays) and its y is D * x plus the decayed state its 256-token chunk started from (what segsum's -inf leaves;
+the engine's masked tokens are right padding, whose y nothing reads); the state returned is the one after token
+lengths - 1, the incoming one for a negative length. On Metal and CUDA one shared body (`SSM`), decode with a
+state only: a 32-lane simdgroup per state row, each lane holding Ds / 32 of its floats (mlx-lm's own Metal
+kernel's layout, which ignores the mask and lengths; this body honours them); Ds a multiple of 32, else the
+reference. Compiled (Metal stand-in, nvcc) and emulated only: never run on a GPU. There is no GPU body for
+prefill: on a GPU multi-token calls run mlx-lm's own `ssm_attn`, and so does every call where the self-check
+does not choose a kernel (no kernel for the back-end, or it lost or mismatched; its Metal kernel for decode
+on Metal). The self-check decides decode and prefill apart (`phase_of`).
+
+The engine routes the model's own `ssm_update` here (engine/fused_ops.py).
 """
 
 from __future__ import annotations
@@ -43,16 +50,17 @@ TIME_STEP_LIMIT = (0.001, 100.0)  # mlx-lm's default
 
 class SsmUpdateFn(Protocol):
     def __call__(self, x: mx.array, A_log: mx.array, B: mx.array, C: mx.array, D: mx.array, dt: mx.array,
-                 dt_bias: mx.array, state: mx.array, time_step_limit: tuple[float, float] = TIME_STEP_LIMIT,
+                 dt_bias: mx.array, state: mx.array | None, time_step_limit: tuple[float, float] = TIME_STEP_LIMIT,
                  mask: mx.array | None = None,
                  lengths: mx.array | None = None) -> tuple[mx.array, mx.array]: ...  # fmt: skip
 
 
 def ssm_update_ref(x: mx.array, A_log: mx.array, B: mx.array, C: mx.array, D: mx.array, dt: mx.array,
-                   dt_bias: mx.array, state: mx.array, time_step_limit: tuple[float, float] = TIME_STEP_LIMIT,
+                   dt_bias: mx.array, state: mx.array | None, time_step_limit: tuple[float, float] = TIME_STEP_LIMIT,
                    mask: mx.array | None = None, lengths: mx.array | None = None) -> tuple[mx.array, mx.array]:
-    """x [B, 1, H, Dh]; B, C [B, 1, G, Ds]; A_log, D, dt_bias [H]; dt [B, 1, H] (raw); state [B, H, Dh, Ds];
-    mask [B, 1] or None; lengths [B] or None -> (y [B, 1, H, Dh] in x's dtype, new state): mlx-lm's ops."""
+    """x [B, L, H, Dh]; B, C [B, L, G, Ds]; A_log, D, dt_bias [H]; dt [B, L, H] (raw); state [B, H, Dh, Ds] or
+    None (zeros); mask [B, L] or None; lengths [B] or None -> (y [B, L, H, Dh] in x's dtype, new state):
+    mlx-lm's ops (`ssm_attn`, SSD's chunked quadratic form)."""
     from mlx_lm.models.ssm import ssm_attn
 
     y, new = ssm_attn(x, A_log, B, C, D, dt, dt_bias, state, time_step_limit, mask=mask, lengths=lengths)
@@ -71,37 +79,50 @@ def _flags(mask: mx.array | None, lengths: mx.array | None) -> mx.array | None:
 
 
 def ssm_update_cpu(x: mx.array, A_log: mx.array, B: mx.array, C: mx.array, D: mx.array, dt: mx.array,
-                   dt_bias: mx.array, state: mx.array, time_step_limit: tuple[float, float] = TIME_STEP_LIMIT,
-                   mask: mx.array | None = None, lengths: mx.array | None = None) -> tuple[mx.array, mx.array]:
+                   dt_bias: mx.array, state: mx.array | None,
+                   time_step_limit: tuple[float, float] = TIME_STEP_LIMIT, mask: mx.array | None = None,
+                   lengths: mx.array | None = None) -> tuple[mx.array, mx.array]:
     """`ssm_update` as a primitive of trillm's CPU extension, dt and A computed as mlx-lm computes them."""
     from mlx_lm.models.ssm import compute_dt
 
     dtf = compute_dt(dt, dt_bias, time_step_limit)
     A = -mx.exp(A_log).astype(mx.float32)
-    y, new = cpu_ext.require().ssm_update(x, A, B, C, D, dtf, state, _flags(mask, lengths))
+    m = mask.reshape(mask.shape[0], -1) if mask is not None else None
+    y, new = cpu_ext.require().ssm_update(x, A, B, C, D, dtf, state, m, lengths)
     return y, new
 
 
-def _takes_call(x: mx.array, B: mx.array, C: mx.array, state: mx.array | None) -> bool:
-    return (state is not None and x.ndim == 4 and x.shape[1] == 1 and x.dtype in _DTYPES and B.dtype == x.dtype
-            and C.dtype == x.dtype and B.shape[2] > 0 and x.shape[2] % B.shape[2] == 0
-            and state.shape == (x.shape[0], x.shape[2], x.shape[3], B.shape[3]))  # fmt: skip
+def _takes_call(x: mx.array, B: mx.array, C: mx.array, state: mx.array | None, mask: mx.array | None = None,
+                lengths: mx.array | None = None) -> bool:
+    """Whether the CPU primitive takes this call: any number of tokens, with or without a state."""
+    b, length = (x.shape[0], x.shape[1]) if x.ndim == 4 else (0, 0)
+    return (x.ndim == 4 and length >= 1 and B.ndim == 4 and x.dtype in _DTYPES and B.dtype == x.dtype
+            and C.dtype == x.dtype and C.shape == B.shape and B.shape[:2] == (b, length) and B.shape[2] > 0
+            and x.shape[2] % B.shape[2] == 0
+            and (state is None or state.shape == (b, x.shape[2], x.shape[3], B.shape[3]))
+            and (mask is None or mask.size == b * length) and (lengths is None or lengths.size == b))  # fmt: skip
+
+
+def _gpu_takes_call(x: mx.array, B: mx.array, C: mx.array, state: mx.array | None) -> bool:
+    """Whether the shared GPU body takes this call: decode with a state, Ds a multiple of 32."""
+    return (_takes_call(x, B, C, state) and state is not None and x.shape[1] == 1
+            and B.shape[3] % 32 == 0)  # fmt: skip
 
 
 def ssm_update_cpu_kernel(x: mx.array, A_log: mx.array, B: mx.array, C: mx.array, D: mx.array, dt: mx.array,
-                          dt_bias: mx.array, state: mx.array,
+                          dt_bias: mx.array, state: mx.array | None,
                           time_step_limit: tuple[float, float] = TIME_STEP_LIMIT, mask: mx.array | None = None,
                           lengths: mx.array | None = None) -> tuple[mx.array, mx.array]:
-    """The "cpu" kernel the self-check runs: the primitive for a decode call, else the reference."""
-    fn = ssm_update_cpu if _takes_call(x, B, C, state) else ssm_update_ref
+    """The "cpu" kernel the self-check runs: the primitive for a call it takes, else the reference."""
+    fn = ssm_update_cpu if _takes_call(x, B, C, state, mask, lengths) else ssm_update_ref
     return fn(x, A_log, B, C, D, dt, dt_bias, state, time_step_limit, mask, lengths)
 
 
 def ssm_update(x: mx.array, A_log: mx.array, B: mx.array, C: mx.array, D: mx.array, dt: mx.array,
-               dt_bias: mx.array, state: mx.array, time_step_limit: tuple[float, float] = TIME_STEP_LIMIT,
+               dt_bias: mx.array, state: mx.array | None, time_step_limit: tuple[float, float] = TIME_STEP_LIMIT,
                mask: mx.array | None = None, lengths: mx.array | None = None) -> tuple[mx.array, mx.array]:
-    """The state-space update: the CPU primitive on CPU for decode, else the reference. Unchecked: the engine
-    runs what its start-up self-check chose (`trillm.kernels.selfcheck`)."""
+    """The state-space update: the CPU primitive on CPU (decode and prefill), else the reference. Unchecked: the
+    engine runs what its start-up self-check chose (`trillm.kernels.selfcheck`)."""
     fn = ssm_update_cpu_kernel if cpu_ext.enabled() else ssm_update_ref
     return fn(x, A_log, B, C, D, dt, dt_bias, state, time_step_limit, mask, lengths)
 
@@ -143,17 +164,19 @@ SSM = KernelSpec("ssm_update", ("x", "A", "Bm", "Cm", "D", "dt", "state_in", "fl
 
 
 def ssm_update_kernel(backend: str, x: mx.array, A_log: mx.array, B: mx.array, C: mx.array, D: mx.array,
-                      dt: mx.array, dt_bias: mx.array, state: mx.array,
+                      dt: mx.array, dt_bias: mx.array, state: mx.array | None,
                       time_step_limit: tuple[float, float] = TIME_STEP_LIMIT, mask: mx.array | None = None,
                       lengths: mx.array | None = None) -> tuple[mx.array, mx.array]:
-    """Launch the shared body on `backend` (any name in backend.FACTORIES). Shapes as the reference; Ds a
-    multiple of 32 and H of G."""
+    """Launch the shared body on `backend` (any name in backend.FACTORIES). Shapes as the reference at one
+    token, with a state; Ds a multiple of 32 and H of G."""
     from mlx_lm.models.ssm import compute_dt
 
-    b, _, h, dh = x.shape
+    b, length, h, dh = x.shape
     g, ds = B.shape[2], B.shape[3]
     if ds % 32 or h % g:
         raise ValueError(f"the GPU kernel needs Ds a multiple of 32 and H a multiple of G, got {ds}, {h}/{g}")
+    if state is None or length != 1:
+        raise ValueError("the GPU kernel takes decode (one token) with a state only")
     f32 = mx.float32
     flags = _flags(mask, lengths)
     fl = at_least_8(flags) if flags is not None else int32_params(0)
@@ -170,12 +193,21 @@ def ssm_update_kernel(backend: str, x: mx.array, A_log: mx.array, B: mx.array, C
 
 
 def ssm_update_gpu(x: mx.array, A_log: mx.array, B: mx.array, C: mx.array, D: mx.array, dt: mx.array,
-                   dt_bias: mx.array, state: mx.array, time_step_limit: tuple[float, float] = TIME_STEP_LIMIT,
+                   dt_bias: mx.array, state: mx.array | None, time_step_limit: tuple[float, float] = TIME_STEP_LIMIT,
                    mask: mx.array | None = None, lengths: mx.array | None = None) -> tuple[mx.array, mx.array]:
     """`ssm_update` as this GPU's kernel (Metal or CUDA), or the reference for a call it does not take."""
-    if not _takes_call(x, B, C, state) or B.shape[3] % 32:
+    return ssm_update_on(gpu_backend(), x, A_log, B, C, D, dt, dt_bias, state, time_step_limit, mask, lengths)
+
+
+def ssm_update_on(backend: str, x: mx.array, A_log: mx.array, B: mx.array, C: mx.array, D: mx.array,
+                  dt: mx.array, dt_bias: mx.array, state: mx.array | None,
+                  time_step_limit: tuple[float, float] = TIME_STEP_LIMIT, mask: mx.array | None = None,
+                  lengths: mx.array | None = None) -> tuple[mx.array, mx.array]:
+    """The shared body on `backend` for a call it takes (decode with a state), else the reference (prefill:
+    no GPU body)."""
+    if not _gpu_takes_call(x, B, C, state):
         return ssm_update_ref(x, A_log, B, C, D, dt, dt_bias, state, time_step_limit, mask, lengths)
-    return ssm_update_kernel(gpu_backend(), x, A_log, B, C, D, dt, dt_bias, state, time_step_limit, mask, lengths)
+    return ssm_update_kernel(backend, x, A_log, B, C, D, dt, dt_bias, state, time_step_limit, mask, lengths)
 
 
 def _gpu_supports(shapes: ModelShapes) -> str | None:
@@ -188,37 +220,54 @@ def _gpu_supports(shapes: ModelShapes) -> str | None:
     return None
 
 
-def _case(label: str, shapes: ModelShapes, b: int, seed: int, masked: bool = False) -> Case:
+def _case(label: str, shapes: ModelShapes, b: int, seed: int, masked: bool = False, length: int = 1,
+          lengths: list[int] | None = None, with_state: bool = True) -> Case:
+    """A call of `length` tokens per row. Decode `masked`: masked rows and rows that keep their state, apart.
+    `lengths`: right-padded rows as the engine builds them (mask True at each row's first `lengths` tokens;
+    a negative length: a row whose prompt ended before this call, every token masked)."""
     h, g, dh, ds = shapes.ssm
     dtype = shapes.dtype
-    x = random_array((b, 1, h, dh), dtype, seed)
-    B = random_array((b, 1, g, ds), dtype, seed + 1)
-    C = random_array((b, 1, g, ds), dtype, seed + 2)
+    x = random_array((b, length, h, dh), dtype, seed)
+    # Over several tokens B and C at 1 / sqrt(Ds): y of order one. At unit scale y reaches hundreds within a
+    # few hundred tokens, and the reference's own rounding (C B^T in the input dtype) is ulps of that.
+    bc = 1.0 if length == 1 else ds**-0.5
+    B = random_array((b, length, g, ds), dtype, seed + 1, scale=bc)
+    C = random_array((b, length, g, ds), dtype, seed + 2, scale=bc)
     # A_log, D and dt_bias as the model holds them (its dtype); dt spread around softplus's knee.
     A_log = mx.log(mx.abs(random_array((h,), mx.float32, seed + 3, scale=4.0)) + 1.0).astype(dtype)
     D = random_array((h,), dtype, seed + 4)
-    dt = random_array((b, 1, h), dtype, seed + 5, scale=2.0)
+    dt = random_array((b, length, h), dtype, seed + 5, scale=2.0)
     dt_bias = random_array((h,), dtype, seed + 6)
-    state = random_array((b, h, dh, ds), mx.float32, seed + 7, scale=0.5)
-    mask = lengths = None
+    state = random_array((b, h, dh, ds), mx.float32, seed + 7, scale=0.5) if with_state else None
+    mask = lens = None
     if masked:
         mask = mx.array([[i % 3 != 1] for i in range(b)])
         # At one token a length is at most 1 (mlx-lm reads the decay at position length - 1).
-        lengths = mx.array([-1 if i % 4 == 2 else 1 for i in range(b)])
-    return Case(f"{label} B={b}" + (" masked" if masked else ""),
-                (x, A_log, B, C, D, dt, dt_bias, state, TIME_STEP_LIMIT, mask, lengths))
+        lens = mx.array([-1 if i % 4 == 2 else 1 for i in range(b)])
+    if lengths is not None:
+        mask = mx.arange(length)[None, :] < mx.array(lengths)[:, None]
+        lens = mx.array(lengths)
+    tags = [f"B={b}"] + ([f"L={length}"] if length > 1 else []) + (["masked"] if mask is not None else [])
+    return Case(" ".join([label, *tags, *([] if with_state else ["no state"])]),
+                (x, A_log, B, C, D, dt, dt_bias, state, TIME_STEP_LIMIT, mask, lens))
 
 
 def _check_cases(shapes: ModelShapes) -> list[Case]:
-    return [_case("decode", shapes, 1, 60), _case("decode", shapes, 9, 70), _case("decode", shapes, 6, 80, True)]
+    # Prefill: a short chunk carrying a state; ragged right-padded rows (one empty, one whose prompt ended in
+    # an earlier chunk); no state, across mlx-lm's 256-token chunks with padding in the second (one row: the
+    # reference's [L, L] decay matrices make it the costliest case of the start-up check).
+    return [_case("decode", shapes, 1, 60), _case("decode", shapes, 9, 70), _case("decode", shapes, 6, 80, True),
+            _case("prefill", shapes, 1, 90, length=3), _case("prefill", shapes, 4, 95, length=19, lengths=[19, 7, 0, -3]),
+            _case("prefill", shapes, 1, 85, length=260, lengths=[258], with_state=False)]  # fmt: skip
 
 
 def _timing_cases(shapes: ModelShapes) -> list[Case]:
-    return [_case("decode", shapes, 1, 100), _case("decode", shapes, shapes.max_batch, 110)]
+    return [_case("decode", shapes, 1, 100), _case("decode", shapes, shapes.max_batch, 110),
+            _case("prefill", shapes, 1, 120, length=shapes.chunk)]
 
 
-def _phase(*_: object, **__: object) -> str:
-    return "decode"
+def _phase(x: mx.array, *_: object, **__: object) -> str:
+    return "decode" if x.shape[1] == 1 else "prefill"
 
 
 def _supports(shapes: ModelShapes) -> str | None:
@@ -231,11 +280,11 @@ KERNELS: dict[str, Kernel] = {"cpu": Kernel(ssm_update_cpu_kernel, _supports),
 
 
 def mlx_lm_own(x: mx.array, A_log: mx.array, B: mx.array, C: mx.array, D: mx.array, dt: mx.array,
-               dt_bias: mx.array, state: mx.array, time_step_limit: tuple[float, float] = TIME_STEP_LIMIT,
+               dt_bias: mx.array, state: mx.array | None, time_step_limit: tuple[float, float] = TIME_STEP_LIMIT,
                mask: mx.array | None = None, lengths: mx.array | None = None) -> tuple[mx.array, mx.array]:
     """What mlx-lm's ssm_update runs for these inputs: its Metal kernel on Metal for a decode call (which
     ignores mask and lengths), else its ops (the reference). What a kernel is timed against."""
-    if kernel_backend() == "metal" and x.shape[1] == 1:
+    if kernel_backend() == "metal" and x.shape[1] == 1 and state is not None:
         from mlx_lm.models import ssm as mlx_ssm
 
         if (own := getattr(mlx_ssm, "ssm_update_kernel", None)) is not None:

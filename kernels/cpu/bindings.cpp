@@ -32,9 +32,9 @@ NB_MODULE(_trillm_cpu, m) {
   m.def("gated_delta", &trillm_cpu::gated_delta, "q"_a, "k"_a, "v"_a, "g"_a, "beta"_a, "state"_a,
         "mask"_a = nb::none(), nb::kw_only(), "stream"_a = nb::none(),
         "The gated delta rule over T tokens: [y, new state] (see trillm.kernels.gated_delta).");
-  m.def("ssm_update", &trillm_cpu::ssm_update, "x"_a, "A"_a, "B"_a, "C"_a, "D"_a, "dt"_a, "state"_a,
-        "flags"_a = nb::none(), nb::kw_only(), "stream"_a = nb::none(),
-        "Mamba-2's state-space update for one token: [y, new state] (see trillm.kernels.ssm_update).");
+  m.def("ssm_update", &trillm_cpu::ssm_update, "x"_a, "A"_a, "B"_a, "C"_a, "D"_a, "dt"_a, "state"_a = nb::none(),
+        "mask"_a = nb::none(), "lengths"_a = nb::none(), nb::kw_only(), "stream"_a = nb::none(),
+        "Mamba-2's state-space update over L tokens: [y, new state] (see trillm.kernels.ssm_update).");
   m.def("rope", &trillm_cpu::rope, "x"_a, "dims"_a, nb::kw_only(), "traditional"_a, "base"_a, "scale"_a,
         "offset"_a, "stream"_a = nb::none(), "RoPE (as mx.fast.rope, forward); offset: int32 [1] or [B].");
   m.def("silu_mul", &trillm_cpu::silu_mul, "gate"_a, "up"_a, nb::kw_only(), "stream"_a = nb::none(),

@@ -118,29 +118,35 @@ class GatedDelta : public mx::Primitive {
   bool has_mask_;
 };
 
-// Mamba-2's state-space update for one token, as mlx-lm's ssm_attn at seq_len 1: x [B, 1, H, Dh], B, C
-// [B, 1, G, Ds] (one dtype of float32, float16, bfloat16; head h reads group h / (H / G)); A (-exp(A_log)),
-// D [H], dt [B, 1, H] (softplus'd and clipped) and state [B, H, Dh, Ds] read as float32; flags int32 [B] or
-// none (bit 0: masked token, bit 1: state kept). dA = exp(dt A); state = dA state + dt x B^T;
-// y = state . C + D x -> {y in x's dtype, the new state float32}.
+// Mamba-2's state-space update over L tokens, as mlx-lm's ssm_attn: x [B, L, H, Dh], B, C [B, L, G, Ds] (one
+// dtype of float32, float16, bfloat16; head h reads group h / (H / G)); A (-exp(A_log)), D [H], dt [B, L, H]
+// (softplus'd and clipped) and state [B, H, Dh, Ds] (none: zeros) read as float32; mask [B, L] (0: masked
+// token) and lengths [B] (the state returned is after token lengths - 1; negative: the incoming one) or none.
+// Per token dA = exp(dt A); state = dA state + dt x B^T; y = state . C + D x -> {y in x's dtype, the state
+// float32}.
 std::vector<mx::array> ssm_update(const mx::array& x, const mx::array& A, const mx::array& B, const mx::array& C,
-                                  const mx::array& D, const mx::array& dt, const mx::array& state,
-                                  const std::optional<mx::array>& flags, mx::StreamOrDevice s = {});
+                                  const mx::array& D, const mx::array& dt, const std::optional<mx::array>& state,
+                                  const std::optional<mx::array>& mask, const std::optional<mx::array>& lengths,
+                                  mx::StreamOrDevice s = {});
 
 class SsmUpdate : public mx::Primitive {
  public:
-  SsmUpdate(mx::Stream stream, bool has_flags) : mx::Primitive(stream), has_flags_(has_flags) {}
+  SsmUpdate(mx::Stream stream, bool has_state, bool has_mask, bool has_lengths)
+      : mx::Primitive(stream), has_state_(has_state), has_mask_(has_mask), has_lengths_(has_lengths) {}
   void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override;
   void eval_gpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override;
   const char* name() const override {
     return "TrillmSsmUpdate";
   }
   bool is_equivalent(const mx::Primitive& other) const override {
-    return has_flags_ == static_cast<const SsmUpdate&>(other).has_flags_;
+    const auto& o = static_cast<const SsmUpdate&>(other);
+    return has_state_ == o.has_state_ && has_mask_ == o.has_mask_ && has_lengths_ == o.has_lengths_;
   }
 
  private:
-  bool has_flags_;
+  bool has_state_;
+  bool has_mask_;
+  bool has_lengths_;
 };
 
 // RMSNorm over the last axis: x * rsqrt(mean(x^2) + eps) * weight, as mx.fast.rms_norm.

@@ -28,7 +28,7 @@ from trillm.kernels.paged_attention import DEFAULT_SPLIT, SPLIT_POLICIES, paged_
 from trillm.kernels.paged_attention import OP as PAGED_ATTENTION
 from trillm.kernels.layout import ModelShapes
 from trillm.kernels.ssm_update import OP as SSM_UPDATE
-from trillm.kernels.ssm_update import ssm_update_kernel
+from trillm.kernels.ssm_update import ssm_update_on
 
 TemplateArg = tuple[str, "int | bool | mx.Dtype"]
 MAX_CONSTANT_ARRAY_SIZE = 8  # MLX's Metal wrapper passes inputs under this many elements as `constant`
@@ -40,7 +40,7 @@ LAUNCHERS: dict[str, Callable[..., Any]] = {
     KV_GATHER.name: kv_gather_kernel,
     GATED_DELTA.name: gated_delta_kernel,
     KV_WRITE_INT8.name: kv_write_int8_kernel,
-    SSM_UPDATE.name: ssm_update_kernel,
+    SSM_UPDATE.name: ssm_update_on,  # decode; prefill runs the reference (no GPU body)
     DEPTHWISE_CONV1D.name: depthwise_conv1d_kernel,
 }
 

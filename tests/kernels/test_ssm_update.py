@@ -1,10 +1,11 @@
-"""Mamba-2's state-space decode step (trillm.kernels.ssm_update): the CPU primitive against mlx-lm's own
-`ssm_update` (an independent truth; off Metal its ops path, ssm_attn at seq_len 1) for every input dtype,
-grouped heads (H / G > 1, a head reading its group's B and C), head and state widths off any ISA's lanes,
-masked tokens and rows that keep their state (negative lengths); the self-check's view of it; the engine's
-seam: a model's ssm_update runs the primitive inside fused_ops() for decode only; and the shared Metal/CUDA
-body, registered for both back-ends, run by the g++ emulator against the reference and through the
-self-check (never on a GPU here)."""
+"""Mamba-2's state-space update (trillm.kernels.ssm_update): the CPU primitive against mlx-lm's own
+`ssm_update` (an independent truth; off Metal its ops path, ssm_attn) for every input dtype, grouped heads
+(H / G > 1, a head reading its group's B and C), head and state widths off any ISA's lanes, masked tokens and
+rows that keep their state (negative lengths), at one token (decode) and over many (prefill: the scan against
+SSD's chunked quadratic form, ragged right-padded and left-padded rows, no state, two chunks carrying the state
+as one call); the self-check's view of it; the engine's seam: a model's ssm_update runs the primitive inside
+fused_ops(); and the shared Metal/CUDA body (decode), registered for both back-ends, run by the g++ emulator
+against the reference and through the self-check (never on a GPU here)."""
 
 from __future__ import annotations
 
@@ -33,14 +34,16 @@ pytestmark = pytest.mark.skipif(
 )
 
 
-def _inputs(B: int, H: int, G: int, Dh: int, Ds: int, dtype: mx.Dtype, seed: int = 0) -> tuple[mx.array, ...]:
+def _inputs(B: int, H: int, G: int, Dh: int, Ds: int, dtype: mx.Dtype, seed: int = 0, L: int = 1) -> tuple[mx.array, ...]:
     ks = mx.random.split(mx.random.key(seed), 8)
-    x = mx.random.normal((B, 1, H, Dh), key=ks[0]).astype(dtype)
-    Bm = mx.random.normal((B, 1, G, Ds), key=ks[1]).astype(dtype)
-    Cm = mx.random.normal((B, 1, G, Ds), key=ks[2]).astype(dtype)
+    x = mx.random.normal((B, L, H, Dh), key=ks[0]).astype(dtype)
+    # Over several tokens B and C at 1 / sqrt(Ds), as the self-check's cases: y of order one.
+    bc = 1.0 if L == 1 else Ds**-0.5
+    Bm = (mx.random.normal((B, L, G, Ds), key=ks[1]) * bc).astype(dtype)
+    Cm = (mx.random.normal((B, L, G, Ds), key=ks[2]) * bc).astype(dtype)
     A_log = mx.log(mx.abs(mx.random.normal((H,), key=ks[3])) * 4 + 1).astype(dtype)
     D = mx.random.normal((H,), key=ks[4]).astype(dtype)
-    dt = (mx.random.normal((B, 1, H), key=ks[5]) * 2).astype(dtype)
+    dt = (mx.random.normal((B, L, H), key=ks[5]) * 2).astype(dtype)
     dt_bias = mx.random.normal((H,), key=ks[6]).astype(dtype)
     state = mx.random.normal((B, H, Dh, Ds), key=ks[7]) * 0.5
     return x, A_log, Bm, Cm, D, dt, dt_bias, state
@@ -97,9 +100,56 @@ def test_masked_tokens_and_kept_states_match_mlx_lm(dtype: mx.Dtype) -> None:
     assert not mx.array_equal(state[0], args[-1][0]).item()
 
 
+def _right_padded(lengths: list[int], L: int) -> mx.array:
+    return mx.arange(L)[None, :] < mx.array(lengths)[:, None]
+
+
+@pytest.mark.parametrize("dtype", [mx.float32, mx.float16, mx.bfloat16], ids=["f32", "f16", "bf16"])
+def test_prefill_scan_matches_mlx_lm(dtype: mx.Dtype) -> None:
+    # 300 tokens: across ssm_attn's 256-token chunks. Ragged right-padded rows as the engine builds them (one
+    # whose padding starts in the second chunk, one whose prompt ended in an earlier call: negative length),
+    # and a left-padded row (mlx-lm's own batching) without lengths. Every position compared, padding too.
+    args = _inputs(4, 6, 3, 8, 20, dtype, seed=11, L=300)
+    lengths = mx.array([300, 270, 40, -5])
+    mask = _right_padded([300, 270, 40, 0], 300)
+    left = mx.arange(300)[None, :] >= mx.array([0, 17, 255, 299])[:, None]
+    for m, ln in ((None, None), (mask, lengths), (left, None)):
+        want_y, want_state = _mlx_lm(*args, mask=m, lengths=ln)
+        y, state = ssm_update_cpu(*args, mask=m, lengths=ln)
+        _close(y, want_y, TOLERANCES[dtype])
+        _close(state, want_state, TOLERANCES[mx.float32])
+    # The row with a negative length keeps its state exactly; the row padded from token 40 returns the
+    # state after token 39, the one a 40-token call returns.
+    _, state = ssm_update_cpu(*args, mask=mask, lengths=lengths)
+    assert mx.array_equal(state[3], args[-1][3]).item()
+    cut = [a[2:3, :40] if a.ndim >= 3 and a.shape[1] == 300 else a for a in args[:-1]]
+    _, short = ssm_update_cpu(*cut, args[-1][2:3])
+    _close(state[2:3], short, (1e-6, 1e-6))
+
+
+def test_prefill_without_a_state_and_in_two_chunks() -> None:
+    x, A_log, Bm, Cm, D, dt, dt_bias, state = _inputs(2, 4, 2, 16, 32, mx.float32, seed=12, L=200)
+    # No state: zeros, as mlx-lm's.
+    want_y, want_state = _mlx_lm(x, A_log, Bm, Cm, D, dt, dt_bias, None)
+    y, st = ssm_update_cpu(x, A_log, Bm, Cm, D, dt, dt_bias, None)
+    _close(y, want_y, TOLERANCES[mx.float32])
+    _close(st, want_state, TOLERANCES[mx.float32])
+    zero_y, zero_st = ssm_update_cpu(x, A_log, Bm, Cm, D, dt, dt_bias, mx.zeros_like(state))
+    assert mx.array_equal(zero_y, y).item() and mx.array_equal(zero_st, st).item()
+    # A chunked prefill: 70 tokens, then 130 carrying the state, is the 200-token call.
+    whole_y, whole_st = ssm_update_cpu(x, A_log, Bm, Cm, D, dt, dt_bias, state)
+    a_y, a_st = ssm_update_cpu(x[:, :70], A_log, Bm[:, :70], Cm[:, :70], D, dt[:, :70], dt_bias, state)
+    b_y, b_st = ssm_update_cpu(x[:, 70:], A_log, Bm[:, 70:], Cm[:, 70:], D, dt[:, 70:], dt_bias, a_st)
+    _close(mx.concatenate([a_y, b_y], axis=1), whole_y, (1e-5, 1e-5))
+    _close(b_st, whole_st, (1e-6, 1e-6))
+    _close(whole_st, _mlx_lm(x, A_log, Bm, Cm, D, dt, dt_bias, state)[1], TOLERANCES[mx.float32])
+
+
 def test_selfcheck_checks_and_routes_it() -> None:
     shapes = ModelShapes(4, 4, 64, 16, mx.float32, max_batch=4, ssm=(8, 2, 32, 64))
     assert OP.applies(shapes) and not OP.applies(ModelShapes(4, 2, 64, 16, mx.float32))
+    labels = [c.label for c in OP.check_cases(shapes)]
+    assert any("prefill" in lb and "masked" in lb for lb in labels) and any("no state" in lb for lb in labels)
     assert selfcheck.check_kernel(OP, OP.kernels["cpu"], shapes) is None
     sel = selfcheck.select_kernels(shapes, ops=[OP], timing_iters=1)
     report = next(r for r in sel.report.ops if r.op == "ssm_update")
@@ -108,16 +158,23 @@ def test_selfcheck_checks_and_routes_it() -> None:
     bad = OP.kernels["cpu"].__class__(lambda *a: (ssm_update_ref(*a)[0], ssm_update_ref(*a)[1] * 1.5))
     failure = selfcheck.check_kernel(OP, bad, shapes)
     assert failure is not None and "output 1" in failure
+    # A scan that decays through masked tokens passes decode's cases but fails the ragged prefill.
+    def no_mask(*a: object) -> tuple[mx.array, mx.array]:
+        if a[0].shape[1] == 1:  # type: ignore[attr-defined]
+            return ssm_update_cpu(*a)  # type: ignore[arg-type]
+        return ssm_update_cpu(*a[:9])  # type: ignore[arg-type]
+    failure = selfcheck.check_kernel(OP, OP.kernels["cpu"].__class__(no_mask), shapes)
+    assert failure is not None and failure.startswith("prefill") and "masked" in failure, failure
     assert selfcheck.select_kernels(ModelShapes(4, 2, 64, 16, mx.float32), ops=[OP]).ssm_update is None
 
 
-def test_engine_seam_routes_decode_only() -> None:
+def test_engine_seam_routes_decode_and_prefill() -> None:
     from trillm.engine.fused_ops import _fused_ssm_update, fused_ops
 
     calls: list[int] = []
 
     def counting(*args: object) -> tuple[mx.array, mx.array]:
-        calls.append(1)
+        calls.append(args[0].shape[1])  # type: ignore[attr-defined]
         return ssm_update_cpu(*args)  # type: ignore[arg-type]
 
     original = mlx_ssm.ssm_update
@@ -126,16 +183,21 @@ def test_engine_seam_routes_decode_only() -> None:
     want = original(*args)
     assert not calls and mx.array_equal(fused(*args)[1], want[1]).item()  # outside fused_ops: mlx-lm's own
     x, A_log, Bm, Cm, D, dt, dt_bias, state = args
+    x3, B3, C3, dt3 = (mx.concatenate([a] * 3, axis=1) for a in (x, Bm, Cm, dt))
+    mask = _right_padded([3, 2], 3)
     with fused_ops(dataclasses.replace(selfcheck.unchecked(), ssm_update=counting)):
         got = fused(x, A_log, Bm, Cm, D, dt, dt_bias, state, (0.001, 100.0), mask=None, lengths=None)
-        # Prefill (3 tokens) and a call without a state run mlx-lm's own.
-        x3, B3, C3, dt3 = (mx.concatenate([a] * 3, axis=1) for a in (x, Bm, Cm, dt))
+        # Prefill (3 tokens), a call without a state, a ragged one given the mask alone (as Nemotron-H's
+        # mixer calls it): the kernel, with the lengths the mask says.
         pre = fused(x3, A_log, B3, C3, D, dt3, dt_bias, state)
         fused(x, A_log, Bm, Cm, D, dt, dt_bias)
-    assert len(calls) == 1
+        ragged = fused(x3, A_log, B3, C3, D, dt3, dt_bias, state, (0.001, 100.0), mask)
+    assert calls == [1, 3, 1, 3]
     for g, w in zip(got, want):
         _close(g, w, TOLERANCES[mx.float32])
-    assert mx.array_equal(pre[1], original(x3, A_log, B3, C3, D, dt3, dt_bias, state)[1]).item()
+    _close(pre[1], original(x3, A_log, B3, C3, D, dt3, dt_bias, state)[1], TOLERANCES[mx.float32])
+    want_ragged = original(x3, A_log, B3, C3, D, dt3, dt_bias, state, (0.001, 100.0), mask, mx.array([3, 2]))
+    _close(ragged[1], want_ragged[1], TOLERANCES[mx.float32])
 
 
 # bfloat16 is left out: the emulator's numpy bridge has no bfloat16.
@@ -196,7 +258,7 @@ def test_selfcheck_passes_the_emulated_body_and_sets_a_wrong_one_aside(
     masked batch); a body that decays a masked token's state fails the masked case and the op falls back."""
     emu = _emulator()
     shapes = ModelShapes(4, 4, 64, 16, mx.float32, max_batch=4, ssm=(4, 2, 8, 32))
-    monkeypatch.setitem(OP.kernels, "cpu", Kernel(partial(ssm_op.ssm_update_kernel, emu.BACKEND)))
+    monkeypatch.setitem(OP.kernels, "cpu", Kernel(partial(ssm_op.ssm_update_on, emu.BACKEND)))
     report = selfcheck.select_kernels(shapes, ops=[OP], timing_iters=1).report
     assert not report.ops[0].failed and report.ops[0].reason.startswith("checked"), report.ops[0]
     plant = dataclasses.replace(ssm_op.SSM, body=ssm_op.SSM.body.replace("masked ? 1.0f : EXPF", "EXPF"))
