@@ -1,5 +1,5 @@
 """Mamba-2's state-space update (Mamba-2, Nemotron-H, Falcon-H1), for one token (decode) and over a prompt's
-tokens (prefill): the reference, the CPU primitive, the shared Metal/CUDA body (decode) and the dispatcher.
+tokens (prefill): the reference, the CPU primitive, the shared Metal/CUDA body and the dispatcher.
 
 Per head h a state [Dh, Ds] (float32) and, with dt already softplus'd and clipped (mlx-lm's `compute_dt`),
 A = -exp(A_log) and head h reading group h // (H // G) of B and C, token by token:
@@ -16,13 +16,16 @@ dotted with C in registers, (b, h, row block) items split across the cores; no s
 mlx-lm's mask and lengths as its ssm_attn reads them: a masked token has no decay and no input (the state
 stays) and its y is D * x plus the decayed state its 256-token chunk started from (what segsum's -inf leaves;
 the engine's masked tokens are right padding, whose y nothing reads); the state returned is the one after token
-lengths - 1, the incoming one for a negative length. On Metal and CUDA one shared body (`SSM`), decode with a
-state only: a 32-lane simdgroup per state row, each lane holding Ds / 32 of its floats (mlx-lm's own Metal
-kernel's layout, which ignores the mask and lengths; this body honours them); Ds a multiple of 32, else the
-reference. Compiled (Metal stand-in, nvcc) and emulated only: never run on a GPU. There is no GPU body for
-prefill: on a GPU multi-token calls run mlx-lm's own `ssm_attn`, and so does every call where the self-check
-does not choose a kernel (no kernel for the back-end, or it lost or mismatched; its Metal kernel for decode
-on Metal). The self-check decides decode and prefill apart (`phase_of`).
+lengths - 1, the incoming one for a negative length. On Metal and CUDA one shared body (`SSM`), the same scan
+for decode and prefill: a 32-lane simdgroup per state row walking the tokens, each lane holding Ds / 32 of its
+floats in registers (mlx-lm's own Metal decode kernel's layout, which ignores the mask and lengths; this body
+honours them, and keeps the row as its chunk began for masked tokens); Ds a multiple of 32, else the reference.
+One simdgroup per row walks every token in order, so a long prompt's parallelism is B * H * Dh rows, not its
+tokens: whether that beats mlx-lm's chunked quadratic form on a GPU is for the self-check to find (timed
+against `ssm_attn`, and for decode on Metal against mlx-lm's Metal kernel). Compiled (Metal stand-in, nvcc)
+and emulated only: never run on a GPU. Every call where the self-check does not choose a kernel (none for
+the back-end, or it lost or mismatched) runs mlx-lm's own. The self-check decides decode and prefill apart
+(`phase_of`).
 
 The engine routes the model's own `ssm_update` here (engine/fused_ops.py).
 """
@@ -67,17 +70,6 @@ def ssm_update_ref(x: mx.array, A_log: mx.array, B: mx.array, C: mx.array, D: mx
     return y, new
 
 
-def _flags(mask: mx.array | None, lengths: mx.array | None) -> mx.array | None:
-    if mask is None and lengths is None:
-        return None
-    f = mx.zeros((), dtype=mx.int32)
-    if mask is not None:
-        f = f + mx.logical_not(mask.reshape(-1).astype(mx.bool_)).astype(mx.int32)
-    if lengths is not None:
-        f = f + 2 * (lengths.reshape(-1) < 0).astype(mx.int32)
-    return f
-
-
 def ssm_update_cpu(x: mx.array, A_log: mx.array, B: mx.array, C: mx.array, D: mx.array, dt: mx.array,
                    dt_bias: mx.array, state: mx.array | None,
                    time_step_limit: tuple[float, float] = TIME_STEP_LIMIT, mask: mx.array | None = None,
@@ -103,10 +95,10 @@ def _takes_call(x: mx.array, B: mx.array, C: mx.array, state: mx.array | None, m
             and (mask is None or mask.size == b * length) and (lengths is None or lengths.size == b))  # fmt: skip
 
 
-def _gpu_takes_call(x: mx.array, B: mx.array, C: mx.array, state: mx.array | None) -> bool:
-    """Whether the shared GPU body takes this call: decode with a state, Ds a multiple of 32."""
-    return (_takes_call(x, B, C, state) and state is not None and x.shape[1] == 1
-            and B.shape[3] % 32 == 0)  # fmt: skip
+def _gpu_takes_call(x: mx.array, B: mx.array, C: mx.array, state: mx.array | None, mask: mx.array | None = None,
+                    lengths: mx.array | None = None) -> bool:
+    """Whether the shared GPU body takes this call: what the CPU primitive takes, with Ds a multiple of 32."""
+    return _takes_call(x, B, C, state, mask, lengths) and B.shape[3] % 32 == 0
 
 
 def ssm_update_cpu_kernel(x: mx.array, A_log: mx.array, B: mx.array, C: mx.array, D: mx.array, dt: mx.array,
@@ -127,12 +119,17 @@ def ssm_update(x: mx.array, A_log: mx.array, B: mx.array, C: mx.array, D: mx.arr
     return fn(x, A_log, B, C, D, dt, dt_bias, state, time_step_limit, mask, lengths)
 
 
-# Template: InT (x, B, C, y), H, G, Dh, Ds, HAS_FLAGS. Inputs A, D [H], dt [B * H] (softplus'd, clipped; each
-# padded to 8 elements), state_in float32; flags int32 [B] (bit 0 masked, bit 1 keep state; a dummy without
-# HAS_FLAGS). Grid (32, Dh, B * H), threadgroups of 32: one simdgroup per state row (b, h, d),
-# lane l holding its floats l * NPT .. + NPT (Ds a multiple of 32).
+# Template: InT (x, B, C, y), H, G, Dh, Ds, HAS_STATE, HAS_MASK, HAS_LENGTHS. Inputs A, D [H], dt [B * L * H]
+# (softplus'd, clipped), mask int32 [B * L], lengths int32 [B] (each padded to 8 elements; a dummy where its
+# HAS_ is false), state_in float32 [B, H, Dh, Ds] (a dummy without HAS_STATE), params int32 (L). Grid (32, Dh,
+# B * H), threadgroups of 32: one simdgroup per state row (b, h, d) walking the L tokens, lane l holding the
+# row's floats l * NPT .. + NPT (Ds a multiple of 32) and, with a mask, the row as its 256-token chunk began:
+# a masked token's y is D * x plus that state's dot with C, decayed by the chunk's dt * A so far (the CPU
+# primitive's and ssm_attn's rule); the state written is the one after token lengths - 1 (clamped), the
+# incoming one for a negative length.
 _SSM_BODY = """
   constexpr int NPT = Ds / 32;
+  const int L = params[0];
   const int n = thread_position_in_grid.z;
   const int b = n / H;
   const int h = n % H;
@@ -140,54 +137,77 @@ _SSM_BODY = """
   const int lane = thread_position_in_threadgroup.x;
   const int d = thread_position_in_grid.y;
   const int row = (n * Dh + d) * Ds + lane * NPT;
-  const int bc = (b * G + g) * Ds + lane * NPT;
-  const int fl = HAS_FLAGS ? flags[b] : 0;
-  const bool masked = (fl & 1) != 0;
-  const bool keep = (fl & 2) != 0;
-  const float dtv = dt[n];
-  const float xr = static_cast<float>(x[n * Dh + d]);
-  // A masked token: no decay and no input, so y reads the old state (mlx-lm's multiplicative mask).
-  const float dA = masked ? 1.0f : EXPF(dtv * A[h]);
-  const float dtx = masked ? 0.0f : dtv * xr;
-  float acc = 0.0f;
-  UNROLL for (int i = 0; i < NPT; ++i) {
-    const float s = state_in[row + i];
-    const float ns = dA * s + dtx * static_cast<float>(Bm[bc + i]);
-    acc += ns * static_cast<float>(Cm[bc + i]);
-    state_out[row + i] = keep ? s : ns;
+  const int len = HAS_LENGTHS ? lengths[b] : L;
+  const int last = len < 0 ? -1 : MINI(MAXI(len - 1, 0), L - 1);
+  const float a = A[h];
+  const float dv = D[h];
+  float cur[NPT];
+  float start[NPT];
+  UNROLL for (int i = 0; i < NPT; ++i) cur[i] = HAS_STATE ? state_in[row + i] : 0.0f;
+  float cum = 0.0f;
+  for (int t = 0; t < L; ++t) {
+    if (HAS_MASK && t % 256 == 0) {
+      cum = 0.0f;
+      UNROLL for (int i = 0; i < NPT; ++i) start[i] = cur[i];
+    }
+    const int tok = b * L + t;
+    const int bc = (tok * G + g) * Ds + lane * NPT;
+    const int xo = (tok * H + h) * Dh + d;
+    const float xr = static_cast<float>(x[xo]);
+    float acc = 0.0f;
+    if (HAS_MASK && mask[tok] == 0) {  // uniform over the simdgroup: one (b, t) for all its lanes
+      UNROLL for (int i = 0; i < NPT; ++i) acc += start[i] * static_cast<float>(Cm[bc + i]);
+      acc = simd_sum(acc) * EXPF(cum);
+    } else {
+      const float dtv = dt[tok * H + h];
+      cum += dtv * a;
+      const float dA = EXPF(dtv * a);
+      const float dtx = dtv * xr;
+      UNROLL for (int i = 0; i < NPT; ++i) {
+        cur[i] = dA * cur[i] + dtx * static_cast<float>(Bm[bc + i]);
+        acc += cur[i] * static_cast<float>(Cm[bc + i]);
+      }
+      acc = simd_sum(acc);
+    }
+    if (lane == 0) y[xo] = static_cast<InT>(acc + dv * xr);
+    if (t == last) {
+      UNROLL for (int i = 0; i < NPT; ++i) state_out[row + i] = cur[i];
+    }
   }
-  acc = simd_sum(acc);
-  if (lane == 0) y[n * Dh + d] = static_cast<InT>(acc + D[h] * xr);
+  if (last < 0) {
+    UNROLL for (int i = 0; i < NPT; ++i) state_out[row + i] = HAS_STATE ? state_in[row + i] : 0.0f;
+  }
 """
-SSM = KernelSpec("ssm_update", ("x", "A", "Bm", "Cm", "D", "dt", "state_in", "flags", "params"), ("y", "state_out"),
-                 _SSM_BODY)
+SSM = KernelSpec("ssm_update", ("x", "A", "Bm", "Cm", "D", "dt", "state_in", "mask", "lengths", "params"),
+                 ("y", "state_out"), _SSM_BODY)
 
 
 def ssm_update_kernel(backend: str, x: mx.array, A_log: mx.array, B: mx.array, C: mx.array, D: mx.array,
                       dt: mx.array, dt_bias: mx.array, state: mx.array | None,
                       time_step_limit: tuple[float, float] = TIME_STEP_LIMIT, mask: mx.array | None = None,
                       lengths: mx.array | None = None) -> tuple[mx.array, mx.array]:
-    """Launch the shared body on `backend` (any name in backend.FACTORIES). Shapes as the reference at one
-    token, with a state; Ds a multiple of 32 and H of G."""
+    """Launch the shared body on `backend` (any name in backend.FACTORIES). Shapes as the reference (any number
+    of tokens, with or without a state); Ds a multiple of 32 and H of G."""
     from mlx_lm.models.ssm import compute_dt
 
     b, length, h, dh = x.shape
     g, ds = B.shape[2], B.shape[3]
     if ds % 32 or h % g:
         raise ValueError(f"the GPU kernel needs Ds a multiple of 32 and H a multiple of G, got {ds}, {h}/{g}")
-    if state is None or length != 1:
-        raise ValueError("the GPU kernel takes decode (one token) with a state only")
-    f32 = mx.float32
-    flags = _flags(mask, lengths)
-    fl = at_least_8(flags) if flags is not None else int32_params(0)
-    # A, D and dt padded: under 8 elements MLX's Metal wrapper would compile a `constant` variant for them.
+    f32, i32 = mx.float32, mx.int32
+    # A, D, dt, mask and lengths padded: under 8 elements MLX's Metal wrapper would compile a `constant`
+    # variant for them.
     dtf = at_least_8(compute_dt(dt, dt_bias, time_step_limit).astype(f32))
     A = at_least_8(-mx.exp(A_log.astype(f32)))
+    dummy = int32_params(0)
     outs: list[mx.array] = build(backend, SSM)(
-        inputs=[x, A, B, C, at_least_8(D.astype(f32)), dtf, state.astype(f32), fl, int32_params(0)],
-        template=[("InT", x.dtype), ("H", h), ("G", g), ("Dh", dh), ("Ds", ds), ("HAS_FLAGS", flags is not None)],
+        inputs=[x, A, B, C, at_least_8(D.astype(f32)), dtf, state.astype(f32) if state is not None else dummy,
+                at_least_8(mask.astype(i32)) if mask is not None else dummy,
+                at_least_8(lengths.astype(i32)) if lengths is not None else dummy, int32_params(length)],
+        template=[("InT", x.dtype), ("H", h), ("G", g), ("Dh", dh), ("Ds", ds), ("HAS_STATE", state is not None),
+                  ("HAS_MASK", mask is not None), ("HAS_LENGTHS", lengths is not None)],
         grid=(32, dh, b * h), threadgroup=(32, 1, 1),
-        output_shapes=[x.shape, state.shape], output_dtypes=[x.dtype, f32],
+        output_shapes=[x.shape, (b, h, dh, ds)], output_dtypes=[x.dtype, f32],
     )  # fmt: skip
     return outs[0], outs[1]
 
@@ -203,9 +223,8 @@ def ssm_update_on(backend: str, x: mx.array, A_log: mx.array, B: mx.array, C: mx
                   dt: mx.array, dt_bias: mx.array, state: mx.array | None,
                   time_step_limit: tuple[float, float] = TIME_STEP_LIMIT, mask: mx.array | None = None,
                   lengths: mx.array | None = None) -> tuple[mx.array, mx.array]:
-    """The shared body on `backend` for a call it takes (decode with a state), else the reference (prefill:
-    no GPU body)."""
-    if not _gpu_takes_call(x, B, C, state):
+    """The shared body on `backend` for a call it takes, else the reference."""
+    if not _gpu_takes_call(x, B, C, state, mask, lengths):
         return ssm_update_ref(x, A_log, B, C, D, dt, dt_bias, state, time_step_limit, mask, lengths)
     return ssm_update_kernel(backend, x, A_log, B, C, D, dt, dt_bias, state, time_step_limit, mask, lengths)
 

@@ -40,7 +40,7 @@ LAUNCHERS: dict[str, Callable[..., Any]] = {
     KV_GATHER.name: kv_gather_kernel,
     GATED_DELTA.name: gated_delta_kernel,
     KV_WRITE_INT8.name: kv_write_int8_kernel,
-    SSM_UPDATE.name: ssm_update_on,  # decode; prefill runs the reference (no GPU body)
+    SSM_UPDATE.name: ssm_update_on,
     DEPTHWISE_CONV1D.name: depthwise_conv1d_kernel,
 }
 

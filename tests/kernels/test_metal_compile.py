@@ -38,9 +38,10 @@ def test_every_variant_is_recorded(variants: list[Variant]) -> None:
     delta = {(dict(v.template)["Dk"], dict(v.template)["VEC_G"], dict(v.template)["HAS_MASK"], v.input_dtypes[0])
              for v in variants if v.spec.name == "gated_delta"}
     assert {(128, False, True, mx.bfloat16), (64, True, False, mx.float16), (128, False, False, mx.float32)} <= delta
-    ssm = {(dict(v.template)["G"], dict(v.template)["Ds"], dict(v.template)["HAS_FLAGS"], v.input_dtypes[0])
-           for v in variants if v.spec.name == "ssm_update"}
-    assert {(1, 128, False, mx.float16), (8, 64, True, mx.bfloat16), (1, 128, True, mx.float32)} <= ssm
+    ssm = {(dict(v.template)["G"], dict(v.template)["Ds"], dict(v.template)["HAS_STATE"], dict(v.template)["HAS_MASK"],
+            v.input_dtypes[0]) for v in variants if v.spec.name == "ssm_update"}
+    # decode with a state and no mask, decode masked, prefill without a state with padding
+    assert {(1, 128, True, False, mx.float16), (8, 64, True, True, mx.bfloat16), (1, 128, False, True, mx.float32)} <= ssm
     assert {v.input_dtypes[0] for v in variants if v.spec == GATHER} == {mx.float32, mx.float16, mx.bfloat16, mx.int8}
     int8 = {v.input_dtypes[0] for v in variants if v.spec.name in ("paged_attn_final_int8", "kv_quantize_int8")}
     assert int8 == {mx.float32, mx.float16, mx.bfloat16}  # queries / new K/V of every dtype over the int8 cache

@@ -4,8 +4,8 @@
 rows that keep their state (negative lengths), at one token (decode) and over many (prefill: the scan against
 SSD's chunked quadratic form, ragged right-padded and left-padded rows, no state, two chunks carrying the state
 as one call); the self-check's view of it; the engine's seam: a model's ssm_update runs the primitive inside
-fused_ops(); and the shared Metal/CUDA body (decode), registered for both back-ends, run by the g++ emulator
-against the reference and through the self-check (never on a GPU here)."""
+fused_ops(); and the shared Metal/CUDA body (decode and prefill), registered for both back-ends, run by the g++
+emulator against the reference and through the self-check (never on a GPU here)."""
 
 from __future__ import annotations
 
@@ -222,6 +222,25 @@ def test_gpu_body_under_the_emulator(dtype: mx.Dtype, Ds: int, masked: bool) -> 
     np.testing.assert_allclose(np.array(st), np.array(want_st.astype(mx.float32)), rtol=1e-4, atol=1e-4)
 
 
+def test_gpu_body_scans_a_prefill_under_the_emulator() -> None:
+    # The same body over 300 tokens (across ssm_attn's 256-token chunks): ragged right-padded rows as the
+    # engine builds them (padding from the second chunk, a negative length), a left-padded row without
+    # lengths, and no state; every position compared against mlx-lm's, padding too. (float16 inputs: the
+    # decode cases above and the self-check's below.)
+    kernel_emulator = _emulator()
+    from trillm.kernels.ssm_update import ssm_update_kernel
+
+    dtype = mx.float32
+    args = list(_inputs(3, 2, 1, 4, 64, dtype, seed=13, L=300))
+    right = (_right_padded([300, 270, 0], 300), mx.array([300, 270, -2]))
+    left = (mx.arange(300)[None, :] >= mx.array([0, 17, 260])[:, None], None)
+    for (mask, lengths), state in ((right, args[-1]), (left, args[-1]), ((None, None), None)):
+        y, st = ssm_update_kernel(kernel_emulator.BACKEND, *args[:-1], state, mask=mask, lengths=lengths)
+        want_y, want_st = _mlx_lm(*args[:-1], state, mask=mask, lengths=lengths)
+        _close(y, want_y, TOLERANCES[dtype])
+        _close(st, want_st, TOLERANCES[mx.float32])
+
+
 def _emulator() -> ModuleType:
     if shutil.which("g++") is None:
         pytest.skip("g++ not found: the CPU kernel emulator needs it")
@@ -261,7 +280,9 @@ def test_selfcheck_passes_the_emulated_body_and_sets_a_wrong_one_aside(
     monkeypatch.setitem(OP.kernels, "cpu", Kernel(partial(ssm_op.ssm_update_on, emu.BACKEND)))
     report = selfcheck.select_kernels(shapes, ops=[OP], timing_iters=1).report
     assert not report.ops[0].failed and report.ops[0].reason.startswith("checked"), report.ops[0]
-    plant = dataclasses.replace(ssm_op.SSM, body=ssm_op.SSM.body.replace("masked ? 1.0f : EXPF", "EXPF"))
+    # masked tokens scanned as if they were not: decayed, and given their input
+    plant = dataclasses.replace(ssm_op.SSM, body=ssm_op.SSM.body.replace("if (HAS_MASK && mask[tok] == 0)",
+                                                                         "if (false)"))
     assert plant.body != ssm_op.SSM.body
     monkeypatch.setattr(ssm_op, "SSM", plant)
     with pytest.warns(selfcheck.KernelFallbackWarning, match="ssm_update"):
