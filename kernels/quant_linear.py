@@ -11,7 +11,7 @@ measured here: ~25-50 ms at one row on a 49152 x 576 4-bit weight, about the fp3
 (kernels/cpu/quant_linear.cpp), on x86 (AVX2, AVX-512), takes every row count as llama.cpp does: x rounded
 per block of 32 (`quantize_x_ref`; to int16 by default, int8 as llama.cpp) and integer dot products, one
 arithmetic whatever the row count, so a row's output does not depend on what it is batched with. NEON and
-generic builds take the same arithmetic (bit for bit x86's) for calls of up to `MAX_ROWS` rows (NEON's widening
+generic builds take the same arithmetic (by construction x86's int16 one) for calls of up to `MAX_ROWS` rows (NEON's widening
 multiply-accumulate for int16 x, Armv8.2's sdot for int8), and past them dequantize blocks of weight rows to
 fp32 and call cblas_sgemm; with `x_bits=32`, every ISA unpacks the weights to fp32 in registers up to `MAX_ROWS`
 rows, and takes the sgemm path past them. It handles 4- and 8-bit weights with group sizes of 32, 64 or 128; other widths (5-, 6-bit) run mx.quantized_matmul.

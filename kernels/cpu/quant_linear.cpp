@@ -597,7 +597,8 @@ void int_impl(const QArgs<S>& a) {
 #else
 // ------------------------------------------------------------ the integer path elsewhere (NEON; scalar otherwise)
 // The x86 path's arithmetic exactly (the same rounded x, d and sums, the same exact int32 block dots, the same
-// float operations in the same order: a row's y is the x86 integer path's, bit for bit), for rows of x up to
+// float operations in the same order; by construction a row's y is the x86 int16 path's and the VNNI int8 path's,
+// not compared across builds; AVX2's int8 8-bit path shifts q by 128 and rounds apart), for rows of x up to
 // max_rows (decode, a verify's few positions); more rows keep the dequantize + sgemm path (not measured on an
 // ARM CPU against it). Block dots: NEON's widening int16 multiply-accumulate (vmlal) for int16 x; for int8 x
 // the Armv8.2 dot product (sdot: vdotq_s32) where the build has it, else the same widening.
