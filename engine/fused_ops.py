@@ -396,9 +396,9 @@ def _fused_gated_delta(original: Callable[..., tuple[mx.array, mx.array]]) -> Ca
 
 def _fused_ssm_update(original: Callable[..., tuple[mx.array, mx.array]]) -> Callable[..., tuple[mx.array, mx.array]]:
     """mlx-lm's ssm_update run by the selection's `ssm_update`: decode and prefill, with or without a state (the
-    CPU primitive's scan; on Metal/CUDA the kernel the self-check chose for decode, mlx-lm's ops for the
-    rest). Where the selection runs mlx-lm's own (None: no kernel was chosen): the original; outside
-    fused_ops() or with parameters this version does not know: the original as called.
+    CPU primitive's scan, or the Metal/CUDA body the self-check chose). Where the selection runs mlx-lm's own
+    (None: no kernel was chosen): the original; outside fused_ops() or with parameters this version does not
+    know: the original as called.
 
     Inside fused_ops() a call with a mask and no lengths gets the lengths the mask says (its True count per
     row): the engine's rows are right-padded and its mask is True at each row's real tokens, so this is what

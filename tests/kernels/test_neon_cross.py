@@ -1,7 +1,7 @@
 """The CPU kernels' NEON paths without an ARM machine: every source of the extension compiled for aarch64
 against the installed MLX headers (no aarch64 libmlx to link: the front end only), and the kernel bodies
 (cpu_bodies.cpp: simd.h and each op's loops, no mlx) cross-compiled per ARM ISA and run under qemu-user
-against scalar references: linear, quant_linear's fp32 paths, paged attention on fp32/fp16/int8/int4 pools,
+against scalar references: linear, quant_linear's fp32 and integer paths, paged attention on fp32/fp16/int8/int4 pools,
 rms_norm, rope, silu_mul and the gated delta rule. The compiles start at collection in the background
 (tests/background_builds.py: this file run as a script), so they use a core the suite leaves idle."""
 
