@@ -168,9 +168,9 @@ _FLAGS: dict[str, tuple[str, str]] = {
                                            "bf16, or int8 (8-bit keys and values with a float32 scale per token "
                                            "and head: ~3.8x float32's tokens in the same memory at head_dim 64; "
                                            "on Metal/CUDA never run on a GPU yet), or int4 (4-bit, a float32 "
-                                           "scale and minimum per "
-                                           "32 values: ~5.3x float32's tokens; CPU only (the CPU attention "
-                                           "kernel decodes it as it reads), and lossy: see docs/performance.md)"),
+                                           "scale and minimum per 32 values: ~5.3x float32's tokens; the "
+                                           "attention kernels decode it as they read (on Metal/CUDA never run "
+                                           "on a GPU yet), and lossy: see docs/performance.md)"),
     "kv_cache_dir": ("--kv-cache-dir", "a folder for the prefix cache's disk tier: evicted blocks (and at shutdown "
                                        "the cached ones) are written there and loaded by later requests, also "
                                        "after a restart (default: none, no disk tier)"),

@@ -104,18 +104,17 @@ class StepInfo:
 
 def with_kv_dtype(layout: KVLayout, config: EngineConfig, lm: LoadedModel) -> KVLayout:
     """`layout` with the pool's dtype by name (--kv-cache-dtype; auto: the model's). ModelLoadError for what
-    no kernel serves: int4 on Metal/CUDA (no GPU variant yet) and int8/int4 with MLA's latent caches."""
+    no kernel serves: int8/int4 with MLA's latent caches, or off the CPU, Metal and CUDA back-ends."""
     from trillm.engine.config import KV_CACHE_DTYPES
     from trillm.kernels.backend import kernel_backend
 
     kv_dtype = KV_CACHE_DTYPES[config.kv_cache_dtype] or str(lm.dtype).rsplit(".", 1)[-1]
     if kv_dtype in ("int8", "int4"):
-        # int8 has Metal/CUDA variants (attention, gather, quantize-on-write), checked at start as any kernel
-        served_on = ("cpu", "metal", "cuda") if kv_dtype == "int8" else ("cpu",)
-        if (backend := kernel_backend()) not in served_on:
-            where = "CPU only for now" if kv_dtype == "int4" else "CPU, Metal and CUDA only"
-            raise ModelLoadError(f"--kv-cache-dtype {kv_dtype} runs on {where}: the {backend} attention "
-                                 f"kernels have no {kv_dtype} variant yet (use fp16, bf16 or auto)")
+        # Both have Metal/CUDA attention variants (int8 also its gather and quantize-on-write kernels; int4
+        # writes and gathers through MLX's own ops), checked at start as any kernel
+        if (backend := kernel_backend()) not in ("cpu", "metal", "cuda"):
+            raise ModelLoadError(f"--kv-cache-dtype {kv_dtype} runs on CPU, Metal and CUDA only: the {backend} "
+                                 f"attention kernels have no {kv_dtype} variant (use fp16, bf16 or auto)")
         if any(layer.k_dim != layer.v_dim for layer in layout.layers):
             raise ModelLoadError(f"{lm.name}: --kv-cache-dtype {kv_dtype} does not cover MLA's latent caches yet")
         if kv_dtype == "int4" and any(layer.k_dim % 2 for layer in layout.layers):

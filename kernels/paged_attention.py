@@ -23,14 +23,13 @@ with one partition the kernel writes the output, otherwise it writes per-partiti
 output) and a reduction kernel merges partitions and the sinks. Only decode splits the context (prefill
 has query tiles for parallelism); how finely is a per-back-end `SplitPolicy`.
 
-The pools' dtype. Every implementation takes the K/V pools in the queries' dtype, or the int8 cache with its
-per-token, per-head float32 scales (`k_scale=`, `v_scale=`: `trillm.kernels.layout`), dequantized as each
-token is read: on Metal/CUDA by their own pair of kernels (`ATTN_FINAL_INT8`, `ATTN_PARTIAL_INT8`: the same
-body, each lane's values times the token's scale as they load; compiled and emulated only, never run on a
-GPU). The CPU primitive and the reference also take a float cache of another dtype, and the int4 cache
-(two values a byte, (scale, min) per group of head_dim: `k_scale=`, `v_scale=` again), which the CPU
-primitive decodes as each token is read and the reference dequantizes as it gathers; the GPU kernels
-refuse both (`gpu_supports`).
+The pools' dtype. Every implementation takes the K/V pools in the queries' dtype, the int8 cache with its
+per-token, per-head float32 scales (`k_scale=`, `v_scale=`: `trillm.kernels.layout`), or the int4 cache (two
+values a byte, (scale, min) per group of 32 along head_dim: `k_scale=`, `v_scale=` again), dequantized as each
+token is read: on Metal/CUDA by a pair of kernels per cache (`ATTN_FINAL_INT8` / `ATTN_PARTIAL_INT8`,
+`ATTN_FINAL_INT4` / `ATTN_PARTIAL_INT4`: the same body, each lane's values decoded and scaled as they load;
+compiled and emulated only, never run on a GPU). The CPU primitive and the reference also take a float cache
+of another dtype, which the GPU kernels refuse (`gpu_supports`).
 """
 
 from __future__ import annotations
@@ -128,7 +127,7 @@ _MAIN_BODY = """
   constexpr int DPL = D / 32;
   constexpr int R = QT * HPG;
   constexpr int REP = HQ / HKV;
-  constexpr int KV_ROW = HKV * D;
+  constexpr int KV_ROW = @KV_ROW@;  // pool elements per token
   constexpr int KV_BLOCK = BS * KV_ROW;
   constexpr int CHUNK_DIV = CHUNK > 0 ? CHUNK : 1;  // never % 0, even in the branch CHUNK == 0 skips
 """ + GRID_INDICES + """  const int kvh = h0 / REP;
@@ -186,14 +185,9 @@ _MAIN_BODY = """
       kb = k_pool + blk * KV_BLOCK;
       vb = v_pool + blk * KV_BLOCK;
 @SCALE_BLOCK@    }
-    const int off = (t - j * BS) * KV_ROW + lane_off;
-@SCALE_ROW@    float kf[DPL];
+    float kf[DPL];
     float vf[DPL];
-    UNROLL for (int e = 0; e < DPL; ++e) {
-      kf[e] = static_cast<float>(kb[off + e])@K_TIMES@;
-      vf[e] = static_cast<float>(vb[off + e])@V_TIMES@;
-    }
-    UNROLL for (int r = 0; r < R; ++r) {
+@LOAD_ROW@    UNROLL for (int r = 0; r < R; ++r) {
       float s = 0.0f;
       UNROLL for (int e = 0; e < DPL; ++e) {
         s += qv[r][e] * kf[e];
@@ -258,34 +252,69 @@ _REDUCE_BODY = """
   out[row * D + d] = static_cast<T>(S > 0.0f ? O / S : 0.0f);
 """
 
-# How a token's K/V values reach the tile. A pool in the queries' dtype: as they are. The int8 cache: each value
-# times its token and KV head's scale, read from the scale pools' slot beside the row (one float per lane and
-# token, where the row's D / 32 values per lane are int8), so the tile loops only ever see float rows.
-_FLOAT_LOADS = {"@SCALE_INIT@": "", "@SCALE_BLOCK@": "", "@SCALE_ROW@": "", "@K_TIMES@": "", "@V_TIMES@": ""}
+# How a token's K/V values reach the tile, so the tile loops only ever see float rows. A pool in the queries'
+# dtype: as they are. The int8 cache: each value times its token and KV head's scale, read from the scale pools'
+# slot beside the row (one float per lane and token, where the row's D / 32 values per lane are int8). The int4
+# cache: each lane's values are nibbles of the token's D / 2 bytes (value 2i in byte i's low nibble, 2i + 1 in
+# its high one), each times its group of 32's scale plus the group's minimum (the pair beside the row; with
+# D % 32 == 0 a lane's D / 32 values may still straddle two groups, so the group is per value).
+_ROW_LOAD = """    const int off = (t - j * BS) * KV_ROW + lane_off;
+@SCALE_ROW@    UNROLL for (int e = 0; e < DPL; ++e) {
+      kf[e] = static_cast<float>(kb[off + e])@K_TIMES@;
+      vf[e] = static_cast<float>(vb[off + e])@V_TIMES@;
+    }
+"""
+_FLOAT_LOADS = {"@KV_ROW@": "HKV * D", "@SCALE_INIT@": "", "@SCALE_BLOCK@": "",
+                "@LOAD_ROW@": _ROW_LOAD.replace("@SCALE_ROW@", "").replace("@K_TIMES@", "").replace("@V_TIMES@", "")}
 _INT8_LOADS = {
+    "@KV_ROW@": "HKV * D",
     "@SCALE_INIT@": "  constexpr int SC_BLOCK = BS * HKV;  // scale pools: [num_blocks, BS, HKV] floats\n"
                     "  auto ksb = k_scale;\n  auto vsb = v_scale;\n",
     "@SCALE_BLOCK@": "      ksb = k_scale + blk * SC_BLOCK;\n      vsb = v_scale + blk * SC_BLOCK;\n",
-    "@SCALE_ROW@": "    const float ks = ksb[(t - j * BS) * HKV + kvh];\n    const float vs = vsb[(t - j * BS) * HKV + kvh];\n",
-    "@K_TIMES@": " * ks", "@V_TIMES@": " * vs",
+    "@LOAD_ROW@": _ROW_LOAD.replace(
+        "@SCALE_ROW@", "    const float ks = ksb[(t - j * BS) * HKV + kvh];\n"
+                       "    const float vs = vsb[(t - j * BS) * HKV + kvh];\n",
+    ).replace("@K_TIMES@", " * ks").replace("@V_TIMES@", " * vs"),
 }  # fmt: skip
+_INT4_LOADS = {
+    "@KV_ROW@": "HKV * D / 2",  # bytes, two values each
+    "@SCALE_INIT@": "  constexpr int SC_ROW = HKV * (D / 32) * 2;  // (scale, min) pools: [.., BS, HKV, D / 32, 2]\n"
+                    "  constexpr int SC_BLOCK = BS * SC_ROW;\n"
+                    "  auto ksb = k_scale;\n  auto vsb = v_scale;\n",
+    "@SCALE_BLOCK@": "      ksb = k_scale + blk * SC_BLOCK;\n      vsb = v_scale + blk * SC_BLOCK;\n",
+    "@LOAD_ROW@": """    const int off = (t - j * BS) * KV_ROW;
+    const int soff = (t - j * BS) * SC_ROW;
+    UNROLL for (int e = 0; e < DPL; ++e) {
+      const int v = lane_off + e;  // the value's place in the token's HKV * D; D % 32 == 0: v / 32 is its group
+      const int sh = (v & 1) * 4;
+      const int g = soff + (v / 32) * 2;
+      kf[e] = static_cast<float>((kb[off + v / 2] >> sh) & 15) * ksb[g] + ksb[g + 1];
+      vf[e] = static_cast<float>((vb[off + v / 2] >> sh) & 15) * vsb[g] + vsb[g + 1];
+    }
+""",
+}  # fmt: skip
+_LOADS = {"float": _FLOAT_LOADS, "int8": _INT8_LOADS, "int4": _INT4_LOADS}
 
 
-def _main_body(epilogue: str, int8: bool) -> str:
+def _main_body(epilogue: str, kind: str) -> str:
     body = _MAIN_BODY.replace("@EPILOGUE@", epilogue)
-    for mark, text in (_INT8_LOADS if int8 else _FLOAT_LOADS).items():
+    for mark, text in _LOADS[kind].items():
         body = body.replace(mark, text)
+    assert "@" not in body, body
     return body
 
 
 _INT8_INPUTS = ("q", "k_pool", "v_pool", "k_scale", "v_scale", *_MAIN_INPUTS[3:])
 _PARTIAL_OUTPUTS = ("o_part", "m_part", "l_part")
-ATTN_FINAL = KernelSpec("paged_attn_final", _MAIN_INPUTS, ("out",), _main_body(_FINAL_EPILOGUE, int8=False))
-ATTN_PARTIAL = KernelSpec("paged_attn_partial", _MAIN_INPUTS, _PARTIAL_OUTPUTS, _main_body(PARTIAL_EPILOGUE, int8=False))
-# The int8 cache's pair (the reduction is shared: it merges float partials whatever the pools held).
-ATTN_FINAL_INT8 = KernelSpec("paged_attn_final_int8", _INT8_INPUTS, ("out",), _main_body(_FINAL_EPILOGUE, int8=True))
+ATTN_FINAL = KernelSpec("paged_attn_final", _MAIN_INPUTS, ("out",), _main_body(_FINAL_EPILOGUE, "float"))
+ATTN_PARTIAL = KernelSpec("paged_attn_partial", _MAIN_INPUTS, _PARTIAL_OUTPUTS, _main_body(PARTIAL_EPILOGUE, "float"))
+# The quantized caches' pairs (the reduction is shared: it merges float partials whatever the pools held).
+ATTN_FINAL_INT8 = KernelSpec("paged_attn_final_int8", _INT8_INPUTS, ("out",), _main_body(_FINAL_EPILOGUE, "int8"))
 ATTN_PARTIAL_INT8 = KernelSpec("paged_attn_partial_int8", _INT8_INPUTS, _PARTIAL_OUTPUTS,
-                               _main_body(PARTIAL_EPILOGUE, int8=True))  # fmt: skip
+                               _main_body(PARTIAL_EPILOGUE, "int8"))  # fmt: skip
+ATTN_FINAL_INT4 = KernelSpec("paged_attn_final_int4", _INT8_INPUTS, ("out",), _main_body(_FINAL_EPILOGUE, "int4"))
+ATTN_PARTIAL_INT4 = KernelSpec("paged_attn_partial_int4", _INT8_INPUTS, _PARTIAL_OUTPUTS,
+                               _main_body(PARTIAL_EPILOGUE, "int4"))  # fmt: skip
 ATTN_REDUCE = KernelSpec("paged_attn_reduce", ("o_part", "m_part", "l_part", "sinks", "meta"), ("out",), _REDUCE_BODY)
 
 
@@ -355,7 +384,7 @@ def gpu_supports(shapes: ModelShapes) -> str | None:
     if shapes.dtype not in GPU_DTYPES:
         return f"dtype {shapes.dtype} is not float32/float16/bfloat16"
     kv = shapes.kv_dtype
-    if kv == "int4" or (kv not in (None, "int8") and getattr(mx, kv) != shapes.dtype):  # int8: its own variants
+    if kv not in (None, "int8", "int4") and getattr(mx, kv) != shapes.dtype:  # int8 / int4: their own variants
         return f"a {kv} KV cache for {shapes.dtype} queries (no Metal/CUDA variant yet)"
     return None
 
@@ -421,14 +450,12 @@ def paged_attention_kernel(
     max_blocks = block_tables.shape[1]
     _check_variant(window, softcap, chunk)
     check_scales(k_pool, v_pool, k_scale, v_scale)
-    if k_pool.dtype == mx.uint8:
-        raise NotImplementedError(f"the {backend} paged attention kernel has no int4 KV cache variant yet")
-    int8 = k_pool.dtype == mx.int8
-    if not int8 and k_pool.dtype != q.dtype:
+    kind = {mx.int8: "int8", mx.uint8: "int4"}.get(k_pool.dtype, "float")
+    if kind == "float" and k_pool.dtype != q.dtype:
         raise ValueError(f"q {q.dtype} and the pools {k_pool.dtype}/{v_pool.dtype} must share a dtype")
     plan = launch_plan(backend, b, hq, hkv, length, d, max_blocks * bs)
     sinks_in = at_least_8(sinks.astype(mx.float32)) if sinks is not None else None
-    scales = [k_scale, v_scale] if k_scale is not None and v_scale is not None else []  # the int8 cache's
+    scales = [k_scale, v_scale] if k_scale is not None and v_scale is not None else []  # a quantized cache's
     inputs = [q, k_pool, v_pool, *scales, *int32_tables(block_tables, context_lens),
               sinks_in if sinks_in is not None else float32_params(), float32_params(scale, softcap or 0.0),
               int32_params(max_blocks, plan.num_parts, plan.part_size, length)]  # fmt: skip
@@ -437,7 +464,8 @@ def paged_attention_kernel(
         ("QT", plan.qt), ("NW", NUM_SIMDGROUPS), ("WINDOW", window or 0), ("CHUNK", chunk or 0),
         ("HAS_SOFTCAP", softcap is not None), ("HAS_SINKS", sinks is not None),
     ]  # fmt: skip
-    kernels = (ATTN_FINAL_INT8, ATTN_PARTIAL_INT8) if int8 else (ATTN_FINAL, ATTN_PARTIAL)
+    kernels = {"float": (ATTN_FINAL, ATTN_PARTIAL), "int8": (ATTN_FINAL_INT8, ATTN_PARTIAL_INT8),
+               "int4": (ATTN_FINAL_INT4, ATTN_PARTIAL_INT4)}[kind]
     return launch_attention(backend, kernels, q, inputs, template, plan, sinks_in)
 
 
@@ -645,8 +673,8 @@ def paged_attention_gpu(
     k_scale: mx.array | None = None,
     v_scale: mx.array | None = None,
 ) -> mx.array:
-    """`paged_attention` as this GPU's kernels (Metal or CUDA). Shapes as the reference (int8 pools with their
-    scales too; no int4 cache yet)."""
+    """`paged_attention` as this GPU's kernels (Metal or CUDA). Shapes as the reference (int8 and int4 pools with
+    their scales too)."""
     return paged_attention_kernel(
         gpu_backend(), q, k_pool, v_pool, block_tables, context_lens, scale=scale, window=window, sinks=sinks,
         softcap=softcap, chunk=chunk, k_scale=k_scale, v_scale=v_scale,

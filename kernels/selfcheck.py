@@ -683,6 +683,8 @@ PRESETS: dict[str, ModelShapes] = {
     # SmolLM2's heads over the int8 KV cache (--kv-cache-dtype int8): the int8 attention variants, the gather
     # of int8 pools and the quantize-on-write
     "smollm2-135m-int8": ModelShapes(9, 3, 64, 16, mx.float32, kv_dtype="int8"),
+    # ... and over the int4 cache: the int4 attention variants (its writes and gathers are MLX's own ops)
+    "smollm2-135m-int4": ModelShapes(9, 3, 64, 16, mx.float32, kv_dtype="int4"),
 }
 
 

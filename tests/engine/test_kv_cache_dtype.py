@@ -141,14 +141,14 @@ def test_quantized_caches_are_refused_where_no_kernel_serves_them(tiny_model: Lo
     import trillm.kernels.backend as backend
 
     layout = kv_layout(tiny_model.model, tiny_model.name)
-    for gpu in ("metal", "cuda"):  # int8 has Metal/CUDA variants (the start-up self-check decides on them)
+    for gpu in ("metal", "cuda"):  # int8 and int4 have Metal/CUDA variants (the start-up self-check decides)
         monkeypatch.setattr(backend, "kernel_backend", lambda gpu=gpu: gpu)
-        assert with_kv_dtype(layout, EngineConfig(kv_cache_dtype="int8"), tiny_model).kv_dtype == "int8"
-        with pytest.raises(ModelLoadError, match="int4 runs on CPU only"):
-            engine(tiny_model, "int4")
+        for kv in ("int8", "int4"):
+            assert with_kv_dtype(layout, EngineConfig(kv_cache_dtype=kv), tiny_model).kv_dtype == kv
     monkeypatch.setattr(backend, "kernel_backend", lambda: None)  # no kernel back-end at all (TRILLM_KERNELS=ref)
-    with pytest.raises(ModelLoadError, match="int8 runs on CPU, Metal and CUDA only"):
-        engine(tiny_model, "int8")
+    for kv in ("int8", "int4"):
+        with pytest.raises(ModelLoadError, match=f"{kv} runs on CPU, Metal and CUDA only"):
+            engine(tiny_model, kv)
 
 
 def test_layout_sizes_each_kv_dtype() -> None:

@@ -5,7 +5,7 @@ thread_locals, simd_sum/simd_max exchange values through a per-simdgroup std::ba
 threadgroup std::barrier, and SHARED is `static` (threadgroups run one at a time). The kernel text,
 template constants and launch wrapper are exactly what Metal/CUDA get, so this checks the algorithm
 (indexing, online softmax, partitions, reduction) numerically; not memory ordering, speed or dtypes
-other than float32/float16 (and int8 pools).
+other than float32/float16 (and int8 / uint8 pools).
 """
 
 from __future__ import annotations
@@ -30,8 +30,9 @@ from trillm.kernels import backend as kb
 
 BACKEND = "emulate"
 CACHE_DIR = Path(tempfile.gettempdir()) / "trillm-kernel-emulator"
-_C_TYPES = {mx.float32: "float", mx.float16: "_Float16", mx.int32: "int32_t", mx.int8: "int8_t"}
-_NP_TYPES = {mx.float32: np.float32, mx.float16: np.float16, mx.int32: np.int32, mx.int8: np.int8}
+_C_TYPES = {mx.float32: "float", mx.float16: "_Float16", mx.int32: "int32_t", mx.int8: "int8_t", mx.uint8: "uint8_t"}
+_NP_TYPES = {mx.float32: np.float32, mx.float16: np.float16, mx.int32: np.int32, mx.int8: np.int8,
+             mx.uint8: np.uint8}
 
 HOST_PRELUDE = kb.COMMON_PRELUDE + """
 #include <barrier>

@@ -6,7 +6,7 @@ quantize_int4 against the grid it promises (within half a step of each group's o
 against a dense round trip; the reference against attention over the dequantized values; the CPU primitive
 against the reference (decode, partitions, prefill chunks, windows, sinks, soft-capping, ragged rows, every
 query dtype); the start-up self-check on int4 shapes (it checks the variant, and a kernel that drops the
-minimum falls back); the Metal/CUDA kernels' refusal (no int4 variant yet).
+minimum falls back). The Metal/CUDA int4 variants: tests/kernels/test_kv_int4_gpu.py.
 """
 
 from __future__ import annotations
@@ -26,8 +26,8 @@ from trillm.kernels.backend import Kernel
 from trillm.kernels.kv_gather import kv_gather_ref
 from trillm.kernels.kv_write import INT4_GROUP, dequantize_int4, kv_write_int4, quantize_int4
 from trillm.kernels.layout import ModelShapes, random_batch
-from trillm.kernels.paged_attention import KERNELS, OP, TOLERANCES, cpu_supports, gpu_supports, paged_attention
-from trillm.kernels.paged_attention import paged_attention_cpu, paged_attention_kernel, paged_attention_ref
+from trillm.kernels.paged_attention import KERNELS, OP, TOLERANCES, cpu_supports, paged_attention
+from trillm.kernels.paged_attention import paged_attention_cpu, paged_attention_ref
 from trillm.kernels.selfcheck import CACHE_ENV, KernelFallbackWarning, select_kernels
 
 needs_ext = pytest.mark.skipif(
@@ -109,14 +109,6 @@ def test_scales_must_match_int4_pools() -> None:
         paged_attention_ref(*args, scale=1.0, k_scale=b.k_scale, v_scale=b.v_scale[..., 0])
 
 
-def test_gpu_kernels_refuse_the_int4_cache() -> None:
-    shapes = ModelShapes(4, 2, 64, 16, mx.float16, kv_dtype="int4")
-    reason = gpu_supports(shapes)
-    assert reason is not None and "int4" in reason
-    b = random_batch(shapes, [20], 1)
-    with pytest.raises(NotImplementedError, match="int4"):
-        paged_attention_kernel("metal", b.q, b.k_pool, b.v_pool, b.block_tables, b.context_lens, scale=1.0,
-                               **b.scales)  # fmt: skip
 
 
 def test_check_cases_carry_int4_pools_and_their_scales() -> None:

@@ -127,18 +127,16 @@ def test_scales_must_come_with_int8_pools_and_only_with_them() -> None:
             fn(f.q, f.k_pool, f.v_pool, f.block_tables, f.context_lens, scale=1.0, **b.scales)
 
 
-def test_gpu_kernels_take_the_int8_cache_and_refuse_int4_and_mixed_floats() -> None:
-    """int8 has Metal/CUDA variants (tests/kernels/test_kv_int8_gpu.py runs them emulated); int4 and a float
-    cache of another dtype than the queries' do not."""
-    assert gpu_supports(ModelShapes(4, 2, 32, 16, mx.float16, kv_dtype="int8")) is None
-    assert gpu_supports(ModelShapes(4, 2, 32, 16, mx.float16)) is None
-    for kv in ("int4", "float32"):
-        reason = gpu_supports(ModelShapes(4, 2, 32, 16, mx.float16, kv_dtype=kv))
-        assert reason is not None and kv in reason
-    b = random_batch(ModelShapes(4, 2, 32, 16, mx.float16, kv_dtype="int4"), [20], 1)
-    with pytest.raises(NotImplementedError, match="int4"):
-        paged_attention_kernel("metal", b.q, b.k_pool, b.v_pool, b.block_tables, b.context_lens, scale=1.0,
-                               **b.scales)  # fmt: skip
+def test_gpu_kernels_take_the_quantized_caches_and_refuse_mixed_floats() -> None:
+    """int8 and int4 have Metal/CUDA variants (tests/kernels/test_kv_int8_gpu.py, test_kv_int4_gpu.py run them
+    emulated); a float cache of another dtype than the queries' has none."""
+    for kv in (None, "int8", "int4"):
+        assert gpu_supports(ModelShapes(4, 2, 32, 16, mx.float16, kv_dtype=kv)) is None
+    reason = gpu_supports(ModelShapes(4, 2, 32, 16, mx.float16, kv_dtype="float32"))
+    assert reason is not None and "float32" in reason
+    b = random_batch(ModelShapes(4, 2, 32, 16, mx.float16, kv_dtype="float32"), [20], 1)
+    with pytest.raises(ValueError, match="share a dtype"):
+        paged_attention_kernel("metal", b.q, b.k_pool, b.v_pool, b.block_tables, b.context_lens, scale=1.0)
 
 
 def test_check_cases_carry_int8_pools_and_their_scales() -> None:
