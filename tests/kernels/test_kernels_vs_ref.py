@@ -63,13 +63,15 @@ def test_paged_attention_kernel(num_queries, bs, rep, d, dtype, window, with_sin
 @pytest.mark.parametrize("rep", [1, 4])
 @pytest.mark.parametrize("num_queries", [1, 6], ids=["decode", "prefill"])
 @pytest.mark.parametrize("window, with_sinks, softcap", [(None, False, None), (37, True, 2.0)])
-def test_paged_attention_kernel_int8_cache(num_queries: int, rep: int, dtype: mx.Dtype, window: int | None,
-                                           with_sinks: bool, softcap: float | None) -> None:  # fmt: skip
-    """The int8 KV cache (int8 pools, a float32 scale per token and KV head), short rows and one that splits."""
+@pytest.mark.parametrize("kv", ["int8", "int4"])
+def test_paged_attention_kernel_quantized_cache(num_queries: int, rep: int, dtype: mx.Dtype, window: int | None,
+                                                with_sinks: bool, softcap: float | None, kv: str) -> None:  # fmt: skip
+    """The int8 KV cache (int8 pools, a float32 scale per token and KV head) and the int4 one (two values a byte,
+    (scale, min) per group of 32), short rows and one that splits."""
     assert ATTENTION is not None
-    shapes = ModelShapes(2 * rep, 2, 64, 16, dtype, kv_dtype="int8")
+    shapes = ModelShapes(2 * rep, 2, 64, 16, dtype, kv_dtype=kv)
     if (why := ATTENTION.supports(shapes)) is not None:
-        pytest.skip(f"no int8 variant on {BACKEND}: {why}")
+        pytest.skip(f"no {kv} variant on {BACKEND}: {why}")
     batch = random_batch(shapes, _lens(16, num_queries, True), num_queries, seed=rep + num_queries)
     args = (batch.q, batch.k_pool, batch.v_pool, batch.block_tables, batch.context_lens)
     sinks = mx.array(np.linspace(-1, 1, 2 * rep, dtype=np.float32)) if with_sinks else None
