@@ -2,9 +2,10 @@
 
 MLX's CPU backend has no per-op profiler, so each op kind is timed in isolation on the shapes and weights of
 one step (every layer's instances in one graph, so per-op dispatch cost is counted as in the real step):
-matmuls (BLAS), the LM head, attention (+ K/V gather inside the paged attention op), KV writes, norms,
-activations, RoPE, residual adds, layout copies (the head transposes), embedding and sampling. Host work is
-timed apart: building the step's inputs (prepare_inputs) and building the lazy graph (the model's Python).
+the linear layers (BLAS or quant_linear, as the self-check chose), the LM head, attention (+ K/V gather
+inside the paged attention op), KV writes, norms, activations, RoPE, residual adds, layout copies (the head
+transposes), embedding and sampling. Host work is timed apart: building the step's inputs (prepare_inputs)
+and building the lazy graph (the model's Python, with the forward's early-compute kicks off).
 The parts are then added up and set against the measured step (inputs + graph + evaluation + read-back),
 so a gap shows what the isolation missed (op fusion, cache effects, scheduling).
 """
@@ -27,10 +28,10 @@ from trillm.kernels import BLAS
 import mlx.core as mx  # noqa: E402
 
 from trillm.bench.harness.results import new_results_dir, write_meta  # noqa: E402
-from trillm.engine.fused_ops import fused_ops  # noqa: E402
+from trillm.engine.fused_ops import fused_ops, quantization_formats  # noqa: E402
 from trillm.engine.kv_cache import KVLayout, KVPool  # noqa: E402
 from trillm.engine.loader import LoadedModel, load_model  # noqa: E402
-from trillm.engine.model_runner import ModelRunner, prepare_inputs  # noqa: E402
+from trillm.engine.model_runner import KICK_EVERY_NORMS, ModelRunner, prepare_inputs  # noqa: E402
 from trillm.engine.sampler import Sampler, SampleRow  # noqa: E402
 from trillm.engine.sampling_params import SamplingParams  # noqa: E402
 from trillm.engine.sequence import Sequence  # noqa: E402
@@ -44,7 +45,7 @@ from trillm.kernels.silu_mul import silu_mul  # noqa: E402
 
 BLOCK_SIZE = 16
 KINDS = (
-    "matmul (BLAS)", "lm_head (BLAS)", "attention + gather", "kv_write", "norms", "activations (SiLU-gate)",
+    "linear layers", "lm_head", "attention + gather", "kv_write", "norms", "activations (SiLU-gate)",
     "RoPE", "residual adds", "layout copies", "embedding", "sampling",
 )
 
@@ -216,7 +217,7 @@ def isolated_parts(setup: Setup, iters: int) -> dict[str, float]:
         return setup.runner.sampler.sample(logits, setup.rows).tokens
 
     fns: dict[str, Callable[[], Any]] = {
-        "matmul (BLAS)": matmuls, "lm_head (BLAS)": lm_head, "attention + gather": attention, "kv_write": writes,
+        "linear layers": matmuls, "lm_head": lm_head, "attention + gather": attention, "kv_write": writes,
         "norms": norms, "activations (SiLU-gate)": activations, "RoPE": rope, "residual adds": residuals,
         "layout copies": layout_copies, "embedding": embedding, "sampling": sampling,
     }  # fmt: skip
@@ -236,8 +237,12 @@ def profile_case(loaded: LoadedModel, case: Case, iters: int, kernels: KernelSel
         logits = setup.runner.forward(inputs)
         return setup.runner.sampler.sample(logits, setup.rows).tokens
 
+    # Building alone: the step's forward starts computing early layers while it builds the rest (its kicks), which
+    # would count compute as building here.
+    setup.runner.kick_every = 0
     graph = host_ms(build, iters)
     evaluate = time_ms(build, iters) - graph  # the graph's compute alone (building it is subtracted)
+    setup.runner.kick_every = KICK_EVERY_NORMS
     parts = isolated_parts(setup, iters)
     flops = 2 * loaded.num_parameters * case.batch * case.new_tokens
     return dict(
@@ -289,7 +294,8 @@ def self_check(loaded: LoadedModel) -> KernelSelection:
     shapes = ModelShapes(loaded.num_attention_heads, loaded.num_kv_heads, loaded.head_dim, BLOCK_SIZE, loaded.dtype,
                          max_batch=64, chunk=512, hidden_size=int(getattr(args, "hidden_size", 0) or 0),
                          intermediate_size=int(getattr(args, "intermediate_size", 0) or 0),
-                         vocab_size=int(getattr(args, "vocab_size", 0) or 0))  # fmt: skip
+                         vocab_size=int(getattr(args, "vocab_size", 0) or 0),
+                         quantization=quantization_formats(loaded.model))  # fmt: skip
     return select_kernels(shapes)
 
 
@@ -333,7 +339,7 @@ DEFAULT_CASES = "decode:1x128,decode:8x128,decode:32x128,decode:1x2048,decode:8x
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="trillm bench profile-ops", description=__doc__.split("\n")[0])
-    ap.add_argument("--model", default=None, help="model path (default: SmolLM2-135M-Instruct GGUF, fp32)")
+    ap.add_argument("--model", default=None, help="model path (default: SmolLM2-135M-Instruct GGUF, its Q4_1 kept)")
     ap.add_argument("--cases", default=DEFAULT_CASES, help=f"comma list (default {DEFAULT_CASES})")
     ap.add_argument("--iters", type=int, default=7)
     ap.add_argument("--results", type=Path, default=Path("results"), help="results root folder")

@@ -1,7 +1,7 @@
 """Resident memory after load with the weights kept quantized, against their dequantized float32 load.
 
     trillm bench quant-memory [--layers N] [--skip-default]
-    trillm bench quant-memory --serve-idle [--idle-s S]
+    trillm bench quant-memory --serve-idle [--idle-s S] [--load N] [--llama-server PATH]
 
 1. The default model (SmolLM2-135M-Instruct, Q4_1 GGUF), loaded by `load_model` in a fresh process with
    `--dtype quantized` (the default) and with `--dtype float32`: VmRSS after the load.
@@ -12,14 +12,19 @@
    `--layers N` builds N of its 28 layers (the figure is then extrapolated per layer, and says so).
 3. `--serve-idle` (instead of 1 and 2): the idle resident memory of a served model, each server started alone,
    healthy, then left idle `--idle-s` seconds: `trillm serve` on the default GGUF, and `trillm serve` and
-   `mlx_lm.server` on the same fp32 MLX folder (bench/harness/export_mlx.py, what `bench peers` serves). VmRSS
-   of the server's whole process tree (trillm's self-check child, if one is still alive, counts).
+   `mlx_lm.server` on the same fp32 MLX folder (bench/harness/export_mlx.py, what `bench peers` serves); with
+   `--llama-server PATH`, llama.cpp's own server on the default GGUF too. VmRSS of the server's whole process
+   tree (trillm's self-check child, if one is still alive, counts). Then (`--load N`, default 8; 0: none) N
+   concurrent chat requests of a ~`--load-prompt-tokens`-token prompt and `--load-max-tokens` tokens each, and
+   again VmRSS, and the peak: the sum of VmHWM over the tree (each process's own high-water mark; an upper
+   bound on the tree's, and the start-up's peak included).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 import time
@@ -115,8 +120,8 @@ def qwen_row(layers: int) -> dict[str, Any]:
             "params": params, "fp32_mb": params * 4 / 2**20, "layer_mb": layer_bytes / 2**20, "build_s": build_s, "decode_s": min(times[1:])}
 
 
-def tree_rss_mb(pid: int) -> float:
-    """VmRSS of `pid` and its descendants (from /proc), MiB."""
+def tree_rss_mb(pid: int, field: str = "VmRSS") -> float:
+    """`field` (VmRSS, VmHWM) of `pid` and its descendants (from /proc), summed, MiB."""
     children: dict[int, list[int]] = {}
     for stat in Path("/proc").glob("[0-9]*/stat"):
         try:
@@ -130,36 +135,74 @@ def tree_rss_mb(pid: int) -> float:
         todo.extend(children.get(p, []))
         try:
             for line in Path(f"/proc/{p}/status").read_text().splitlines():
-                if line.startswith("VmRSS:"):
+                if line.startswith(field + ":"):
                     total += int(line.split()[1]) / 1024
         except OSError:
             pass
     return total
 
 
-def serve_idle_rows(idle_s: float) -> list[dict[str, Any]]:
-    """Each server alone: start, wait healthy, idle `idle_s`, read its tree's RSS, stop."""
+def offer_load(url: str, concurrency: int, prompt_tokens: int, max_tokens: int) -> int:
+    """`concurrency` chat completions at once (distinct prompts of about `prompt_tokens` tokens, greedy, no
+    model field: mlx_lm.server would load another); returns how many came back 200 with text."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    import httpx
+
+    words = "the quick brown fox jumps over the lazy dog while a careful reader counts every word".split()
+
+    def one(i: int) -> bool:
+        text = " ".join(words[(i + j) % len(words)] for j in range(prompt_tokens))
+        body = {"messages": [{"role": "user", "content": f"Request {i}: {text}. Summarise."}],
+                "max_tokens": max_tokens, "temperature": 0.0}
+        r = httpx.post(url + "/v1/chat/completions", json=body, timeout=600.0)
+        return r.status_code == 200 and bool(r.json()["choices"][0]["message"]["content"])
+
+    with ThreadPoolExecutor(concurrency) as pool:
+        return sum(pool.map(one, range(concurrency)))
+
+
+def serve_idle_rows(idle_s: float, *, load: int = 0, load_prompt_tokens: int = 400, load_max_tokens: int = 32,
+                    llama_server: str | None = None) -> list[dict[str, Any]]:
+    """Each server alone: start, wait healthy, idle `idle_s`, read its tree's RSS; with `load`, offer it and read
+    RSS and the peak again; stop."""
     import tempfile
 
+    from trillm.bench import llama_cpp
     from trillm.bench.harness.export_mlx import export_gguf
     from trillm.bench.harness.servers import ServerProcess, free_port, mlx_lm_command, trillm_command
     from trillm.engine.loader import default_model_path
 
     folder = str(export_gguf())
-    plan = [("trillm serve", "default GGUF (Q4_1 kept quantized)", trillm_command(str(default_model_path()), free_port())),
+    gguf = str(default_model_path())
+    plan = [("trillm serve", "default GGUF (Q4_1 kept quantized)", trillm_command(gguf, free_port())),
             ("trillm serve", "fp32 MLX folder", trillm_command(folder, free_port())),
             ("mlx_lm.server", "fp32 MLX folder", mlx_lm_command(folder, free_port()))]
+    if llama_server is not None:
+        plan.append(("llama-server", "default GGUF (Q4_1)",
+                     llama_cpp.llama_server_command(llama_server, gguf, free_port(), parallel=max(load, 1))))
     rows = []
     logs = Path(tempfile.mkdtemp(prefix="trillm-idle-rss-"))
     for i, (name, model, cmd) in enumerate(plan):
+        env = llama_cpp.server_env() if name == "llama-server" else None
         sp = ServerProcess(name, cmd, int(cmd[cmd.index("--port") + 1]), logs / f"{i}.log")
+        if env is not None:
+            sp.env = env
         if name == "mlx_lm.server":
             sp.health_path = "/v1/models"
         with sp:
             ready_s = sp.wait_ready()
             time.sleep(idle_s)
             assert sp.proc is not None
-            rows.append({"server": name, "model": model, "ready_s": ready_s, "rss_mb": tree_rss_mb(sp.proc.pid)})
+            row: dict[str, Any] = {"server": name, "model": model, "ready_s": ready_s,
+                                   "rss_mb": tree_rss_mb(sp.proc.pid)}
+            if load:
+                t0 = time.perf_counter()
+                row["load_ok"] = offer_load(sp.url, load, load_prompt_tokens, load_max_tokens)
+                row["load_s"] = time.perf_counter() - t0
+                row["loaded_rss_mb"] = tree_rss_mb(sp.proc.pid)
+                row["peak_mb"] = tree_rss_mb(sp.proc.pid, "VmHWM")
+            rows.append(row)
     return rows
 
 
@@ -169,6 +212,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--skip-default", action="store_true")
     ap.add_argument("--serve-idle", action="store_true", help="idle RSS of trillm serve against mlx_lm.server")
     ap.add_argument("--idle-s", type=float, default=10.0, help="--serve-idle: seconds idle before reading RSS")
+    ap.add_argument("--load", type=int, default=8, help="--serve-idle: then this many concurrent requests (0: none)")
+    ap.add_argument("--load-prompt-tokens", type=int, default=400, help="--serve-idle --load: words per prompt")
+    ap.add_argument("--load-max-tokens", type=int, default=32, help="--serve-idle --load: tokens per answer")
+    ap.add_argument("--llama-server", default=None, help="--serve-idle: llama.cpp's llama-server binary, on the GGUF")
     ap.add_argument("--one-default", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.one_default:
@@ -179,15 +226,27 @@ def main(argv: list[str] | None = None) -> int:
     ext = cpu_ext.load()
     print(f"CPU kernels: {ext.SIMD if ext is not None else 'unavailable'}; {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}")
     if args.serve_idle:
-        rows = serve_idle_rows(args.idle_s)
+        if args.llama_server is not None and not os.access(args.llama_server, os.X_OK):
+            raise SystemExit(f"--llama-server {args.llama_server} is not an executable file")
+        rows = serve_idle_rows(args.idle_s, load=args.load, load_prompt_tokens=args.load_prompt_tokens,
+                               load_max_tokens=args.load_max_tokens, llama_server=args.llama_server)
         for r in rows:
-            print(f"{r['server']:>13} on {r['model']}: idle RSS {r['rss_mb']:6.0f} MiB (healthy after {r['ready_s']:.1f} s)")
-        base = next(r["rss_mb"] for r in rows if r["server"] == "mlx_lm.server")
-        for r in rows:
-            if r["server"] != "mlx_lm.server":
-                print(f"trillm serve ({r['model']}) / mlx_lm.server: {r['rss_mb'] / base:.2f}x")
-        if not all(r["rss_mb"] > 0 for r in rows):
-            raise SystemExit("bench quant-memory --serve-idle measured nothing")
+            line = f"{r['server']:>13} on {r['model']}: idle RSS {r['rss_mb']:6.0f} MiB (healthy after {r['ready_s']:.1f} s)"
+            if args.load:
+                line += (f"; after {args.load} concurrent requests ({r['load_ok']} answered, {r['load_s']:.1f} s) "
+                         f"RSS {r['loaded_rss_mb']:6.0f} MiB, peak (VmHWM) {r['peak_mb']:6.0f} MiB")
+            print(line)
+        for key, what in (("rss_mb", "idle"), ("loaded_rss_mb", "loaded"), ("peak_mb", "peak")):
+            if key not in rows[0]:
+                continue
+            # each peer against trillm on the same file: mlx_lm.server on the fp32 folder, llama-server on the GGUF
+            for peer, mine_model in (("mlx_lm.server", "fp32 MLX folder"), ("llama-server", "default GGUF (Q4_1 kept quantized)")):
+                base = next((r[key] for r in rows if r["server"] == peer), None)
+                mine = next(r[key] for r in rows if r["server"] == "trillm serve" and r["model"] == mine_model)
+                if base:
+                    print(f"{what}: trillm serve / {peer} on the same file ({mine_model}): {mine / base:.2f}x")
+        if not all(r["rss_mb"] > 0 for r in rows) or any(args.load and r["load_ok"] != args.load for r in rows):
+            raise SystemExit("bench quant-memory --serve-idle measured nothing (or a server failed requests)")
         return 0
     measured = False
     if not args.skip_default:

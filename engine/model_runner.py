@@ -107,6 +107,7 @@ class ModelRunner:
         # one length per forward (engine/state_pool.py).
         self.max_waste = 1.5 if self.state_slots is None or pads_safely(model) else 1.0
         self.checkpoints = self.state_slots.checkpoints if self.state_slots is not None else None
+        self.kick_every = KICK_EVERY_NORMS  # 0: build the whole graph first (bench profile-ops times building alone)
 
     def prepare_decode(self, seqs: list[Sequence], tokens: mx.array | None = None) -> ForwardInputs:
         # tokens: [B, 1], each row's one pending token (from the host, or the previous step's lazy samples).
@@ -140,7 +141,7 @@ class ModelRunner:
     def forward(self, inputs: ForwardInputs) -> mx.array:
         """Logits [B, V] at each row's last real position (and, if asked, `inputs.hidden`)."""
         self.pool.begin(inputs.layout)
-        with fused_ops(self.pool.kernels, kick_every=KICK_EVERY_NORMS):
+        with fused_ops(self.pool.kernels, kick_every=self.kick_every):
             try:
                 logits, hidden = self.head.forward(inputs.tokens, self.caches, inputs.last_index)
                 self.pool.commit()  # a forward that raised leaves every recurrent state as it was
