@@ -17,7 +17,7 @@
    tree (trillm's self-check child, if one is still alive, counts). Then (`--load N`, default 8; 0: none) N
    concurrent chat requests of a ~`--load-prompt-tokens`-token prompt and `--load-max-tokens` tokens each, and
    again VmRSS, and the peak: the sum of VmHWM over the tree (each process's own high-water mark; an upper
-   bound on the tree's, and the start-up's peak included).
+   bound on the tree's), also read before the load (the start-up's peak).
 """
 
 from __future__ import annotations
@@ -195,7 +195,7 @@ def serve_idle_rows(idle_s: float, *, load: int = 0, load_prompt_tokens: int = 4
             time.sleep(idle_s)
             assert sp.proc is not None
             row: dict[str, Any] = {"server": name, "model": model, "ready_s": ready_s,
-                                   "rss_mb": tree_rss_mb(sp.proc.pid)}
+                                   "rss_mb": tree_rss_mb(sp.proc.pid), "idle_peak_mb": tree_rss_mb(sp.proc.pid, "VmHWM")}
             if load:
                 t0 = time.perf_counter()
                 row["load_ok"] = offer_load(sp.url, load, load_prompt_tokens, load_max_tokens)
@@ -231,12 +231,14 @@ def main(argv: list[str] | None = None) -> int:
         rows = serve_idle_rows(args.idle_s, load=args.load, load_prompt_tokens=args.load_prompt_tokens,
                                load_max_tokens=args.load_max_tokens, llama_server=args.llama_server)
         for r in rows:
-            line = f"{r['server']:>13} on {r['model']}: idle RSS {r['rss_mb']:6.0f} MiB (healthy after {r['ready_s']:.1f} s)"
+            line = (f"{r['server']:>13} on {r['model']}: idle RSS {r['rss_mb']:6.0f} MiB, peak so far {r['idle_peak_mb']:6.0f} "
+                    f"MiB (healthy after {r['ready_s']:.1f} s)")
             if args.load:
                 line += (f"; after {args.load} concurrent requests ({r['load_ok']} answered, {r['load_s']:.1f} s) "
                          f"RSS {r['loaded_rss_mb']:6.0f} MiB, peak (VmHWM) {r['peak_mb']:6.0f} MiB")
             print(line)
-        for key, what in (("rss_mb", "idle"), ("loaded_rss_mb", "loaded"), ("peak_mb", "peak")):
+        for key, what in (("rss_mb", "idle"), ("idle_peak_mb", "start-up peak"), ("loaded_rss_mb", "loaded"),
+                          ("peak_mb", "peak")):
             if key not in rows[0]:
                 continue
             # each peer against trillm on the same file: mlx_lm.server on the fp32 folder, llama-server on the GGUF

@@ -33,6 +33,7 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 
+from trillm.engine.memory import release_freed_heap
 from trillm.kernels import hugepages
 from trillm.kernels.quant_linear import quant_linear_ref
 from trillm.kernels.selfcheck import KernelSelection, unchecked
@@ -207,7 +208,11 @@ def _dequantized_matmul(layer: nn.Module, x: mx.array) -> mx.array | None:
     rows = max(1, DEQUANTIZE_ELEMENTS // (scales.shape[-1] * layer.group_size))
     parts = [quant_linear_ref(x, w[i : i + rows], scales[i : i + rows], biases[i : i + rows], layer.group_size,
                               layer.bits) for i in range(0, w.shape[0], rows)]  # fmt: skip
-    return (parts[0] if len(parts) == 1 else mx.concatenate(parts, axis=-1)).astype(x.dtype)
+    out = (parts[0] if len(parts) == 1 else mx.concatenate(parts, axis=-1)).astype(x.dtype)
+    # Now, not in the caller's graph: evaluated lazily, a forward's dequantized weights would all be alive at
+    # once (the default model's probe: a start-up peak of +440 MiB, about every weight in float32).
+    mx.eval(out)
+    return out
 
 
 class FusedQuantizedLinear(nn.QuantizedLinear):
@@ -476,13 +481,20 @@ def _group_projections(model: nn.Module, counts: dict[str, int]) -> None:
             w0 = lins[0].weight
             if any(m.weight.ndim != 2 or m.weight.shape[1] != w0.shape[1] or m.weight.dtype != w0.dtype for m in lins):
                 continue
-            ProjectionGroup(lins)
+            group = ProjectionGroup(lins)
+            mx.eval(*group.arrays.values())  # now, so each group's originals go before the next one stacks
             key = "+".join(names)
             counts[key] = counts.get(key, 0) + 1
 
 
+PACK_CHUNK_BYTES = 128 << 20  # weights per huge-page buffer: start-up holds the originals of one chunk only
+
+
 def _pack_weights(model: nn.Module) -> hugepages.Advice | None:
-    """Every linear weight (a group's stacked one for its members) and embedding in one huge-page buffer."""
+    """Every linear weight (a group's stacked one for its members) and embedding in huge-page buffers of about
+    PACK_CHUNK_BYTES each. One buffer for the whole model would hold every original beside its copy (a start-up
+    peak of twice the weights); per chunk, each original is dropped once its owner holds the copy, and at most
+    two partial 2 MiB pages per buffer go without huge pages."""
     targets: list[tuple[object, mx.array]] = []
     seen: set[int] = set()
     for _, m in model.named_modules():
@@ -500,14 +512,31 @@ def _pack_weights(model: nn.Module) -> hugepages.Advice | None:
     dtypes = {w.dtype for _, w in targets}
     if len(dtypes) != 1 or not targets:
         return None
-    views, advice = hugepages.pack([w for _, w in targets])
-    for (owner, _), view in zip(targets, views):
-        if isinstance(owner, ProjectionGroup):
-            owner.set_weight(view)
-        else:
-            assert isinstance(owner, nn.Module)
-            owner.weight = view
-    return advice
+    chunks: list[list[object]] = [[]]
+    size = 0
+    for owner, weight in targets:
+        if size and size + weight.nbytes > PACK_CHUNK_BYTES:
+            chunks.append([])
+            size = 0
+        chunks[-1].append(owner)
+        size += weight.nbytes
+    del targets, weight  # only the owners hold the originals now
+    nbytes = advised = collapsed = 0
+    errors: list[str] = []
+    for owners in chunks:
+        views, advice = hugepages.pack([o.weight for o in owners])  # type: ignore[attr-defined]
+        for owner, view in zip(owners, views):
+            if isinstance(owner, ProjectionGroup):
+                owner.set_weight(view)
+            else:
+                assert isinstance(owner, nn.Module)
+                owner.weight = view
+        del views
+        release_freed_heap()  # this chunk's originals
+        nbytes, advised, collapsed = nbytes + advice.nbytes, advised + advice.advised, collapsed + advice.collapsed
+        if advice.error and advice.error not in errors:
+            errors.append(advice.error)
+    return hugepages.Advice(nbytes, advised, collapsed, "; ".join(errors))
 
 
 def install_fused_ops(model: nn.Module) -> list[str]:
@@ -523,6 +552,7 @@ def install_fused_ops(model: nn.Module) -> list[str]:
     _group_projections(model, counts)
     notes = []
     if hugepages.available() and not grouped_before and not getattr(model, _PACKED, False):
+        release_freed_heap()  # the grouped originals' pages, before the packed copies take new ones
         advice = _pack_weights(model)
         if advice is not None:
             setattr(model, _PACKED, True)
