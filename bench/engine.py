@@ -292,6 +292,8 @@ def main(argv: list[str] | None = None) -> int:
 
     add_arguments(ap)
     args = ap.parse_args(argv)
+    if args.prefill_tokens < 1:  # a prefill of nothing would print a rate for nothing
+        ap.error(f"--prefill-tokens must be at least 1, got {args.prefill_tokens}")
     if args.hybrid:
         return hybrid_main(args)
 
