@@ -36,6 +36,22 @@ def tiny_model_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def tiny_q4_model_path(tiny_model_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny folder quantized by mlx-lm (4 bits, groups of 64: MLX's affine layout), built once."""
+    import json
+
+    from mlx_lm.utils import load_model as mlx_load_model, quantize_model, save_model
+
+    model, config = mlx_load_model(tiny_model_path)
+    model, config = quantize_model(model, config, group_size=64, bits=4)
+    folder = Path(shutil.copytree(tiny_model_path, tmp_path_factory.mktemp("models") / "tiny-q4",
+                                  ignore=shutil.ignore_patterns("*.safetensors")))  # fmt: skip
+    save_model(folder, model)
+    (folder / "config.json").write_text(json.dumps(config))
+    return folder
+
+
+@pytest.fixture(scope="session")
 def tiny_model(tiny_model_path: Path) -> LoadedModel:
     """The tiny model loaded through trillm's loader (float32 on CPU)."""
     return load_model(str(tiny_model_path))

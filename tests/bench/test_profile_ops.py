@@ -4,7 +4,6 @@ checked), and its graph-building figure is Python alone (the forward's early-com
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 
 import trillm.kernels  # noqa: F401  (BLAS before mlx)
@@ -12,14 +11,8 @@ import trillm.kernels  # noqa: F401  (BLAS before mlx)
 from trillm.bench import cli
 
 
-def test_profile_ops_checks_quant_linear_on_a_quantized_model(tiny_model_path: Path, tmp_path: Path) -> None:
-    from mlx_lm.utils import load_model as mlx_load_model, quantize_model, save_model
-
-    model, config = mlx_load_model(tiny_model_path)
-    model, config = quantize_model(model, config, group_size=64, bits=4)
-    folder = Path(shutil.copytree(tiny_model_path, tmp_path / "tiny-q4", ignore=shutil.ignore_patterns("*.safetensors")))
-    save_model(folder, model)
-    (folder / "config.json").write_text(json.dumps(config))
+def test_profile_ops_checks_quant_linear_on_a_quantized_model(tiny_q4_model_path: Path, tmp_path: Path) -> None:
+    folder = tiny_q4_model_path
     rc = cli.main(["profile-ops", "--model", str(folder), "--cases", "decode:2x40", "--iters", "2",
                    "--results", str(tmp_path / "results")])
     assert rc == 0

@@ -19,6 +19,7 @@ import trillm.kernels  # noqa: F401  (BLAS before mlx)
 import mlx.core as mx
 
 import kernel_emulator
+from compiled_variants import assert_metal_standin_accepts, assert_nvcc_compiles, distinct_variants
 from paged_cases import make_case
 from trillm.kernels import kv_quantize
 from trillm.kernels.backend import Kernel
@@ -29,9 +30,7 @@ from trillm.kernels.kv_write import kv_write_int8_ref, quantize_int8
 from trillm.kernels.layout import ModelShapes
 from trillm.kernels.paged_attention import KERNELS, OP, launch_plan, paged_attention_kernel, paged_attention_ref
 from trillm.kernels.selfcheck import CACHE_ENV, KernelFallbackWarning, select_kernels
-from trillm.kernels.tools import cuda_compile as cc
-from trillm.kernels.tools import metal_compile as mc
-from trillm.kernels.tools.variants import Variant, all_dtypes, record
+from trillm.kernels.tools.variants import Variant, record
 
 needs_gxx = pytest.mark.skipif(shutil.which("g++") is None, reason="the emulator and the stand-in need g++")
 EMU = kernel_emulator.BACKEND
@@ -216,24 +215,14 @@ def test_int8_shapes_launch_the_int8_variants_only() -> None:
 
 
 def _int8_variants(target: str) -> list[Variant]:
-    seen: dict[tuple[object, ...], Variant] = {}
-    for v in record(target, all_dtypes(INT8_SHAPES)):
-        if target == "metal" or v.spec.name != "paged_attn_reduce":  # the reduction: the float variants' own
-            seen.setdefault(v.key if target == "metal" else (v.spec, v.input_dtypes, v.output_dtypes, v.template), v)
-    return list(seen.values())
+    # the reduction on CUDA: the float variants' own
+    return distinct_variants(target, INT8_SHAPES, lambda v: target == "metal" or v.spec.name != "paged_attn_reduce")
 
 
 @needs_gxx
 def test_int8_metal_variants_type_check_against_the_standin() -> None:
-    variants = _int8_variants("metal")
-    assert {mx.float32, mx.float16, mx.bfloat16} <= {v.input_dtypes[0] for v in variants}
-    ok, log = mc.standin_check(variants)
-    assert ok, log[-4000:]
+    assert_metal_standin_accepts(_int8_variants("metal"))
 
 
-@pytest.mark.skipif(not cc.nvcc_present(), reason=f"nvcc not found at {cc.NVCC}")
 def test_int8_cuda_variants_compile() -> None:
-    if not cc.headers_present():
-        pytest.skip(f"MLX CUDA device headers missing in {cc.HEADER_DIR} (tests/kernels/test_cuda_compile.py fetches them)")
-    failed = cc.compile_together(_int8_variants("cuda"))
-    assert failed is None, f"{failed.variant.spec.name} failed to compile:\n{failed.log[-4000:]}"
+    assert_nvcc_compiles(_int8_variants("cuda"))
