@@ -121,7 +121,7 @@ class ProjectionGroup:
         self._restack()
         self._x: mx.array | None = None
         self._y: mx.array | None = None
-        self._pending: set[int] = set()
+        self._pending = 0  # bit i: member i has not taken its slice of _y yet
 
     @property
     def weight(self) -> mx.array:
@@ -137,10 +137,11 @@ class ProjectionGroup:
     def set_arrays(self, arrays: dict[str, mx.array]) -> None:
         self.arrays = arrays
         self._views = [{k: a[lo:hi] for k, a in arrays.items()} for lo, hi in self.bounds]
-        for m, views in zip(self.members, self._views):
+        for i, (m, views) in enumerate(zip(self.members, self._views)):
             for k, view in views.items():
                 setattr(m, k, view)
             m.group = self
+            m.group_index = i
 
     def _matmul(self, x: mx.array, kernels: KernelSelection) -> mx.array:
         if len(self.keys) == 1:
@@ -150,17 +151,21 @@ class ProjectionGroup:
         return kernels.quant_linear(x, a["weight"], a["scales"], a["biases"], m.group_size, m.bits)
 
     def output(self, member: FusedLinear | FusedQuantizedLinear, x: mx.array, kernels: KernelSelection) -> mx.array:
-        i = next(i for i, m in enumerate(self.members) if m is member)
-        if any(m[k] is not views[k] for m, views in zip(self.members, self._views) for k in self.keys):
+        # Called ~150 times a decode step on SmolLM2: each member checks its own weights only (a slice of an
+        # earlier matmul is still right for a member whose weights did not change).
+        i = member.group_index
+        bit = 1 << i
+        views = self._views[i]
+        if any(member[k] is not views[k] for k in self.keys):
             self._restack()
             self._x = None
-        if self._x is not x or i not in self._pending:
+        if self._x is not x or not self._pending & bit:
             self._x, self._y = x, self._matmul(x, kernels)
-            self._pending = set(range(len(self.members)))
+            self._pending = (1 << len(self.members)) - 1
         assert self._y is not None
         lo, hi = self.bounds[i]
         out = self._y[..., lo:hi]
-        self._pending.discard(i)
+        self._pending &= ~bit
         if not self._pending:
             self._x = self._y = None
         return out
@@ -168,6 +173,7 @@ class ProjectionGroup:
 
 class FusedLinear(nn.Linear):
     group: ProjectionGroup | None = None  # set when this layer's matmul is shared with its siblings'
+    group_index = 0  # its place in the group
 
     def __call__(self, x: mx.array) -> mx.array:
         if (k := _ACTIVE.get()) is not None:
@@ -219,6 +225,7 @@ class FusedQuantizedLinear(nn.QuantizedLinear):
     """A linear layer on weights kept quantized (MLX's affine layout), through `quant_linear`."""
 
     group: ProjectionGroup | None = None  # set when this layer's matmul is shared with its siblings'
+    group_index = 0  # its place in the group
 
     def __call__(self, x: mx.array) -> mx.array:
         if (k := _ACTIVE.get()) is not None and self.mode == "affine" and "biases" in self:
