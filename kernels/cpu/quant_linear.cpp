@@ -383,6 +383,42 @@ struct WBlock<8, 8> {
 #endif
 };
 
+#if defined(__AVX512BW__)
+#define TRILLM_LANES 1  // int16 x: weight rows as vector lanes (lanes_int); AVX2 keeps group8_int (measured faster there)
+#endif
+
+#if !defined(TRILLM_LANES)
+// int16 x: the weights widened to int16 (q <= 255 times |x| <= 32767: pairs fit int32).
+template <>
+struct WBlock<4, 16> {
+  static constexpr float kShift = 0.0f;
+  __m256i e, o;  // even elements, odd elements
+  void load(const uint8_t* p) {
+    const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p)), m = _mm_set1_epi8(0x0F);
+    e = _mm256_cvtepu8_epi16(_mm_and_si128(b, m));
+    o = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(b, 4), m));
+  }
+  __m256i dot(const __m256i* x) const {
+    return dot16(dot16(_mm256_setzero_si256(), e, x[0]), o, x[1]);
+  }
+};
+
+template <>
+struct WBlock<8, 16> {
+  static constexpr float kShift = 0.0f;
+  __m256i lo, hi;  // elements 0-15, 16-31
+  void load(const uint8_t* p) {
+    const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+    lo = _mm256_cvtepu8_epi16(_mm256_castsi256_si128(v));
+    hi = _mm256_cvtepu8_epi16(_mm256_extracti128_si256(v, 1));
+  }
+  __m256i dot(const __m256i* x) const {
+    return dot16(dot16(_mm256_setzero_si256(), lo, x[0]), hi, x[1]);
+  }
+};
+
+#endif
+
 // int16 x meets weight rows held one per 32-bit vector lane (lanes_int below): the 16 int16 pairs of a block of
 // 32, each pair the two elements one lane's unpacked dword holds in its low and high halves. 4 bits: dword c of
 // a row's block (elements 8c .. 8c + 7, two per byte, low nibble first) shifted by 4s, masked by 0x000F000F,
@@ -400,8 +436,8 @@ constexpr std::array<int, 32> lane_pairs() {
 template <int BITS>
 constexpr std::array<int, 32> kLanePairs = lane_pairs<BITS>();
 
-// Rows of x -> XB-bit blocks q (int8 with 4-bit weights: each block's even elements, then its odd ones; int16:
-// kLanePairs' order), their d, and the rounded x's sums per weight group.
+// Rows of x -> XB-bit blocks q (4-bit weights: each block's even elements, then its odd ones; int16 with
+// AVX-512: kLanePairs' order), their d, and the rounded x's sums per weight group.
 template <int BITS, int XB>
 void quantize_rows(const float* x, int M, int K, int G, void* qv, float* d, float* sum) {
   using Q = std::conditional_t<XB == 8, int8_t, int16_t>;
@@ -416,12 +452,19 @@ void quantize_rows(const float* x, int M, int K, int G, void* qv, float* d, floa
   for (int m = 0; m < M; ++m) {
     const float* xr = x + static_cast<size_t>(m) * K;
     for (int b = 0; b < nb; ++b) {
-      float t[QB];  // int16: the block in the order of the weight-row lanes' pairs (kLanePairs)
+      float t[QB];  // int16: kLanePairs' order (AVX-512), or 4-bit weights' evens then odds (AVX2)
       const float* p = xr + b * QB;
+#if defined(TRILLM_LANES)
       if constexpr (XB == 16) {
         for (int k = 0; k < QB; ++k) t[k] = p[kLanePairs<BITS>[k]];
         p = t;
       }
+#else
+      if constexpr (BITS == 4 && XB == 16) {
+        for (int k = 0; k < QB / 2; ++k) t[k] = p[2 * k], t[QB / 2 + k] = p[2 * k + 1];
+        p = t;
+      }
+#endif
       __m256 v[4];
       for (int i = 0; i < 4; ++i) v[i] = _mm256_loadu_ps(p + 8 * i);
       const __m256 a = _mm256_max_ps(_mm256_max_ps(_mm256_andnot_ps(sign, v[0]), _mm256_andnot_ps(sign, v[1])),
@@ -552,14 +595,15 @@ void row_int(const QArgs<S>& a, const XQ& xq, int n) {
 }
 
 // ---- int16 x: weight rows as vector lanes
-// One output row per 32-bit lane (16 rows a zmm with AVX-512, 8 a ymm with AVX2): a block's 32 weights of R
-// rows are transposed by dwords as they are loaded (4 loads of 16 bytes and a 4 x 4 dword transpose per
-// 128-bit lane) and unpacked to 16 vectors of int16 pairs (kLanePairs); each pair of x is broadcast and
-// multiply-added into every lane at once (vpdpwssd, or vpmaddwd + vpaddd), so lane j ends the block holding
-// row j's exact int32 block dot with no horizontal reduction (the 8-row transpose-add it replaces cost as many
-// instructions as the dot products). The float arithmetic per lane is group8_int's: one conversion, one FMA
-// by d_x * scale per block; bias * (the rounded x's sum) per group into a second accumulator.
-#if defined(__AVX512BW__)
+// AVX-512 (BW): one output row per 32-bit lane, 16 rows a zmm. A block's 32 weights of 16 rows are transposed
+// by dwords as they are loaded (16 loads of 16 bytes and a 4 x 4 dword transpose per 128-bit lane) and
+// unpacked to 16 vectors of int16 pairs (kLanePairs); each pair of x is broadcast and multiply-added into every
+// lane at once (vpdpwssd, or vpmaddwd + vpaddd), so lane j ends the block holding row j's exact int32 block dot
+// with no horizontal reduction (group8_int's 8-row transpose-add cost as many instructions as its dot
+// products). The float arithmetic per lane is group8_int's: one conversion, one FMA by d_x * scale per block;
+// bias * (the rounded x's sum) per group into a second accumulator; so y is the same bits either way. AVX2
+// keeps group8_int: with 16 registers (the 16 pair vectors spill) and no VNNI this layout measured 8-18% slower.
+#if defined(TRILLM_LANES)
 constexpr int kLanes = 16;
 using LI = __m512i;
 using LF = __m512;
@@ -599,41 +643,6 @@ inline LI l_unpacklo32(LI a, LI b) { return _mm512_unpacklo_epi32(a, b); }
 inline LI l_unpackhi32(LI a, LI b) { return _mm512_unpackhi_epi32(a, b); }
 inline LI l_unpacklo64(LI a, LI b) { return _mm512_unpacklo_epi64(a, b); }
 inline LI l_unpackhi64(LI a, LI b) { return _mm512_unpackhi_epi64(a, b); }
-#else
-constexpr int kLanes = 8;
-using LI = __m256i;
-using LF = __m256;
-inline LI l_and(LI a, LI b) { return _mm256_and_si256(a, b); }
-template <int S> inline LI l_srl16(LI a) { return _mm256_srli_epi16(a, S); }
-inline LI l_set1(int32_t v) { return _mm256_set1_epi32(v); }
-inline LI l_madd(LI w, LI x) { return _mm256_madd_epi16(w, x); }
-inline LI l_dot(LI acc, LI w, LI x) { return dot16(acc, w, x); }
-inline LI l_add(LI a, LI b) { return _mm256_add_epi32(a, b); }
-inline LF l_cvt(LI a) { return _mm256_cvtepi32_ps(a); }
-inline LF l_fmadd(LF a, LF b, LF c) { return _mm256_fmadd_ps(a, b, c); }
-inline LF l_mul(LF a, LF b) { return _mm256_mul_ps(a, b); }
-inline LF l_add(LF a, LF b) { return _mm256_add_ps(a, b); }
-inline LF l_splat(float v) { return _mm256_set1_ps(v); }
-inline LF l_zero() { return _mm256_setzero_ps(); }
-inline LF l_loadf(const float* p) { return _mm256_loadu_ps(p); }
-inline void l_storef(float* p, LF v) { _mm256_storeu_ps(p, v); }
-inline LF l_asf(LI a) { return _mm256_castsi256_ps(a); }
-inline LI l_sll32_16(LI a) { return _mm256_slli_epi32(a, 16); }
-inline LI l_srl32_16(LI a) { return _mm256_srli_epi32(a, 16); }
-inline LF l_half_lo(LI a) {  // packus is exact on values below 2^16; permute undoes its 128-bit lane interleave
-  const LI lo = _mm256_and_si256(a, _mm256_set1_epi32(0xFFFF));
-  const LI p = _mm256_permute4x64_epi64(_mm256_packus_epi32(lo, lo), 0xD8);
-  return _mm256_cvtph_ps(_mm256_castsi256_si128(p));
-}
-inline LI l_rows(const uint8_t* const* r, size_t off, int k) {  // rows k, k + 4 in the 128-bit lanes
-  auto ld = [&](int j) { return _mm_loadu_si128(reinterpret_cast<const __m128i*>(r[j] + off)); };
-  return _mm256_set_m128i(ld(k + 4), ld(k));
-}
-inline LI l_unpacklo32(LI a, LI b) { return _mm256_unpacklo_epi32(a, b); }
-inline LI l_unpackhi32(LI a, LI b) { return _mm256_unpackhi_epi32(a, b); }
-inline LI l_unpacklo64(LI a, LI b) { return _mm256_unpacklo_epi64(a, b); }
-inline LI l_unpackhi64(LI a, LI b) { return _mm256_unpackhi_epi64(a, b); }
-#endif
 
 // t[c], lane j: the dword at byte off + 4c of row r[j] (c < 4): 16 bytes of each of kLanes rows, transposed.
 inline void load_lanes(const uint8_t* const* r, size_t off, LI* t) {
@@ -737,16 +746,22 @@ void lanes_int(const QArgs<S>& a, const XQ& xq, int n, int n1, LF* acc, LF* bacc
     }
   }
 }
+#endif  // TRILLM_LANES
 
-// The accumulators' vectors: one float per output row (lanes_int's width for int16 x; group8_int's 8 for int8).
+// The accumulators' vectors: one float per output row (lanes_int's 16 for int16 x; group8_int's 8 otherwise).
 template <int XB>
 struct Acc {
   using T = __m256;
 };
+#if defined(TRILLM_LANES)
 template <>
 struct Acc<16> {
   using T = LF;
 };
+constexpr bool kLanesInt16 = true;
+#else
+constexpr bool kLanesInt16 = false;
+#endif
 
 template <int BITS, int XB, typename S>
 void int_impl(const QArgs<S>& a) {
@@ -774,8 +789,10 @@ void int_impl(const QArgs<S>& a) {
       t.M = std::min(kRowTile, a.M - m0);
       const XQ tq{static_cast<const Q*>(xq.q) + static_cast<size_t>(m0) * a.K, xq.d + static_cast<size_t>(m0) * nb,
                   xq.sum + static_cast<size_t>(m0) * ng};
-      if constexpr (XB == 16) {
+      if constexpr (XB == 16 && kLanesInt16) {
+#if defined(TRILLM_LANES)
         for (int n = n0; n < n1; n += kLanes) lanes_int<BITS>(t, tq, n, n1, acc, bacc);
+#endif
       } else {
         int n = n0;
         for (; n + 8 <= n1; n += 8) group8_int<BITS, XB>(t, tq, n, acc, bacc);
