@@ -16,7 +16,9 @@
 // eight weight rows' lanes are summed into one vector (an exact int32 per row and block), then one int ->
 // float conversion and one FMA by d_x * scale per block for the eight, instead of an unpack to float and an
 // FMA per element, which kept the fp32 path compute-bound on the unpack. Each weight block is unpacked once
-// per call for all rows of x (a verify step's 9 rows cost ~3.5x one row, not ~5.5x). The bias term, bias *
+// per call for all rows of x (a verify step's 9 rows cost ~3.5x one row, not ~5.5x). With AVX-512 and int16
+// x, weight rows are vector lanes instead (lanes_int: 16 rows transposed as they load, x's pairs broadcast,
+// no reduction across lanes; the same float operations, so the same y). The bias term, bias *
 // sum of x over the group, takes the rounded x's sums (llama.cpp's Q8_1), so y is exactly dequantize(w) . round(x):
 // x's rounding meets w itself, not the larger scale * q. int16's rounding is ~1e-5 of |x| (greedy decode
 // stays the fp32 path's); int8's, ~0.3%, moves SmolLM2-135M's greedy tokens. x_bits 32: the fp32 path.
