@@ -16,7 +16,9 @@
 // eight weight rows' lanes are summed into one vector (an exact int32 per row and block), then one int ->
 // float conversion and one FMA by d_x * scale per block for the eight, instead of an unpack to float and an
 // FMA per element, which kept the fp32 path compute-bound on the unpack. Each weight block is unpacked once
-// per call for all rows of x (a verify step's 9 rows cost ~3.5x one row, not ~5.5x). The bias term, bias *
+// per call for all rows of x (a verify step's 9 rows cost ~3.5x one row, not ~5.5x). With AVX-512 and int16
+// x, weight rows are vector lanes instead (lanes_int: 16 rows transposed as they load, x's pairs broadcast,
+// no reduction across lanes; the same float operations, so the same y). The bias term, bias *
 // sum of x over the group, takes the rounded x's sums (llama.cpp's Q8_1), so y is exactly dequantize(w) . round(x):
 // x's rounding meets w itself, not the larger scale * q. int16's rounding is ~1e-5 of |x| (greedy decode
 // stays the fp32 path's); int8's, ~0.3%, moves SmolLM2-135M's greedy tokens. x_bits 32: the fp32 path.
@@ -30,6 +32,7 @@
 // across the cores) and handed to cblas_sgemm, the BLAS MLX itself links (the same symbol resolves to the
 // library MLX uses: OpenBLAS or MKL when trillm loaded one first).
 #include <algorithm>
+#include <array>
 #include <atomic>
 #include <cmath>
 #include <cstring>
@@ -382,6 +385,11 @@ struct WBlock<8, 8> {
 #endif
 };
 
+#if defined(__AVX512BW__)
+#define TRILLM_LANES 1  // int16 x: weight rows as vector lanes (lanes_int); AVX2 keeps group8_int (measured faster there)
+#endif
+
+#if !defined(TRILLM_LANES)
 // int16 x: the weights widened to int16 (q <= 255 times |x| <= 32767: pairs fit int32).
 template <>
 struct WBlock<4, 16> {
@@ -411,8 +419,27 @@ struct WBlock<8, 16> {
   }
 };
 
-// Rows of x -> XB-bit blocks q (4-bit weights: each block's even elements, then its odd ones), their d, and
-// the rounded x's sums per weight group.
+#endif
+
+// int16 x meets weight rows held one per 32-bit vector lane (lanes_int below): the 16 int16 pairs of a block of
+// 32, each pair the two elements one lane's unpacked dword holds in its low and high halves. 4 bits: dword c of
+// a row's block (elements 8c .. 8c + 7, two per byte, low nibble first) shifted by 4s, masked by 0x000F000F,
+// is the pair (8c + s, 8c + 4 + s); 8 bits: dword c (elements 4c .. 4c + 3) masked by 0x00FF00FF or shifted by
+// 8 is (4c + s, 4c + 2 + s). x's block is stored pair by pair in that order.
+template <int BITS>
+constexpr std::array<int, 32> lane_pairs() {
+  std::array<int, 32> out{};
+  for (int p = 0; p < 32; ++p) {
+    const int v = p / 2, hi = p % 2;
+    out[p] = BITS == 4 ? 8 * (v / 4) + v % 4 + 4 * hi : 4 * (v / 2) + v % 2 + 2 * hi;
+  }
+  return out;
+}
+template <int BITS>
+constexpr std::array<int, 32> kLanePairs = lane_pairs<BITS>();
+
+// Rows of x -> XB-bit blocks q (4-bit weights: each block's even elements, then its odd ones; int16 with
+// AVX-512: kLanePairs' order), their d, and the rounded x's sums per weight group.
 template <int BITS, int XB>
 void quantize_rows(const float* x, int M, int K, int G, void* qv, float* d, float* sum) {
   using Q = std::conditional_t<XB == 8, int8_t, int16_t>;
@@ -427,12 +454,19 @@ void quantize_rows(const float* x, int M, int K, int G, void* qv, float* d, floa
   for (int m = 0; m < M; ++m) {
     const float* xr = x + static_cast<size_t>(m) * K;
     for (int b = 0; b < nb; ++b) {
-      float t[QB];  // 4-bit weights: the block's evens, then its odds
+      float t[QB];  // int16: kLanePairs' order (AVX-512), or 4-bit weights' evens then odds (AVX2)
       const float* p = xr + b * QB;
+#if defined(TRILLM_LANES)
+      if constexpr (XB == 16) {
+        for (int k = 0; k < QB; ++k) t[k] = p[kLanePairs<BITS>[k]];
+        p = t;
+      }
+#else
       if constexpr (BITS == 4 && XB == 16) {
         for (int k = 0; k < QB / 2; ++k) t[k] = p[2 * k], t[QB / 2 + k] = p[2 * k + 1];
         p = t;
       }
+#endif
       __m256 v[4];
       for (int i = 0; i < 4; ++i) v[i] = _mm256_loadu_ps(p + 8 * i);
       const __m256 a = _mm256_max_ps(_mm256_max_ps(_mm256_andnot_ps(sign, v[0]), _mm256_andnot_ps(sign, v[1])),
@@ -562,6 +596,175 @@ void row_int(const QArgs<S>& a, const XQ& xq, int n) {
   }
 }
 
+// ---- int16 x: weight rows as vector lanes
+// AVX-512 (BW): one output row per 32-bit lane, 16 rows a zmm. A block's 32 weights of 16 rows are transposed
+// by dwords as they are loaded (16 loads of 16 bytes and a 4 x 4 dword transpose per 128-bit lane) and
+// unpacked to 16 vectors of int16 pairs (kLanePairs); each pair of x is broadcast and multiply-added into every
+// lane at once (vpdpwssd, or vpmaddwd + vpaddd), so lane j ends the block holding row j's exact int32 block dot
+// with no horizontal reduction (group8_int's 8-row transpose-add cost as many instructions as its dot
+// products). The float arithmetic per lane is group8_int's: one conversion, one FMA by d_x * scale per block;
+// bias * (the rounded x's sum) per group into a second accumulator; so y is the same bits either way. AVX2
+// keeps group8_int: with 16 registers (the 16 pair vectors spill) and no VNNI this layout measured 8-18% slower.
+#if defined(TRILLM_LANES)
+constexpr int kLanes = 16;
+using LI = __m512i;
+using LF = __m512;
+inline LI l_and(LI a, LI b) { return _mm512_and_si512(a, b); }
+template <int S> inline LI l_srl16(LI a) { return _mm512_srli_epi16(a, S); }
+inline LI l_set1(int32_t v) { return _mm512_set1_epi32(v); }
+inline LI l_madd(LI w, LI x) { return _mm512_madd_epi16(w, x); }
+inline LI l_dot(LI acc, LI w, LI x) {
+#if defined(__AVX512VNNI__)
+  return _mm512_dpwssd_epi32(acc, w, x);
+#else
+  return _mm512_add_epi32(acc, _mm512_madd_epi16(w, x));
+#endif
+}
+inline LI l_add(LI a, LI b) { return _mm512_add_epi32(a, b); }
+inline LF l_cvt(LI a) { return _mm512_cvtepi32_ps(a); }
+inline LF l_fmadd(LF a, LF b, LF c) { return _mm512_fmadd_ps(a, b, c); }
+inline LF l_mul(LF a, LF b) { return _mm512_mul_ps(a, b); }
+inline LF l_add(LF a, LF b) { return _mm512_add_ps(a, b); }
+inline LF l_splat(float v) { return _mm512_set1_ps(v); }
+inline LF l_zero() { return _mm512_setzero_ps(); }
+inline LF l_loadf(const float* p) { return _mm512_loadu_ps(p); }
+inline void l_storef(float* p, LF v) { _mm512_storeu_ps(p, v); }
+inline LF l_asf(LI a) { return _mm512_castsi512_ps(a); }
+inline LI l_sll32_16(LI a) { return _mm512_slli_epi32(a, 16); }
+inline LI l_srl32_16(LI a) { return _mm512_srli_epi32(a, 16); }
+// Halves in the low 16 bits of each lane -> floats.
+inline LF l_half_lo(LI a) { return _mm512_cvtph_ps(_mm512_cvtepi32_epi16(a)); }
+inline LI l_rows(const uint8_t* const* r, size_t off, int k) {  // rows k, k + 4, k + 8, k + 12 in the 128-bit lanes
+  auto ld = [&](int j) { return _mm_loadu_si128(reinterpret_cast<const __m128i*>(r[j] + off)); };
+  LI v = _mm512_castsi128_si512(ld(k));
+  v = _mm512_inserti32x4(v, ld(k + 4), 1);
+  v = _mm512_inserti32x4(v, ld(k + 8), 2);
+  return _mm512_inserti32x4(v, ld(k + 12), 3);
+}
+inline LI l_unpacklo32(LI a, LI b) { return _mm512_unpacklo_epi32(a, b); }
+inline LI l_unpackhi32(LI a, LI b) { return _mm512_unpackhi_epi32(a, b); }
+inline LI l_unpacklo64(LI a, LI b) { return _mm512_unpacklo_epi64(a, b); }
+inline LI l_unpackhi64(LI a, LI b) { return _mm512_unpackhi_epi64(a, b); }
+
+// t[c], lane j: the dword at byte off + 4c of row r[j] (c < 4): 16 bytes of each of kLanes rows, transposed.
+inline void load_lanes(const uint8_t* const* r, size_t off, LI* t) {
+  const LI a0 = l_rows(r, off, 0), a1 = l_rows(r, off, 1), a2 = l_rows(r, off, 2), a3 = l_rows(r, off, 3);
+  const LI t0 = l_unpacklo32(a0, a1), t1 = l_unpackhi32(a0, a1), t2 = l_unpacklo32(a2, a3), t3 = l_unpackhi32(a2, a3);
+  t[0] = l_unpacklo64(t0, t2), t[1] = l_unpackhi64(t0, t2), t[2] = l_unpacklo64(t1, t3), t[3] = l_unpackhi64(t1, t3);
+}
+
+// out[g * kLanes + j] = v[row j][g] for g < ng (v: [rows, ng] scales or biases): one float vector per group.
+template <typename S>
+void lanes_of_groups(const S* v, const int* rows, int ng, float* out) {
+  const uint8_t* r[kLanes];
+  for (int j = 0; j < kLanes; ++j) r[j] = reinterpret_cast<const uint8_t*>(v + static_cast<size_t>(rows[j]) * ng);
+  constexpr int per = 16 / sizeof(S);  // groups per 16 bytes
+  int g = 0;
+  for (; g + per <= ng; g += per) {
+    LI t[4];
+    load_lanes(r, g * sizeof(S), t);
+    for (int c = 0; c < 4; ++c) {
+      if constexpr (std::is_same_v<S, float>) {
+        l_storef(out + (g + c) * kLanes, l_asf(t[c]));
+      } else if constexpr (std::is_same_v<S, mx::bfloat16_t>) {
+        l_storef(out + (g + 2 * c) * kLanes, l_asf(l_sll32_16(t[c])));
+        l_storef(out + (g + 2 * c + 1) * kLanes, l_asf(l_and(t[c], l_set1(static_cast<int32_t>(0xFFFF0000u)))));
+      } else {
+        l_storef(out + (g + 2 * c) * kLanes, l_half_lo(t[c]));
+        l_storef(out + (g + 2 * c + 1) * kLanes, l_half_lo(l_srl32_16(t[c])));
+      }
+    }
+  }
+  for (; g < ng; ++g) {
+    for (int j = 0; j < kLanes; ++j) out[g * kLanes + j] = to_f32(v[static_cast<size_t>(rows[j]) * ng + g]);
+  }
+}
+
+typedef int32_t pair_t __attribute__((may_alias, aligned(4)));  // two int16 of x read as one lane's operand
+
+// Weight rows n .. n + kLanes (clamped to the band's end n1) against every row of x (M <= kRowTile).
+template <int BITS, typename S>
+void lanes_int(const QArgs<S>& a, const XQ& xq, int n, int n1, LF* acc, LF* bacc) {
+  const int K = a.K, ng = K / a.G, nb = K / QB, per = a.G / QB, live = std::min(kLanes, n1 - n);
+  const size_t wrow = static_cast<size_t>(K) * BITS / 8;
+  const int16_t* xbase = static_cast<const int16_t*>(xq.q);
+  int rows[kLanes];
+  const uint8_t* wr[kLanes];
+  for (int j = 0; j < kLanes; ++j) {
+    rows[j] = n + std::min(j, live - 1);  // past the end: the last row again, not stored
+    wr[j] = a.w + static_cast<size_t>(rows[j]) * wrow;
+  }
+  thread_local std::vector<float> sb;
+  sb.resize(static_cast<size_t>(2) * ng * kLanes);
+  float* const sl = sb.data();
+  float* const bl = sl + static_cast<size_t>(ng) * kLanes;
+  lanes_of_groups(a.scales, rows, ng, sl);
+  lanes_of_groups(a.biases, rows, ng, bl);
+  for (int i = 0; i < a.M; ++i) acc[i] = bacc[i] = l_zero();
+  const LI mask = l_set1(BITS == 4 ? 0x000F000F : 0x00FF00FF);
+  for (int g = 0; g < ng; ++g) {
+    const LF sv = l_loadf(sl + g * kLanes), bv = l_loadf(bl + g * kLanes);
+    for (int i = 0; i < a.M; ++i) bacc[i] = l_fmadd(bv, l_splat(xq.sum[static_cast<size_t>(i) * ng + g]), bacc[i]);
+    for (int blk = g * per; blk < (g + 1) * per; ++blk) {
+      LI w[16];  // w[v], lane j: row j's pair v (kLanePairs)
+      if constexpr (BITS == 4) {
+        LI t[4];
+        load_lanes(wr, static_cast<size_t>(blk) * 16, t);
+        for (int c = 0; c < 4; ++c) {
+          w[4 * c] = l_and(t[c], mask);
+          w[4 * c + 1] = l_and(l_srl16<4>(t[c]), mask);
+          w[4 * c + 2] = l_and(l_srl16<8>(t[c]), mask);
+          w[4 * c + 3] = l_srl16<12>(t[c]);
+        }
+      } else {
+        LI t[8];
+        load_lanes(wr, static_cast<size_t>(blk) * 32, t);
+        load_lanes(wr, static_cast<size_t>(blk) * 32 + 16, t + 4);
+        for (int c = 0; c < 8; ++c) w[2 * c] = l_and(t[c], mask), w[2 * c + 1] = l_srl16<8>(t[c]);
+      }
+      for (int i = 0; i < a.M; ++i) {
+        // x's pairs as int32s, each broadcast straight from memory (an FMA's {1to16} operand)
+        const pair_t* xp = reinterpret_cast<const pair_t*>(xbase + static_cast<size_t>(i) * K + static_cast<size_t>(blk) * QB);
+        // four chains of 4 (exact int32 sums, so any split gives the same dot): one row's latency, not 16 deep
+        LI d[4];
+        for (int c = 0; c < 4; ++c) d[c] = l_madd(w[c], l_set1(xp[c]));
+        for (int v = 4; v < 16; v += 4) {
+          for (int c = 0; c < 4; ++c) d[c] = l_dot(d[c], w[v + c], l_set1(xp[v + c]));
+        }
+        const LF dxs = l_mul(l_splat(xq.d[static_cast<size_t>(i) * nb + blk]), sv);
+        acc[i] = l_fmadd(l_cvt(l_add(l_add(d[0], d[1]), l_add(d[2], d[3]))), dxs, acc[i]);
+      }
+    }
+  }
+  for (int i = 0; i < a.M; ++i) {
+    float* y = a.y + static_cast<size_t>(i) * a.N + n;
+    const LF out = l_add(acc[i], bacc[i]);
+    if (live == kLanes) {
+      l_storef(y, out);
+    } else {
+      alignas(64) float tmp[kLanes];
+      l_storef(tmp, out);
+      std::memcpy(y, tmp, live * sizeof(float));
+    }
+  }
+}
+#endif  // TRILLM_LANES
+
+// The accumulators' vectors: one float per output row (lanes_int's 16 for int16 x; group8_int's 8 otherwise).
+template <int XB>
+struct Acc {
+  using T = __m256;
+};
+#if defined(TRILLM_LANES)
+template <>
+struct Acc<16> {
+  using T = LF;
+};
+constexpr bool kLanesInt16 = true;
+#else
+constexpr bool kLanesInt16 = false;
+#endif
+
 template <int BITS, int XB, typename S>
 void int_impl(const QArgs<S>& a) {
   auto& pool = ThreadPool::get();
@@ -580,7 +783,7 @@ void int_impl(const QArgs<S>& a) {
   const int nb = a.K / QB, ng = a.K / a.G;
   pool.parallel_for(bands, [&](int i) {
     const int n0 = i * rows, n1 = std::min(a.N, n0 + rows);
-    __m256 acc[kRowTile], bacc[kRowTile];
+    typename Acc<XB>::T acc[kRowTile], bacc[kRowTile];
     for (int m0 = 0; m0 < a.M; m0 += kRowTile) {  // rows of x in tiles (a prefill chunk's hundreds)
       QArgs<S> t = a;
       t.x = a.x + static_cast<size_t>(m0) * a.K;
@@ -588,9 +791,15 @@ void int_impl(const QArgs<S>& a) {
       t.M = std::min(kRowTile, a.M - m0);
       const XQ tq{static_cast<const Q*>(xq.q) + static_cast<size_t>(m0) * a.K, xq.d + static_cast<size_t>(m0) * nb,
                   xq.sum + static_cast<size_t>(m0) * ng};
-      int n = n0;
-      for (; n + 8 <= n1; n += 8) group8_int<BITS, XB>(t, tq, n, acc, bacc);
-      for (; n < n1; ++n) row_int<BITS, XB>(t, tq, n);
+      if constexpr (XB == 16 && kLanesInt16) {
+#if defined(TRILLM_LANES)
+        for (int n = n0; n < n1; n += kLanes) lanes_int<BITS>(t, tq, n, n1, acc, bacc);
+#endif
+      } else {
+        int n = n0;
+        for (; n + 8 <= n1; n += 8) group8_int<BITS, XB>(t, tq, n, acc, bacc);
+        for (; n < n1; ++n) row_int<BITS, XB>(t, tq, n);
+      }
     }
   });
 }

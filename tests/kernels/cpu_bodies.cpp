@@ -471,6 +471,13 @@ int main() {
     for (int xb : {16, 8}) {
       for (int M : {1, 3, 9}) check_quant_linear<mx::float16_t>(M, 37, 256, 32, bits, 16, "fp16", xb);
       check_quant_linear<float>(5, 20, 384, 128, bits, 16, "fp32", xb);  // groups of four blocks
+      // 18 groups (the lanes' 16-byte scale loads and a scalar rest), 2.5 lane groups of rows; on x86 (the
+      // integer path at every row count) two row tiles, elsewhere within max_rows
+#if defined(TRILLM_Q8_DOT)
+      check_quant_linear<mx::bfloat16_t>(70, 40, 576, 32, bits, 16, "bf16", xb);
+#else
+      check_quant_linear<mx::bfloat16_t>(9, 40, 576, 32, bits, 16, "bf16", xb);
+#endif
     }
   }
   check_gated_delta(2, 1, 2, 4, 128, 64, false);  // decode, GQA 2, Qwen3.5's Dk
