@@ -31,7 +31,7 @@ from trillm.bench.harness.results import new_results_dir, write_meta  # noqa: E4
 from trillm.engine.fused_ops import fused_ops, quantization_formats  # noqa: E402
 from trillm.engine.kv_cache import KVLayout, KVPool  # noqa: E402
 from trillm.engine.loader import LoadedModel, load_model  # noqa: E402
-from trillm.engine.model_runner import KICK_EVERY_NORMS, ModelRunner, prepare_inputs  # noqa: E402
+from trillm.engine.model_runner import ModelRunner, prepare_inputs  # noqa: E402
 from trillm.engine.sampler import Sampler, SampleRow  # noqa: E402
 from trillm.engine.sampling_params import SamplingParams  # noqa: E402
 from trillm.engine.sequence import Sequence  # noqa: E402
@@ -239,10 +239,10 @@ def profile_case(loaded: LoadedModel, case: Case, iters: int, kernels: KernelSel
 
     # Building alone: the step's forward starts computing early layers while it builds the rest (its kicks), which
     # would count compute as building here.
-    setup.runner.kick_every = 0
+    kicks, setup.runner.kick_every = setup.runner.kick_every, 0
     graph = host_ms(build, iters)
     evaluate = time_ms(build, iters) - graph  # the graph's compute alone (building it is subtracted)
-    setup.runner.kick_every = KICK_EVERY_NORMS
+    setup.runner.kick_every = kicks
     parts = isolated_parts(setup, iters)
     flops = 2 * loaded.num_parameters * case.batch * case.new_tokens
     return dict(

@@ -142,6 +142,12 @@ def tree_rss_mb(pid: int, field: str = "VmRSS") -> float:
     return total
 
 
+GGUF_LABEL = "default GGUF (Q4_1 kept quantized)"
+FOLDER_LABEL = "fp32 MLX folder"
+# Each peer against trillm on the same file: mlx_lm.server on the fp32 folder, llama-server on the GGUF.
+PEER_FILES = (("mlx_lm.server", FOLDER_LABEL), ("llama-server", GGUF_LABEL))
+
+
 def offer_load(url: str, concurrency: int, prompt_tokens: int, max_tokens: int) -> int:
     """`concurrency` chat completions at once (distinct prompts of about `prompt_tokens` tokens, greedy, no
     model field: mlx_lm.server would load another); returns how many came back 200 with text."""
@@ -175,19 +181,18 @@ def serve_idle_rows(idle_s: float, *, load: int = 0, load_prompt_tokens: int = 4
 
     folder = str(export_gguf())
     gguf = str(default_model_path())
-    plan = [("trillm serve", "default GGUF (Q4_1 kept quantized)", trillm_command(gguf, free_port())),
-            ("trillm serve", "fp32 MLX folder", trillm_command(folder, free_port())),
-            ("mlx_lm.server", "fp32 MLX folder", mlx_lm_command(folder, free_port()))]
+    plan = [("trillm serve", GGUF_LABEL, trillm_command(gguf, free_port())),
+            ("trillm serve", FOLDER_LABEL, trillm_command(folder, free_port())),
+            ("mlx_lm.server", FOLDER_LABEL, mlx_lm_command(folder, free_port()))]
     if llama_server is not None:
         plan.append(("llama-server", "default GGUF (Q4_1)",
                      llama_cpp.llama_server_command(llama_server, gguf, free_port(), parallel=max(load, 1))))
     rows = []
     logs = Path(tempfile.mkdtemp(prefix="trillm-idle-rss-"))
     for i, (name, model, cmd) in enumerate(plan):
-        env = llama_cpp.server_env() if name == "llama-server" else None
         sp = ServerProcess(name, cmd, int(cmd[cmd.index("--port") + 1]), logs / f"{i}.log")
-        if env is not None:
-            sp.env = env
+        if name == "llama-server":
+            sp.env = llama_cpp.server_env()
         if name == "mlx_lm.server":
             sp.health_path = "/v1/models"
         with sp:
@@ -241,8 +246,7 @@ def main(argv: list[str] | None = None) -> int:
                           ("peak_mb", "peak")):
             if key not in rows[0]:
                 continue
-            # each peer against trillm on the same file: mlx_lm.server on the fp32 folder, llama-server on the GGUF
-            for peer, mine_model in (("mlx_lm.server", "fp32 MLX folder"), ("llama-server", "default GGUF (Q4_1 kept quantized)")):
+            for peer, mine_model in PEER_FILES:
                 base = next((r[key] for r in rows if r["server"] == peer), None)
                 mine = next(r[key] for r in rows if r["server"] == "trillm serve" and r["model"] == mine_model)
                 if base:
